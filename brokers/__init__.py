@@ -1,0 +1,21 @@
+"""Broker adapters behind one small protocol, plus an in-memory broker for processor tests."""
+
+from brokers._factory import create_broker
+from brokers._protocol import Broker, OutgoingMessage, PublishResult
+from brokers._settings import BrokerSettings, EventFilter, EventRoute, redact_url
+from brokers.memory import MemoryBroker, MemorySettings
+from brokers.settings import AnyBrokerSettings
+
+__all__ = [
+    "AnyBrokerSettings",
+    "Broker",
+    "BrokerSettings",
+    "EventFilter",
+    "EventRoute",
+    "MemoryBroker",
+    "MemorySettings",
+    "OutgoingMessage",
+    "PublishResult",
+    "create_broker",
+    "redact_url",
+]

@@ -1,0 +1,75 @@
+"""The broker adapter protocol and its delivery contract.
+
+An adapter turns rendered messages into broker writes. The processor relies on this contract:
+
+- ``connect()`` opens what the adapter needs (connection, stream/topic checks). It raises
+  ``BrokerUnavailable`` if the broker cannot be reached, and may be called again after
+  ``close()`` or after a failure to reconnect.
+- ``publish(batch)`` returns one ``PublishResult`` per message, in the batch's order, and
+  returns only after the broker acknowledged each successful message *durably* (JetStream
+  PubAck, Kafka acks=all, AMQP publisher confirm, ...). Messages may be in flight together;
+  messages sharing a stream key must be written in batch order. A failure of one message never
+  fails the others. If the broker cannot be reached at all, ``publish`` raises
+  ``BrokerUnavailable`` instead, and nothing in the batch counts as sent.
+- Every message carries ``wire.message_id`` as the broker's native dedup id where one exists.
+- ``ping()`` checks the broker answers (raises ``BrokerUnavailable``); ``close()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from envelopes import WireMessage
+
+__all__ = ["Broker", "OutgoingMessage", "PublishResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """A rendered message and the destination (subject, topic, queue...) it goes to."""
+
+    destination: str
+    wire: WireMessage
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """The outcome of one message: acknowledged, or failed with a reason."""
+
+    ok: bool
+    error: str | None = None
+    retryable: bool = True
+
+    @classmethod
+    def acked(cls) -> PublishResult:
+        """The broker durably acknowledged the message."""
+        return _ACKED
+
+    @classmethod
+    def failed(cls, error: str, *, retryable: bool) -> PublishResult:
+        """The broker did not take the message; ``retryable`` says if trying again can help."""
+        return cls(ok=False, error=error, retryable=retryable)
+
+
+_ACKED = PublishResult(ok=True)
+
+
+@runtime_checkable
+class Broker(Protocol):
+    """What the processor needs from a broker (see the module docstring for the contract)."""
+
+    name: str
+
+    async def connect(self) -> None:
+        """Connect, and create or check the destinations the settings ask for."""
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """Publish a batch; one result per message, after durable acknowledgement."""
+
+    async def ping(self) -> None:
+        """Raise ``BrokerUnavailable`` unless the broker answers."""
+
+    async def close(self) -> None:
+        """Release connections; safe to call more than once."""

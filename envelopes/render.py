@@ -1,0 +1,229 @@
+"""Build the stored internal envelope, and render it per profile into a wire message.
+
+The outbox stores one JSON document per row: the full internal envelope. At publish time the
+processor renders it for the row's broker:
+
+- ``internal``: the whole envelope plus ``sequence`` (the row's outbox position), no nulls;
+- ``external``: only the fields partners need (``EXTERNAL_FIELDS``), no nulls, no empty maps;
+- ``cloudevents``: CloudEvents 1.0 structured mode (``application/cloudevents+json``).
+
+Every profile also yields transport headers, so a consumer can route or deduplicate without
+parsing the body. Brokers map ``WireMessage`` to their native metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import orjson
+
+from envelopes.errors import EnvelopeError
+from envelopes.models import EXTERNAL_FIELDS
+
+__all__ = [
+    "PROFILES",
+    "HeaderName",
+    "Profile",
+    "WireMessage",
+    "format_time",
+    "make_internal_envelope",
+    "render",
+]
+
+Profile = Literal["internal", "external", "cloudevents"]
+PROFILES: tuple[Profile, ...] = ("internal", "external", "cloudevents")
+
+JSON = "application/json"
+CLOUDEVENTS_JSON = "application/cloudevents+json"
+_CE_EXTENSION = re.compile(r"^[a-z0-9]{1,20}$")
+
+
+class HeaderName:
+    """Transport header names set on every message (user headers cannot override them)."""
+
+    MESSAGE_ID = "message-id"
+    EVENT_TYPE = "event-type"
+    EVENT_VERSION = "event-version"
+    SOURCE = "source"
+    STREAM = "stream-key"
+    CORRELATION_ID = "correlation-id"
+    CAUSATION_ID = "causation-id"
+    TRACEPARENT = "traceparent"
+    CONTENT_TYPE = "content-type"
+
+
+@dataclass(frozen=True, slots=True)
+class WireMessage:
+    """One rendered message: body bytes plus the metadata brokers map to native fields."""
+
+    message_id: str
+    event_type: str
+    body: bytes
+    content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+    stream_key: str | None = None
+    correlation_id: str | None = None
+
+
+def format_time(moment: datetime) -> str:
+    """ISO-8601 UTC with microseconds and a 'Z', the one time format on the wire."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def make_internal_envelope(
+    *,
+    message_id: str,
+    event_type: str,
+    version: int,
+    time: datetime,
+    source: str,
+    payload_json: bytes,
+    stream: str | None = None,
+    correlation_id: str | None = None,
+    causation_id: str | None = None,
+    expected_version: int | None = None,
+    asynchronous: bool = True,
+    priority: int | None = None,
+    positions: Mapping[str, int] | None = None,
+    traceparent: str | None = None,
+    tenant: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    extensions: Mapping[str, Any] | None = None,
+    event_class: str | None = None,
+) -> bytes:
+    """Serialise the full internal envelope around an already-serialised JSON payload."""
+    document: dict[str, Any] = {
+        "id": message_id,
+        "type": event_type,
+        "version": version,
+        "time": format_time(time),
+        "source": source,
+        "stream": stream,
+        "correlation_id": correlation_id,
+        "causation_id": causation_id,
+        "expected_version": expected_version,
+        "asynchronous": asynchronous,
+        "priority": priority,
+        "positions": dict(positions) if positions else None,
+        "checksum": "sha256:" + hashlib.sha256(payload_json).hexdigest(),
+        "traceparent": traceparent,
+        "tenant": tenant,
+        "headers": dict(headers) if headers else {},
+        "extensions": dict(extensions) if extensions else {},
+        "event_class": event_class,
+        # The payload was serialised once by its pydantic model; embed those bytes as they are.
+        "payload": orjson.Fragment(payload_json),
+    }
+    try:
+        return orjson.dumps(document)
+    except TypeError as exc:
+        raise EnvelopeError(
+            f"event {event_type!r}: envelope is not JSON-serialisable: {exc}"
+        ) from exc
+
+
+def render(
+    stored: bytes | str,
+    profile: Profile,
+    *,
+    sequence: int | None = None,
+    omit: Iterable[str] = (),
+) -> WireMessage:
+    """Render a stored internal envelope for one broker profile."""
+    try:
+        envelope = orjson.loads(stored)
+    except orjson.JSONDecodeError as exc:
+        raise EnvelopeError(f"stored envelope is not valid JSON: {exc}") from exc
+    if not isinstance(envelope, dict) or "id" not in envelope or "type" not in envelope:
+        raise EnvelopeError("stored envelope has no 'id' or 'type'")
+    omitted = frozenset(omit)
+    if profile == "internal":
+        envelope["sequence"] = sequence
+        body_fields = {k: v for k, v in envelope.items() if _present(v) and k not in omitted}
+        body, content_type = orjson.dumps(body_fields), JSON
+    elif profile == "external":
+        body_fields = {
+            k: envelope[k]
+            for k in EXTERNAL_FIELDS
+            if _present(envelope.get(k)) and k not in omitted
+        }
+        body, content_type = orjson.dumps(body_fields), JSON
+    elif profile == "cloudevents":
+        body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
+    else:  # pragma: no cover - Literal guards this for typed callers
+        raise EnvelopeError(f"unknown envelope profile {profile!r}")
+    return WireMessage(
+        message_id=envelope["id"],
+        event_type=envelope["type"],
+        body=body,
+        content_type=content_type,
+        headers=_headers(envelope, content_type, omitted),
+        stream_key=envelope.get("stream"),
+        correlation_id=envelope.get("correlation_id"),
+    )
+
+
+def _present(value: Any) -> bool:
+    return value is not None and value != {}
+
+
+def _cloudevent(envelope: dict[str, Any], omitted: frozenset[str]) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "specversion": "1.0",
+        "id": envelope["id"],
+        "source": envelope["source"],
+        "type": envelope["type"],
+        "time": envelope["time"],
+        "datacontenttype": JSON,
+        "eventversion": envelope.get("version", 1),
+    }
+    optional = {
+        "subject": envelope.get("stream"),
+        "correlationid": envelope.get("correlation_id"),
+        "causationid": envelope.get("causation_id"),
+        "traceparent": envelope.get("traceparent"),
+    }
+    names = {"subject": "stream", "correlationid": "correlation_id", "causationid": "causation_id"}
+    for attribute, value in optional.items():
+        if value is not None and names.get(attribute, attribute) not in omitted:
+            event[attribute] = value
+    if "extensions" not in omitted:
+        for name, value in (envelope.get("extensions") or {}).items():
+            if not _CE_EXTENSION.match(name) or name in event:
+                raise EnvelopeError(
+                    f"extension {name!r} is not a valid CloudEvents attribute name "
+                    "(1-20 lowercase letters or digits, not a context attribute)"
+                )
+            event[name] = value
+    event["data"] = envelope["payload"]
+    return event
+
+
+def _headers(
+    envelope: dict[str, Any], content_type: str, omitted: frozenset[str]
+) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if "headers" not in omitted:
+        headers.update(envelope.get("headers") or {})
+    own = {
+        HeaderName.MESSAGE_ID: envelope["id"],
+        HeaderName.EVENT_TYPE: envelope["type"],
+        HeaderName.EVENT_VERSION: str(envelope.get("version", 1)),
+        HeaderName.SOURCE: envelope.get("source"),
+        HeaderName.STREAM: None if "stream" in omitted else envelope.get("stream"),
+        HeaderName.CORRELATION_ID: None
+        if "correlation_id" in omitted
+        else envelope.get("correlation_id"),
+        HeaderName.CAUSATION_ID: None
+        if "causation_id" in omitted
+        else envelope.get("causation_id"),
+        HeaderName.TRACEPARENT: None if "traceparent" in omitted else envelope.get("traceparent"),
+        HeaderName.CONTENT_TYPE: content_type,
+    }
+    headers.update({name: value for name, value in own.items() if value is not None})
+    return headers

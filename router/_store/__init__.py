@@ -1,0 +1,22 @@
+"""Outbox stores: the processor's view of one database (PostgreSQL or SQLite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from router._db import asyncpg_dsn, sqlite_path
+from router._store.base import OPEN_STATUSES, ClaimedRow, Marks, OutboxStore, Wake
+from router.config import DatabaseSettings
+
+__all__ = ["OPEN_STATUSES", "ClaimedRow", "Marks", "OutboxStore", "Wake", "open_store"]
+
+
+def open_store(name: str, database: DatabaseSettings, base_dir: Path) -> OutboxStore:
+    """The store for one configured database; connections open on first use."""
+    if database.kind == "sqlite":
+        from router._store.sqlite import SqliteStore
+
+        return SqliteStore(name, sqlite_path(database, base_dir))
+    from router._store.postgres import PostgresStore
+
+    return PostgresStore(name, asyncpg_dsn(database), pool_size=database.pool_size)

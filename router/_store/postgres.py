@@ -1,0 +1,215 @@
+"""The outbox on PostgreSQL, through asyncpg (the processor's hot path skips SQLAlchemy).
+
+Claims use ``FOR UPDATE SKIP LOCKED`` with a lease, so any number of processors of one target,
+in any number of processes, never hold the same row at once; a row whose lease expired (its
+worker died) is claimable again. New rows announce themselves with ``NOTIFY router_outbox``,
+whose payload names the targets; it is delivered only when the writer commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import asyncpg
+
+from envelopes import DatabaseError
+from router._store.base import ClaimedRow, Marks, Wake
+
+__all__ = ["CHANNEL", "PostgresStore"]
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "router_outbox"
+
+CLAIM = """
+WITH picked AS (
+    SELECT seq FROM router_outbox
+    WHERE target = $1
+      AND status IN ('pending', 'processing', 'failed')
+      AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END <= now()
+    ORDER BY seq
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE router_outbox AS o
+SET status = 'processing', locked_by = $3,
+    locked_until = now() + make_interval(secs => $4), attempts = o.attempts + 1
+FROM picked
+WHERE o.seq = picked.seq
+RETURNING o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts
+"""
+
+MARK_PUBLISHED = """
+UPDATE router_outbox
+SET status = 'published', published_at = now(), last_error = NULL,
+    locked_by = NULL, locked_until = NULL
+WHERE seq = ANY($1::bigint[]) AND locked_by = $2 AND status = 'processing'
+"""
+
+MARK_FAILED = """
+UPDATE router_outbox AS o
+SET status = 'failed', available_at = now() + make_interval(secs => t.delay),
+    last_error = t.error, locked_by = NULL, locked_until = NULL
+FROM unnest($1::bigint[], $2::float8[], $3::text[]) AS t(seq, delay, error)
+WHERE o.seq = t.seq AND o.locked_by = $4 AND o.status = 'processing'
+"""
+
+MARK_ABANDONED = """
+UPDATE router_outbox AS o
+SET status = 'abandoned', last_error = t.error, locked_by = NULL, locked_until = NULL
+FROM unnest($1::bigint[], $2::text[]) AS t(seq, error)
+WHERE o.seq = t.seq AND o.locked_by = $3 AND o.status = 'processing'
+"""
+
+RELEASE = """
+UPDATE router_outbox
+SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+    attempts = attempts - 1, available_at = now(), locked_by = NULL, locked_until = NULL
+WHERE seq = ANY($1::bigint[]) AND locked_by = $2 AND status = 'processing'
+"""
+
+NEXT_DUE = """
+SELECT extract(epoch FROM least(
+    (SELECT min(available_at) FROM router_outbox
+     WHERE target = $1 AND status IN ('pending', 'failed')),
+    (SELECT min(locked_until) FROM router_outbox
+     WHERE target = $1 AND status = 'processing')
+) - now())::float8
+"""
+
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+class PostgresStore:
+    """A lazily opened asyncpg pool plus a LISTEN connection for wake-ups."""
+
+    kind = "postgresql"
+
+    def __init__(self, name: str, dsn: str, *, pool_size: int = 4) -> None:
+        self.name = name
+        self._dsn = dsn
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def claim(
+        self, target: str, limit: int, worker: str, lease_seconds: float
+    ) -> list[ClaimedRow]:
+        """Lease up to ``limit`` due rows of ``target``, oldest first."""
+        async with self._connection() as conn:
+            records = await conn.fetch(CLAIM, target, limit, worker, lease_seconds)
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4]) for r in records]
+        rows.sort(key=lambda r: r.seq)  # RETURNING does not promise an order
+        return rows
+
+    async def mark(self, target: str, worker: str, marks: Marks) -> None:
+        """One UPDATE per kind of outcome, each guarded by the lease holder."""
+        async with self._connection() as conn:
+            if marks.published:
+                await conn.execute(MARK_PUBLISHED, marks.published, worker)
+            if marks.failed:
+                seqs, delays, errors = zip(*marks.failed, strict=True)
+                await conn.execute(MARK_FAILED, seqs, delays, errors, worker)
+            if marks.abandoned:
+                seqs, errors = zip(*marks.abandoned, strict=True)
+                await conn.execute(MARK_ABANDONED, seqs, errors, worker)
+
+    async def release(self, target: str, worker: str, seqs: Sequence[int]) -> None:
+        """Return untried rows to the queue without counting an attempt."""
+        if seqs:
+            async with self._connection() as conn:
+                await conn.execute(RELEASE, list(seqs), worker)
+
+    async def next_due(self, target: str) -> float | None:
+        """Seconds until the earliest open row is due, from the database's clock."""
+        async with self._connection() as conn:
+            value = await conn.fetchval(NEXT_DUE, target)
+        return None if value is None else max(0.0, float(value))
+
+    async def ping(self) -> None:
+        """Check the server answers and the outbox table exists."""
+        async with self._connection() as conn:
+            exists = await conn.fetchval("SELECT to_regclass('router_outbox') IS NOT NULL")
+        if not exists:
+            raise DatabaseError(f"{self.name}: no router_outbox table; run 'router init-db'")
+
+    async def watch(self, wake: Wake) -> None:
+        """LISTEN for new rows; reconnect with backoff, and wake everyone after a gap."""
+        delay = 0.5
+        while True:
+            try:
+                conn = await asyncpg.connect(self._dsn, timeout=10)
+            except _DB_ERRORS as exc:
+                log.warning(
+                    "db.listen.failed",
+                    extra={"database": self.name, "error": _safe(exc), "retry_in": delay},
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            delay = 0.5
+            closed = asyncio.Event()
+            try:
+                conn.add_termination_listener(lambda _conn, ev=closed: ev.set())
+                await conn.add_listener(CHANNEL, lambda *args: wake(_targets(args[3])))
+                log.debug("db.listen.started", extra={"database": self.name})
+                wake(None)  # anything committed while we were not listening
+                await closed.wait()
+                log.warning("db.listen.lost", extra={"database": self.name})
+            except _DB_ERRORS as exc:
+                log.warning("db.listen.failed", extra={"database": self.name, "error": _safe(exc)})
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), 2)
+
+    async def close(self) -> None:
+        """Close the pool."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.close(), 5)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        pool = await self._open()
+        try:
+            async with pool.acquire() as conn:
+                yield conn
+        except asyncpg.UndefinedTableError:
+            raise DatabaseError(
+                f"{self.name}: no router_outbox table; run 'router init-db'"
+            ) from None
+        except _DB_ERRORS as exc:
+            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+
+    async def _open(self) -> asyncpg.Pool:
+        if self._pool is not None:
+            return self._pool
+        async with self._opening:
+            if self._pool is None:
+                try:
+                    self._pool = await asyncpg.create_pool(
+                        self._dsn,
+                        min_size=1,
+                        max_size=self._pool_size,
+                        timeout=10,
+                        command_timeout=60,
+                    )
+                except _DB_ERRORS as exc:
+                    raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
+            return self._pool
+
+
+def _targets(payload: str) -> set[str] | None:
+    return set(payload.split(",")) if payload else None
+
+
+def _safe(exc: BaseException) -> str:
+    """Describe a driver error without anything from the DSN (asyncpg never puts the password
+    in its messages; the type name and message are enough to act on)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

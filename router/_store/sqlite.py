@@ -1,0 +1,220 @@
+"""The outbox on SQLite (the embedded default), through aiosqlite.
+
+SQLite has one writer at a time, so a claim is a single ``BEGIN IMMEDIATE`` transaction: it
+takes the write lock first and then picks and leases rows, which makes concurrent routers on
+one file safe. Times are UTC text (``router._db.sqlite_time``) computed here, not by SQLite.
+SQLite has no NOTIFY: ``watch`` notices commits by the database file's WAL changing, which
+costs a ``stat`` call per interval and no SQL at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiosqlite
+
+from envelopes import DatabaseError
+from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
+from router._store.base import ClaimedRow, Marks, Wake
+
+__all__ = ["SqliteStore"]
+
+CLAIM = """
+UPDATE router_outbox
+SET status = 'processing', locked_by = ?, locked_until = ?, attempts = attempts + 1
+WHERE seq IN (
+    SELECT seq FROM router_outbox
+    WHERE target = ?
+      AND status IN ('pending', 'processing', 'failed')
+      AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END <= ?
+    ORDER BY seq
+    LIMIT ?
+)
+RETURNING seq, message_id, destination, envelope, attempts
+"""
+
+MARK_PUBLISHED = """
+UPDATE router_outbox
+SET status = 'published', published_at = ?, last_error = NULL, locked_by = NULL, locked_until = NULL
+WHERE seq = ? AND locked_by = ? AND status = 'processing'
+"""
+
+MARK_FAILED = """
+UPDATE router_outbox
+SET status = 'failed', available_at = ?, last_error = ?, locked_by = NULL, locked_until = NULL
+WHERE seq = ? AND locked_by = ? AND status = 'processing'
+"""
+
+MARK_ABANDONED = """
+UPDATE router_outbox
+SET status = 'abandoned', last_error = ?, locked_by = NULL, locked_until = NULL
+WHERE seq = ? AND locked_by = ? AND status = 'processing'
+"""
+
+RELEASE = """
+UPDATE router_outbox
+SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+    attempts = attempts - 1, available_at = ?, locked_by = NULL, locked_until = NULL
+WHERE seq = ? AND locked_by = ? AND status = 'processing'
+"""
+
+NEXT_DUE = """
+SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
+FROM router_outbox
+WHERE target = ? AND status IN ('pending', 'processing', 'failed')
+"""
+
+
+class SqliteStore:
+    """One aiosqlite connection shared by a database's processors, one transaction at a time."""
+
+    kind = "sqlite"
+
+    def __init__(self, name: str, path: Path, *, watch_interval: float = 0.05) -> None:
+        self.name = name
+        self.path = path
+        self.watch_interval = watch_interval
+        self._db: aiosqlite.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def claim(
+        self, target: str, limit: int, worker: str, lease_seconds: float
+    ) -> list[ClaimedRow]:
+        """Lease up to ``limit`` due rows of ``target``, oldest first."""
+        now = datetime.now(UTC)
+        until = sqlite_time(now + timedelta(seconds=lease_seconds))
+        async with self._transaction() as db:
+            cursor = await db.execute(CLAIM, (worker, until, target, sqlite_time(now), limit))
+            records = await cursor.fetchall()
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4]) for r in records]
+        rows.sort(key=lambda r: r.seq)
+        return rows
+
+    async def mark(self, target: str, worker: str, marks: Marks) -> None:
+        """Write back a batch's outcomes in one transaction."""
+        now = datetime.now(UTC)
+        stamp = sqlite_time(now)
+        async with self._transaction() as db:
+            if marks.published:
+                await db.executemany(MARK_PUBLISHED, [(stamp, s, worker) for s in marks.published])
+            if marks.failed:
+                await db.executemany(
+                    MARK_FAILED,
+                    [
+                        (sqlite_time(now + timedelta(seconds=delay)), error, seq, worker)
+                        for seq, delay, error in marks.failed
+                    ],
+                )
+            if marks.abandoned:
+                await db.executemany(
+                    MARK_ABANDONED, [(error, seq, worker) for seq, error in marks.abandoned]
+                )
+
+    async def release(self, target: str, worker: str, seqs: Sequence[int]) -> None:
+        """Return untried rows to the queue without counting an attempt."""
+        if seqs:
+            stamp = sqlite_time(datetime.now(UTC))
+            async with self._transaction() as db:
+                await db.executemany(RELEASE, [(stamp, seq, worker) for seq in seqs])
+
+    async def next_due(self, target: str) -> float | None:
+        """Seconds until the earliest open row of ``target`` is due."""
+        async with self._lock:
+            db = await self._open()
+            try:
+                cursor = await db.execute(NEXT_DUE, (target,))
+                row = await cursor.fetchone()
+            except aiosqlite.Error as exc:
+                raise _database_error(self.name, exc) from exc
+        if row is None or row[0] is None:
+            return None
+        due = datetime.strptime(row[0], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
+        return max(0.0, (due - datetime.now(UTC)).total_seconds())
+
+    async def ping(self) -> None:
+        """Check the file opens and holds the outbox table."""
+        async with self._lock:
+            db = await self._open()
+            cursor = await db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'router_outbox'"
+            )
+            if await cursor.fetchone() is None:
+                raise DatabaseError(f"{self.name}: no router_outbox table; run 'router init-db'")
+
+    async def watch(self, wake: Wake) -> None:
+        """Wake the processors whenever the database or its WAL file changes."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        seen = None
+        while True:
+            current = (_signature(self.path), _signature(wal))
+            if current != seen:
+                seen = current
+                wake(None)
+            await asyncio.sleep(self.watch_interval)
+
+    async def close(self) -> None:
+        """Close the connection."""
+        db, self._db = self._db, None
+        if db is not None:
+            with contextlib.suppress(Exception):
+                await db.close()
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._lock:
+            db = await self._open()
+            try:
+                await db.execute("BEGIN IMMEDIATE")
+            except aiosqlite.Error as exc:
+                raise _database_error(self.name, exc) from exc
+            try:
+                yield db
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(db.execute("ROLLBACK"))
+                if isinstance(exc, aiosqlite.Error):
+                    raise _database_error(self.name, exc) from exc
+                raise
+            else:
+                try:
+                    await db.execute("COMMIT")
+                except aiosqlite.Error as exc:
+                    raise _database_error(self.name, exc) from exc
+
+    async def _open(self) -> aiosqlite.Connection:
+        if self._db is not None:
+            return self._db
+        if not self.path.exists():
+            raise DatabaseError(f"{self.name}: {self.path} does not exist; run 'router init-db'")
+        try:
+            db = await aiosqlite.connect(
+                self.path, timeout=SQLITE_BUSY_TIMEOUT, isolation_level=None
+            )
+            await db.execute("PRAGMA journal_mode=WAL")
+            # The router's own writes (claims, marks) may be lost on power failure without harm:
+            # a lost mark means one more delivery, which at-least-once already allows.
+            await db.execute("PRAGMA synchronous=NORMAL")
+        except aiosqlite.Error as exc:
+            raise _database_error(self.name, exc) from exc
+        self._db = db
+        return db
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+def _database_error(name: str, exc: BaseException) -> DatabaseError:
+    text = str(exc)
+    if "no such table" in text:
+        return DatabaseError(f"{name}: no router_outbox table; run 'router init-db'")
+    return DatabaseError(f"{name}: {type(exc).__name__}: {text}")

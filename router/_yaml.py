@@ -1,0 +1,137 @@
+"""Load ``config.yaml``: YAML, ``${VAR}`` interpolation, validation, readable errors.
+
+Errors name the file, the YAML path (``brokers.events.stream.name``) and what is wrong. They
+never repeat a value, because after interpolation a value may be a password or a key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from envelopes import ConfigError
+from router.config import RouterConfig
+
+__all__ = ["load_config", "parse_config"]
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Read, interpolate and validate a config file."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read config file: {exc.strerror}") from None
+    return parse_config(text, source=str(file), env=env).with_base_dir(file.parent)
+
+
+def parse_config(
+    text: str, *, source: str = "config.yaml", env: Mapping[str, str] | None = None
+) -> RouterConfig:
+    """Validate config text; relative paths start at the working directory."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        raise ConfigError(f"{source}: invalid YAML at {where}: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping (databases:, brokers:, ...)")
+    problems: list[str] = []
+    data = _interpolate(data, (), os.environ if env is None else env, problems)
+    if problems:
+        raise ConfigError(_report(source, problems))
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_report(source, _describe(exc, data))) from None
+
+
+def _interpolate(
+    node: Any, path: tuple[str | int, ...], env: Mapping[str, str], problems: list[str]
+) -> Any:
+    if isinstance(node, dict):
+        return {k: _interpolate(v, (*path, str(k)), env, problems) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, (*path, i), env, problems) for i, v in enumerate(node)]
+    if not isinstance(node, str) or "$" not in node:
+        return node
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        problems.append(f"{_dotted(path)}: environment variable {name} is not set")
+        return ""
+
+    value = _VAR.sub(substitute, node)
+    # A whole-value reference keeps YAML's scalar typing: "${PORT:-4222}" becomes an int.
+    if _VAR.fullmatch(node) and node != "$$":
+        typed = yaml.safe_load(value) if value else value
+        if isinstance(typed, (bool, int, float)):
+            return typed
+    return value
+
+
+def _describe(exc: ValidationError, data: dict[str, Any]) -> list[str]:
+    problems = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = _drop_union_tags(error["loc"], data)
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling; see the config reference in README.md)"
+        elif error["type"] == "missing":
+            message = "required key is missing"
+        elif error["type"] == "union_tag_invalid":
+            ctx = error.get("ctx", {})
+            message = f"unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+        elif error["type"] == "union_tag_not_found":
+            message = "'type' is missing (which kind of broker is this?)"
+        problems.append(f"{_dotted(loc)}: {message}" if loc else message)
+    return problems
+
+
+def _drop_union_tags(loc: tuple[int | str, ...], data: Any) -> tuple[int | str, ...]:
+    """Pydantic puts a discriminated union's tag ('nats') into the path; YAML has no such key."""
+    kept: list[int | str] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and part == node.get("type"):
+            continue
+        kept.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return tuple(kept)
+
+
+def _dotted(path: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _report(source: str, problems: list[str]) -> str:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    noun = "problem" if len(problems) == 1 else "problems"
+    return f"{source}: {len(problems)} {noun}:\n{lines}"

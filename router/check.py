@@ -1,0 +1,106 @@
+"""``router check``: validate the config, then reach every database and broker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from brokers import BrokerSettings, create_broker
+from brokers.nats import NatsSettings
+from envelopes import RouterError
+from router._embedded import embedded_brokers
+from router.config import RouterConfig
+from router.migrate import current_revision, head_revision
+
+__all__ = ["CheckResult", "run_checks"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """The outcome of checking one database or broker."""
+
+    kind: str
+    name: str
+    address: str
+    ok: bool
+    detail: str
+
+
+async def run_checks(config: RouterConfig, timeout: float = 15.0) -> list[CheckResult]:
+    """Check all databases and brokers concurrently; each check has its own time limit."""
+    async with embedded_brokers(config, reuse_running=True):
+        return await _check_all(config, timeout)
+
+
+async def _check_all(config: RouterConfig, timeout: float) -> list[CheckResult]:
+    checks = [
+        _bounded(
+            _check_database(config, name),
+            "database",
+            name,
+            config.databases[name].public_url(),
+            timeout,
+        )
+        for name in config.databases
+    ]
+    checks += [
+        _bounded(
+            _check_broker(config, name, settings),
+            "broker",
+            name,
+            _broker_address(settings),
+            timeout,
+        )
+        for name, settings in config.brokers.items()
+    ]
+    return list(await asyncio.gather(*checks))
+
+
+async def _bounded(
+    check: Awaitable[str], kind: str, name: str, address: str, timeout: float
+) -> CheckResult:
+    try:
+        detail = await asyncio.wait_for(check, timeout)
+    except TimeoutError:
+        return CheckResult(kind, name, address, False, f"no answer within {timeout:.0f} s")
+    except RouterError as exc:
+        return CheckResult(kind, name, address, False, str(exc))
+    except Exception as exc:  # report, never crash the whole check
+        return CheckResult(kind, name, address, False, f"{type(exc).__name__}: {exc}")
+    return CheckResult(kind, name, address, True, str(detail))
+
+
+async def _check_database(config: RouterConfig, name: str) -> str:
+    revision = await current_revision(name, config.databases[name], config.base_dir)
+    head = head_revision()
+    if revision is None:
+        raise RouterError(
+            f"{name}: reachable, but the outbox table is missing; run 'router init-db'"
+        )
+    if revision != head:
+        raise RouterError(
+            f"{name}: schema at {revision}, this router needs {head}; run 'router init-db'"
+        )
+    return f"reachable, schema {revision}"
+
+
+async def _check_broker(config: RouterConfig, name: str, settings: BrokerSettings) -> str:
+    broker = create_broker(name, settings)
+    try:
+        await broker.connect()
+        await broker.ping()
+    finally:
+        with contextlib.suppress(Exception):
+            await broker.close()
+    detail = "reachable"
+    if isinstance(settings, NatsSettings):
+        detail += f", stream {settings.stream.name} ready"
+        if settings.embedded is not None:
+            detail += " (embedded server)"
+    return detail
+
+
+def _broker_address(settings: BrokerSettings) -> str:
+    return f"{settings.type} {settings.public_url()}".strip()

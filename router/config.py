@@ -1,0 +1,191 @@
+"""The configuration model (``config.yaml``): databases, brokers, outbox and HTTP settings.
+
+Load it with ``load_config(path)`` (see ``router._yaml``): ``${VAR}`` and ``${VAR:-default}``
+are taken from the environment, and every error names the YAML path and what is wrong,
+never the value (values may be secrets).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+
+from brokers import AnyBrokerSettings, BrokerSettings, redact_url
+
+__all__ = [
+    "DatabaseSettings",
+    "HttpSettings",
+    "OutboxSettings",
+    "RetrySettings",
+    "RouterConfig",
+]
+
+NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
+
+
+class RetrySettings(BaseModel):
+    """Per-row retry schedule: ``base_delay * 2^(attempt-1)``, capped, then ± jitter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_attempts: int = Field(10, ge=1, description="Attempts before a row is abandoned.")
+    base_delay: float = Field(1.0, gt=0, description="Seconds before the first retry.")
+    max_delay: float = Field(300.0, gt=0, description="Longest wait between two attempts.")
+    jitter: float = Field(0.2, ge=0, le=1, description="Spread of each delay, as a fraction.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetrySettings:
+        if self.max_delay < self.base_delay:
+            raise ValueError("max_delay must be at least base_delay")
+        return self
+
+
+class OutboxSettings(BaseModel):
+    """How processors claim, publish and retry rows."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed at once per target.")
+    lease_seconds: float = Field(
+        30.0, gt=0, description="How long a claim holds its rows before others may take them."
+    )
+    poll_interval: float = Field(
+        30.0, gt=0, description="Fallback poll when no wake-up arrives (NOTIFY covers PostgreSQL)."
+    )
+    max_payload_bytes: int = Field(
+        262_144, ge=1024, description="Largest stored envelope; stage() rejects bigger events."
+    )
+    shutdown_grace_seconds: float = Field(
+        10.0, ge=0, description="How long a stopping router waits for in-flight publishes."
+    )
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+
+
+class HttpSettings(BaseModel):
+    """Where ``router serve`` answers health checks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    bind: str = Field("127.0.0.1:8642", description="host:port to listen on.")
+
+    @field_validator("bind")
+    @classmethod
+    def _host_port(cls, bind: str) -> str:
+        host, _, port = bind.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:8642")
+        return bind
+
+    @property
+    def host(self) -> str:
+        """The host part of ``bind``."""
+        return self.bind.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        """The port part of ``bind``."""
+        return int(self.bind.rpartition(":")[2])
+
+
+class DatabaseSettings(BaseModel):
+    """One database holding a ``router_outbox`` table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: SecretStr = Field(description="postgresql://... or sqlite:///path (relative to config).")
+    brokers: list[str] | None = Field(
+        None, description="Brokers this database publishes to; default: all of them."
+    )
+    pool_size: int = Field(4, ge=1, le=100, description="Connections the router keeps open.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_shorthand(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @field_validator("url")
+    @classmethod
+    def _supported_scheme(cls, url: SecretStr) -> SecretStr:
+        scheme = url.get_secret_value().partition("://")[0].partition("+")[0]
+        if scheme not in ("postgresql", "postgres", "sqlite"):
+            raise ValueError("only postgresql:// and sqlite:/// databases are supported")
+        return url
+
+    @property
+    def kind(self) -> str:
+        """'postgresql' or 'sqlite'."""
+        scheme = self.url.get_secret_value().partition("://")[0].partition("+")[0]
+        return "sqlite" if scheme == "sqlite" else "postgresql"
+
+    def public_url(self) -> str:
+        """The URL without credentials, for logs and status output."""
+        return redact_url(self.url.get_secret_value())
+
+
+class RouterConfig(BaseModel):
+    """The whole ``config.yaml``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: str = Field(
+        "app", pattern=NAME_PATTERN, description="This system's name: the envelopes' 'source'."
+    )
+    databases: dict[str, DatabaseSettings] = Field(min_length=1)
+    brokers: dict[str, AnyBrokerSettings] = Field(min_length=1)
+    outbox: OutboxSettings = Field(default_factory=OutboxSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @field_validator("databases", "brokers")
+    @classmethod
+    def _names(cls, named: dict[str, Any]) -> dict[str, Any]:
+        for name in named:
+            if not re.match(NAME_PATTERN, name):
+                raise ValueError(
+                    f"name {name!r} must start with a letter and hold only letters, digits, _ or -"
+                )
+        return named
+
+    @model_validator(mode="after")
+    def _one_internal_and_known_brokers(self) -> RouterConfig:
+        internal = [name for name, b in self.brokers.items() if b.internal]
+        if len(internal) > 1:
+            raise ValueError(f"only one broker may be internal; found {internal}")
+        for db_name, db in self.databases.items():
+            unknown = sorted(set(db.brokers or ()) - set(self.brokers))
+            if unknown:
+                raise ValueError(f"databases.{db_name}.brokers: unknown broker(s) {unknown}")
+        return self
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder of the config file; relative paths in the config start here."""
+        return self._base_dir
+
+    def with_base_dir(self, base_dir: Path) -> RouterConfig:
+        """Return this config anchored at ``base_dir``."""
+        self._base_dir = base_dir.resolve()
+        return self
+
+    def brokers_of(self, database: str) -> dict[str, BrokerSettings]:
+        """The brokers a database publishes to, by name."""
+        names = self.databases[database].brokers
+        return {n: b for n, b in self.brokers.items() if names is None or n in names}
+
+    def resolve_path(self, path: str) -> Path:
+        """A path from the config, made absolute against the config's folder."""
+        candidate = Path(path).expanduser()
+        return candidate if candidate.is_absolute() else self.base_dir / candidate

@@ -1,0 +1,33 @@
+"""The error tree (defined in ``envelopes.errors`` so every package can raise from it).
+
+RouterError
+├── ConfigError
+├── BrokerError
+│   ├── BrokerUnavailable
+│   └── PublishError (retryable)
+├── EnvelopeError
+├── StagingError
+└── DatabaseError
+"""
+
+from envelopes.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    ConfigError,
+    DatabaseError,
+    EnvelopeError,
+    PublishError,
+    RouterError,
+    StagingError,
+)
+
+__all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
+    "ConfigError",
+    "DatabaseError",
+    "EnvelopeError",
+    "PublishError",
+    "RouterError",
+    "StagingError",
+]

@@ -1,0 +1,176 @@
+"""``Outbox``: what application code uses to stage events in its own transaction.
+
+    outbox = Outbox.from_file("config.yaml")
+
+    async with session.begin():
+        session.add(order)
+        await outbox.stage(session, OrderPlaced(order_id=order.id), stream_key=order.id)
+
+``stage`` takes a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``, or a raw asyncpg
+connection inside a transaction. For code without a transaction of its own::
+
+    async with outbox.transaction() as tx:
+        await tx.connection.execute(...)
+        await tx.stage(OrderPlaced(...))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from envelopes import StagingError
+from router._db import create_engine
+from router._yaml import load_config
+from router.config import RouterConfig
+from router.events import Event, current_correlation_id
+from router.staging import Stager, StagingOptions
+
+__all__ = ["Outbox", "Transaction"]
+
+
+class Outbox:
+    """Stages events as outbox rows, one per target, in the caller's transaction."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._stager = Stager(config)
+        self._engines: dict[str, AsyncEngine] = {}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str] | None = None) -> Outbox:
+        """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it."""
+        return cls(load_config(path or os.environ.get("ROUTER_CONFIG", "config.yaml")))
+
+    async def stage(
+        self,
+        connection: AsyncSession | AsyncConnection | Any,
+        *events: Event,
+        database: str | None = None,
+        stream_key: str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extensions: Mapping[str, Any] | None = None,
+        tenant: str | None = None,
+        traceparent: str | None = None,
+        expected_version: int | None = None,
+        priority: int | None = None,
+        positions: Mapping[str, int] | None = None,
+        asynchronous: bool = True,
+    ) -> list[str]:
+        """Write ``events`` to the outbox in ``connection``'s transaction; returns their ids.
+
+        Raises ``StagingError`` (having written nothing) if an event cannot be serialised, is
+        larger than ``outbox.max_payload_bytes``, or has no target. The correlation id defaults
+        to the one set with ``router.correlation()``.
+        """
+        if not events:
+            return []
+        name = self._database(database)
+        options = StagingOptions(
+            stream_key=stream_key,
+            correlation_id=correlation_id or current_correlation_id(),
+            causation_id=causation_id,
+            headers=headers,
+            extensions=extensions,
+            tenant=tenant,
+            traceparent=traceparent,
+            expected_version=expected_version,
+            priority=priority,
+            positions=positions,
+            asynchronous=asynchronous,
+        )
+        rows = self._stager.build_rows(name, events, options)
+        kind = self.config.databases[name].kind
+        if _is_asyncpg(connection):
+            raw: Any = connection
+            self._expect(name, kind, "postgresql")
+            if not raw.is_in_transaction():
+                raise StagingError(
+                    "stage() needs the connection inside a transaction "
+                    "(async with connection.transaction(): ...)"
+                )
+            await self._stager.insert_postgres_raw(raw, rows)
+        else:
+            conn = await _sqlalchemy_connection(connection)
+            self._expect(name, kind, conn.dialect.name)
+            await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+        return list(dict.fromkeys(row.message_id for row in rows))
+
+    def engine(self, database: str | None = None, **kwargs: Any) -> AsyncEngine:
+        """A SQLAlchemy engine for a configured database (SQLite: WAL and a busy timeout)."""
+        name = self._database(database)
+        if name not in self._engines:
+            self._engines[name] = create_engine(
+                self.config.databases[name], self.config.base_dir, **kwargs
+            )
+        return self._engines[name]
+
+    @asynccontextmanager
+    async def transaction(self, database: str | None = None) -> AsyncIterator[Transaction]:
+        """A unit of work: commits on success, rolls back (staging nothing) on error."""
+        name = self._database(database)
+        async with self.engine(name).begin() as conn:
+            yield Transaction(self, conn, name)
+
+    async def close(self) -> None:
+        """Dispose the engines this outbox created."""
+        engines, self._engines = self._engines, {}
+        for engine in engines.values():
+            await engine.dispose()
+
+    def _database(self, database: str | None) -> str:
+        if database is None:
+            if len(self.config.databases) == 1:
+                return next(iter(self.config.databases))
+            raise StagingError(
+                f"several databases are configured ({sorted(self.config.databases)}); "
+                "pass database=..."
+            )
+        if database not in self.config.databases:
+            raise StagingError(
+                f"unknown database {database!r}; configured: {sorted(self.config.databases)}"
+            )
+        return database
+
+    @staticmethod
+    def _expect(name: str, configured: str, actual: str) -> None:
+        if configured != actual:
+            raise StagingError(
+                f"database {name!r} is {configured} in the config, "
+                f"but stage() got a {actual} connection"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """An open unit of work from ``Outbox.transaction()``."""
+
+    outbox: Outbox
+    connection: AsyncConnection
+    database: str
+
+    async def stage(self, *events: Event, **options: Any) -> list[str]:
+        """Stage events in this transaction (same options as ``Outbox.stage``)."""
+        return await self.outbox.stage(self.connection, *events, database=self.database, **options)
+
+
+async def _sqlalchemy_connection(connection: Any) -> AsyncConnection:
+    if isinstance(connection, AsyncSession):
+        return await connection.connection()
+    if isinstance(connection, AsyncConnection):
+        return connection
+    raise StagingError(
+        "stage() takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
+        f"connection; got {type(connection).__name__}"
+    )
+
+
+def _is_asyncpg(connection: Any) -> bool:
+    return type(connection).__module__.partition(".")[0] == "asyncpg"

@@ -1,0 +1,303 @@
+"""The processor: drains one target (one database, one broker).
+
+Each cycle claims a batch of due rows under a lease, renders each row's envelope for the
+broker's profile, publishes the batch with acks in flight, and writes the outcomes back with
+one statement per kind: published; failed with ``available_at = now + backoff``; abandoned
+after ``max_attempts`` or when the broker says retrying cannot help.
+
+It wakes on new rows (NOTIFY, the SQLite watcher, or an in-process signal), when the earliest
+retry falls due, and on a slow fallback poll; it never sleeps while a full batch is waiting.
+A failing, slow or hanging broker only delays its own processor: every processor is its own
+task with its own connection, and nothing it waits for is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
+from envelopes import BrokerUnavailable, DatabaseError, EnvelopeError, render
+from router._store import ClaimedRow, Marks, OutboxStore
+from router.config import OutboxSettings
+from router.retry import retry_delay
+
+__all__ = ["Processor", "ProcessorStats"]
+
+log = logging.getLogger(__name__)
+
+_DB_RETRY_MAX = 30.0
+
+
+@dataclass(slots=True)
+class ProcessorStats:
+    """Counters since the processor started."""
+
+    published: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    batches: int = 0
+    last_error: str | None = None
+
+
+class Processor:
+    """One target's delivery loop; ``run()`` until ``stop()``, or ``drain()`` in tests."""
+
+    def __init__(
+        self,
+        *,
+        database: str,
+        target: str,
+        settings: BrokerSettings,
+        broker: Broker,
+        store: OutboxStore,
+        outbox: OutboxSettings,
+        worker_id: str,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.database = database
+        self.target = target
+        self.settings = settings
+        self.broker = broker
+        self.store = store
+        self.outbox = outbox
+        self.worker_id = worker_id
+        self.stats = ProcessorStats()
+        self._rand = rand
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._connected = False
+        self._check_due = True  # look for rows waiting to retry (at start and after failures)
+        self._next_due: float | None = None
+        self._claimed: list[ClaimedRow] = []
+        self._log = {"database": database, "target": target}
+
+    @property
+    def name(self) -> str:
+        """``database/target``."""
+        return f"{self.database}/{self.target}"
+
+    def wake(self) -> None:
+        """New rows may be waiting: look now."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Finish the batch in flight, then return from ``run()``."""
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Deliver until ``stop()``; on cancellation, release what was claimed."""
+        log.info("processor.started", extra={**self._log, "worker": self.worker_id})
+        db_delay = 0.5
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                try:
+                    handled = await self.run_once()
+                    timeout = await self._idle_timeout(handled)
+                    db_delay = 0.5
+                except DatabaseError as exc:
+                    log.warning(
+                        "db.unavailable",
+                        extra={**self._log, "error": str(exc), "retry_in": db_delay},
+                    )
+                    timeout, db_delay = db_delay, min(db_delay * 2, _DB_RETRY_MAX)
+                    self._check_due = True
+                if timeout is None or self._stopping:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+        finally:
+            await self._shutdown()
+            log.info("processor.stopped", extra={**self._log, "published": self.stats.published})
+
+    async def drain(self, max_cycles: int = 10_000) -> int:
+        """Burst mode: deliver every row that is due now, then return how many were handled."""
+        total = 0
+        for _ in range(max_cycles):
+            handled = await self.run_once()
+            total += handled
+            if handled == 0:
+                break
+        return total
+
+    async def run_once(self) -> int:
+        """One cycle: claim, publish, mark. Returns the number of rows handled."""
+        rows = await self.store.claim(
+            self.target, self.outbox.batch_size, self.worker_id, self.outbox.lease_seconds
+        )
+        if not rows:
+            return 0
+        self._claimed = rows
+        try:
+            marks = await self._deliver(rows)
+            await self._mark(marks)
+        finally:
+            self._claimed = []
+        self.stats.batches += 1
+        return len(rows)
+
+    async def _idle_timeout(self, handled: int) -> float | None:
+        """None to go on at once; otherwise how long to wait for a wake-up."""
+        if handled >= self.outbox.batch_size:
+            return None
+        if self._check_due:
+            self._next_due = await self.store.next_due(self.target)
+            self._check_due = self._next_due is not None
+            if self._next_due is not None:
+                self._next_due += asyncio.get_running_loop().time()
+        timeout = self.outbox.poll_interval
+        if self._next_due is not None:
+            remaining = self._next_due - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                self._next_due = None
+                return 0.0 if handled else 0.05
+            timeout = min(timeout, remaining + 0.005)
+        return timeout
+
+    async def _deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
+        marks = Marks()
+        messages: list[OutgoingMessage] = []
+        sent: list[ClaimedRow] = []
+        for row in rows:
+            try:
+                wire = render(
+                    row.envelope, self.settings.profile, sequence=row.seq, omit=self.settings.omit
+                )
+            except EnvelopeError as exc:
+                marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+                continue
+            messages.append(OutgoingMessage(row.destination, wire))
+            sent.append(row)
+        if messages:
+            results = await self._publish(messages)
+            for row, result in zip(sent, results, strict=True):
+                self._classify(row, result, marks)
+        self._record(marks, rows)
+        return marks
+
+    async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
+        settings = self.settings
+        try:
+            if not self._connected:
+                await asyncio.wait_for(self.broker.connect(), settings.connect_timeout + 1)
+                self._connected = True
+                log.info("broker.connected", extra=self._log)
+            results = await asyncio.wait_for(
+                self.broker.publish(messages), settings.publish_timeout + 1
+            )
+        except BrokerUnavailable as exc:
+            return await self._all_failed(messages, str(exc))
+        except TimeoutError:
+            return await self._all_failed(
+                messages, f"{self.target}: broker did not answer within the timeout"
+            )
+        except Exception as exc:  # an adapter bug must not stop delivery to other targets
+            log.exception("broker.error", extra=self._log)
+            return await self._all_failed(messages, f"{type(exc).__name__}: {exc}")
+        if len(results) != len(messages):
+            return await self._all_failed(
+                messages, f"adapter returned {len(results)} results for {len(messages)} messages"
+            )
+        return results
+
+    async def _all_failed(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
+        """The broker could not be used: drop the connection so the next batch reconnects."""
+        log.warning("broker.unavailable", extra={**self._log, "error": error})
+        self.stats.last_error = error
+        await self._disconnect()
+        return [PublishResult.failed(error, retryable=True) for _ in messages]
+
+    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> None:
+        if result.ok:
+            marks.published.append(row.seq)
+            return
+        error = result.error or "failed"
+        if not result.retryable:
+            marks.abandoned.append((row.seq, f"not retryable: {error}"))
+        elif row.attempts >= self.outbox.retry.max_attempts:
+            marks.abandoned.append((row.seq, f"gave up after {row.attempts} attempts: {error}"))
+        else:
+            delay = retry_delay(row.attempts, self.outbox.retry, self._rand)
+            marks.failed.append((row.seq, delay, error))
+
+    def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:
+        self.stats.published += len(marks.published)
+        self.stats.failed += len(marks.failed)
+        self.stats.abandoned += len(marks.abandoned)
+        if marks.failed or marks.abandoned:
+            self._check_due = True
+            by_seq = {row.seq: row for row in rows}
+            for seq, error in marks.abandoned:
+                log.error(
+                    "row.abandoned",
+                    extra={
+                        **self._log,
+                        "message_id": by_seq[seq].message_id,
+                        "attempts": by_seq[seq].attempts,
+                        "error": error,
+                    },
+                )
+            for seq, delay, error in marks.failed:
+                log.debug(
+                    "row.failed",
+                    extra={
+                        **self._log,
+                        "message_id": by_seq[seq].message_id,
+                        "attempts": by_seq[seq].attempts,
+                        "retry_in": round(delay, 3),
+                        "error": error,
+                    },
+                )
+            first = marks.failed[0][2] if marks.failed else marks.abandoned[0][1]
+            self.stats.last_error = first
+            log.warning(
+                "batch.failures",
+                extra={
+                    **self._log,
+                    "failed": len(marks.failed),
+                    "abandoned": len(marks.abandoned),
+                    "published": len(marks.published),
+                    "error": first,
+                },
+            )
+
+    async def _mark(self, marks: Marks) -> None:
+        """Write outcomes back, retrying while the lease lasts (marks are idempotent)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.outbox.lease_seconds * 0.8
+        delay = 0.1
+        while True:
+            try:
+                await self.store.mark(self.target, self.worker_id, marks)
+                return
+            except DatabaseError as exc:
+                if loop.time() + delay > deadline:
+                    log.error(
+                        "batch.mark_failed",
+                        extra={**self._log, "rows": len(marks), "error": str(exc)},
+                    )
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _disconnect(self) -> None:
+        self._connected = False
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.broker.close(), 5)
+
+    async def _shutdown(self) -> None:
+        """Give back rows claimed but not marked (cancelled mid-batch), then disconnect."""
+        claimed, self._claimed = self._claimed, []
+        if claimed:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self.store.release(self.target, self.worker_id, [r.seq for r in claimed])
+                )
+                log.info("batch.released", extra={**self._log, "rows": len(claimed)})
+        await self._disconnect()

@@ -1,0 +1,274 @@
+"""The write path: turn events into outbox rows inside the caller's transaction.
+
+One event becomes one row per target: the internal broker always, and every external broker
+whose filter takes it when the event is ``published``. All rows of one ``stage()`` call go in
+with one INSERT; on PostgreSQL the same statement sends ``NOTIFY router_outbox`` (delivered by
+PostgreSQL only if the caller commits). Anything that would make a row undeliverable (a
+payload that does not serialise, an envelope over the size limit, an event no broker takes, a
+destination a broker cannot accept) raises ``StagingError`` before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic_core import PydanticSerializationError
+from sqlalchemy import TextClause, text
+
+from brokers import EventRoute
+from envelopes import EnvelopeError, StagingError, make_internal_envelope, uuid7
+from router._db import sqlite_time
+from router.config import RouterConfig
+from router.events import Event, EventSpec
+
+__all__ = ["Route", "Row", "Stager", "StagingOptions"]
+
+_COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
+
+PG_INSERT = f"""
+WITH inserted AS (
+    INSERT INTO router_outbox ({_COLUMNS})
+    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::json[])
+    RETURNING 1
+)
+SELECT pg_notify('router_outbox', $7)
+"""
+
+_PG_INSERT_SA = text(
+    f"""
+WITH inserted AS (
+    INSERT INTO router_outbox ({_COLUMNS})
+    SELECT * FROM unnest(
+        CAST(:ids AS uuid[]), CAST(:targets AS text[]), CAST(:destinations AS text[]),
+        CAST(:types AS text[]), CAST(:streams AS text[]), CAST(:envelopes AS json[]))
+    RETURNING 1
+)
+SELECT pg_notify('router_outbox', :notify)
+"""
+)
+
+_SQLITE_FIELDS = ("m", "t", "d", "e", "k", "v", "a", "c")
+_SQLITE_MAX_ROWS = 1000  # stays far below SQLite's 32,766 bound variables
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One target of an event class, with the destination resolved for it."""
+
+    target: str
+    destination: str
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One outbox row to insert."""
+
+    message_id: str
+    target: str
+    destination: str
+    event_type: str
+    stream_key: str | None
+    envelope: str
+
+
+@dataclass(frozen=True, slots=True)
+class StagingOptions:
+    """Per-call metadata that goes into every envelope of one ``stage()`` call."""
+
+    stream_key: str | None = None
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    headers: Mapping[str, str] | None = None
+    extensions: Mapping[str, Any] | None = None
+    tenant: str | None = None
+    traceparent: str | None = None
+    expected_version: int | None = None
+    priority: int | None = None
+    positions: Mapping[str, int] | None = None
+    asynchronous: bool = True
+
+
+class Stager:
+    """Builds rows for events (with routes cached per event class) and inserts them."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
+        self._sqlite_inserts: dict[int, TextClause] = {}
+
+    def routes(self, database: str, event_class: type[Event]) -> list[Route]:
+        """The targets and destinations of an event class in one database."""
+        key = (database, event_class)
+        cached = self._routes.get(key)
+        if cached is None:
+            cached = self._routes[key] = self._resolve(database, event_class.__event__)
+        return cached
+
+    def build_rows(
+        self, database: str, events: Sequence[Event], options: StagingOptions
+    ) -> list[Row]:
+        """Validate events and turn each into one row per target (raises StagingError)."""
+        _check_options(options)
+        limit = self.config.outbox.max_payload_bytes
+        now = datetime.now(UTC)
+        rows: list[Row] = []
+        for event in events:
+            if not isinstance(event, Event):
+                raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
+            spec = type(event).__event__
+            routes = self.routes(database, type(event))
+            message_id = str(uuid7())
+            envelope = self._envelope(event, spec, message_id, now, options)
+            if len(envelope) > limit:
+                raise StagingError(
+                    f"event {spec.type!r} is {len(envelope):,} bytes as an envelope; "
+                    f"the limit (outbox.max_payload_bytes) is {limit:,}"
+                )
+            stored = envelope.decode()
+            rows.extend(
+                Row(message_id, r.target, r.destination, spec.type, options.stream_key, stored)
+                for r in routes
+            )
+        return rows
+
+    async def insert_postgres_raw(self, conn: Any, rows: Sequence[Row]) -> None:
+        """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
+        await conn.execute(PG_INSERT, *_columns(rows), _notify_payload(rows))
+
+    async def insert_sqlalchemy(self, conn: Any, dialect: str, rows: Sequence[Row]) -> None:
+        """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
+        if dialect == "postgresql":
+            ids, targets, destinations, types, streams, envelopes = _columns(rows)
+            await conn.execute(
+                _PG_INSERT_SA,
+                {
+                    "ids": ids,
+                    "targets": targets,
+                    "destinations": destinations,
+                    "types": types,
+                    "streams": streams,
+                    "envelopes": envelopes,
+                    "notify": _notify_payload(rows),
+                },
+            )
+            return
+        stamp = sqlite_time(datetime.now(UTC))
+        for start in range(0, len(rows), _SQLITE_MAX_ROWS):
+            chunk = rows[start : start + _SQLITE_MAX_ROWS]
+            params: dict[str, Any] = {}
+            for i, row in enumerate(chunk):
+                values = (
+                    row.message_id,
+                    row.target,
+                    row.destination,
+                    row.event_type,
+                    row.stream_key,
+                    row.envelope,
+                    stamp,
+                    stamp,
+                )
+                params.update({f"{f}{i}": v for f, v in zip(_SQLITE_FIELDS, values, strict=True)})
+            await conn.execute(self._sqlite_insert(len(chunk)), params)
+
+    def _sqlite_insert(self, count: int) -> TextClause:
+        statement = self._sqlite_inserts.get(count)
+        if statement is None:
+            values = ", ".join(
+                "(" + ", ".join(f":{f}{i}" for f in _SQLITE_FIELDS) + ")" for i in range(count)
+            )
+            statement = text(
+                f"INSERT INTO router_outbox ({_COLUMNS}, available_at, created_at) VALUES {values}"
+            )
+            if len(self._sqlite_inserts) < 256:
+                self._sqlite_inserts[count] = statement
+        return statement
+
+    def _resolve(self, database: str, spec: EventSpec) -> list[Route]:
+        route = EventRoute(spec.type, spec.version, self.config.service, spec.destination)
+        routes = []
+        for name, broker in self.config.brokers_of(database).items():
+            if not broker.wants(spec.type, published=spec.published):
+                continue
+            try:
+                routes.append(Route(name, broker.destination_for(route)))
+            except ValueError as exc:
+                raise StagingError(
+                    f"event {spec.type!r} cannot go to broker {name!r}: {exc}"
+                ) from None
+        if not routes:
+            reason = (
+                "no broker in this database takes it"
+                if spec.published
+                else "it is not published and this database has no internal broker"
+            )
+            raise StagingError(f"event {spec.type!r} has no target: {reason}")
+        return routes
+
+    def _envelope(
+        self,
+        event: Event,
+        spec: EventSpec,
+        message_id: str,
+        now: datetime,
+        options: StagingOptions,
+    ) -> bytes:
+        try:
+            payload = event.model_dump_json().encode()
+        except (PydanticSerializationError, ValueError, TypeError) as exc:
+            raise StagingError(f"event {spec.type!r} cannot be serialised: {exc}") from None
+        try:
+            return make_internal_envelope(
+                message_id=message_id,
+                event_type=spec.type,
+                version=spec.version,
+                time=now,
+                source=self.config.service,
+                payload_json=payload,
+                stream=options.stream_key,
+                correlation_id=options.correlation_id,
+                causation_id=options.causation_id,
+                expected_version=options.expected_version,
+                asynchronous=options.asynchronous,
+                priority=options.priority,
+                positions=options.positions,
+                traceparent=options.traceparent,
+                tenant=options.tenant,
+                headers=options.headers,
+                extensions=options.extensions,
+                event_class=spec.class_path,
+            )
+        except EnvelopeError as exc:
+            raise StagingError(str(exc)) from None
+
+
+def _check_options(options: StagingOptions) -> None:
+    for name, value in (options.headers or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise StagingError(f"header {name!r}: header names and values must be strings")
+    for label, field_value in (
+        ("stream_key", options.stream_key),
+        ("correlation_id", options.correlation_id),
+        ("causation_id", options.causation_id),
+    ):
+        if field_value is not None and not isinstance(field_value, str):
+            raise StagingError(f"{label} must be a string, got {type(field_value).__name__}")
+
+
+def _columns(
+    rows: Sequence[Row],
+) -> tuple[list[str], list[str], list[str], list[str], list[str | None], list[str]]:
+    return (
+        [r.message_id for r in rows],
+        [r.target for r in rows],
+        [r.destination for r in rows],
+        [r.event_type for r in rows],
+        [r.stream_key for r in rows],
+        [r.envelope for r in rows],
+    )
+
+
+def _notify_payload(rows: Sequence[Row]) -> str:
+    return ",".join(sorted({r.target for r in rows}))

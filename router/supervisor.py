@@ -1,0 +1,139 @@
+"""The supervisor behind ``router serve``: one processor per (database, broker) target.
+
+Every database gets a store and a watcher (NOTIFY on PostgreSQL, the WAL watcher on SQLite)
+that wakes the processors of the targets with new rows. A database that is down only stalls
+its own processors, which keep retrying; a broker that is down only stalls its own target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+
+from brokers import Broker, BrokerSettings, create_broker
+from brokers.nats import EmbeddedNats
+from router._embedded import embedded_brokers
+from router._store import OutboxStore, open_store
+from router.config import RouterConfig
+from router.processor import Processor
+
+__all__ = ["BrokerFactory", "Supervisor", "new_worker_id"]
+
+log = logging.getLogger(__name__)
+
+BrokerFactory = Callable[[str, BrokerSettings], Broker]
+
+
+def new_worker_id() -> str:
+    """``host:pid:random``, unique per running router process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Supervisor:
+    """Starts, wakes and stops every processor of a config."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        worker_id: str | None = None,
+        broker_factory: BrokerFactory = create_broker,
+        databases: list[str] | None = None,
+        start_embedded: bool = True,
+    ) -> None:
+        self.config = config
+        self.worker_id = worker_id or new_worker_id()
+        self.stores: dict[str, OutboxStore] = {}
+        self.processors: list[Processor] = []
+        self._embedded: list[EmbeddedNats] = []
+        self._start_embedded = start_embedded
+        self._exit_stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        for name in databases or list(config.databases):
+            store = open_store(name, config.databases[name], config.base_dir)
+            self.stores[name] = store
+            for target, settings in config.brokers_of(name).items():
+                self.processors.append(
+                    Processor(
+                        database=name,
+                        target=target,
+                        settings=settings,
+                        broker=broker_factory(target, settings),
+                        store=store,
+                        outbox=config.outbox,
+                        worker_id=self.worker_id,
+                    )
+                )
+
+    def processor(self, database: str, target: str) -> Processor:
+        """The processor of one target."""
+        for processor in self.processors:
+            if processor.database == database and processor.target == target:
+                return processor
+        raise KeyError(f"{database}/{target}")
+
+    def wake(self, database: str, targets: set[str] | None = None) -> None:
+        """Wake the processors of ``database`` (only those of ``targets`` if given)."""
+        for processor in self.processors:
+            if processor.database == database and (targets is None or processor.target in targets):
+                processor.wake()
+
+    async def start(self) -> None:
+        """Start embedded brokers, watchers and processors; returns once they run."""
+        if self._start_embedded:
+            self._embedded = await self._exit_stack.enter_async_context(
+                embedded_brokers(self.config)
+            )
+        for name, store in self.stores.items():
+            self._watchers.append(
+                asyncio.create_task(
+                    store.watch(functools.partial(self.wake, name)), name=f"watch:{name}"
+                )
+            )
+        for processor in self.processors:
+            self._tasks.append(asyncio.create_task(processor.run(), name=processor.name))
+        log.info(
+            "router.started",
+            extra={"worker": self.worker_id, "targets": [p.name for p in self.processors]},
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then shut down gracefully."""
+        await self.start()
+        try:
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopped, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            for task in self._tasks:
+                if task.done() and not task.cancelled() and task.exception():
+                    log.error("processor.crashed", exc_info=task.exception())
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop processors (they finish their batch within the grace period), then clean up."""
+        for processor in self.processors:
+            processor.stop()
+        if self._tasks:
+            _, pending = await asyncio.wait(
+                self._tasks, timeout=self.config.outbox.shutdown_grace_seconds
+            )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        self._tasks, self._watchers = [], []
+        for store in self.stores.values():
+            await store.close()
+        await self._exit_stack.aclose()
+        self._embedded = []
+        log.info("router.stopped", extra={"worker": self.worker_id})
