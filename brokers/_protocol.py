@@ -5,7 +5,8 @@ An adapter turns rendered messages into broker writes. The processor relies on t
 - ``connect()`` opens what the adapter needs (connection, stream/topic checks). It raises
   ``BrokerUnavailable`` if the broker cannot be reached, and may be called again after
   ``close()`` or after a failure to reconnect.
-- ``publish(batch)`` returns one ``PublishResult`` per message, in the batch's order, and
+- ``publish(batch)`` connects first if there is no connection (raising ``BrokerUnavailable``
+  when that fails), then returns one ``PublishResult`` per message, in the batch's order, and
   returns only after the broker acknowledged each successful message *durably* (JetStream
   PubAck, Kafka acks=all, AMQP publisher confirm, ...). Messages may be in flight together;
   messages sharing a stream key must be written in batch order. A failure of one message never

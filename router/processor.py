@@ -70,7 +70,6 @@ class Processor:
         self._rand = rand
         self._wake = asyncio.Event()
         self._stopping = False
-        self._connected = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
         self._claimed: list[ClaimedRow] = []
@@ -183,14 +182,10 @@ class Processor:
 
     async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
         settings = self.settings
+        # publish() connects first when it has to, so both timeouts bound one call.
+        limit = settings.connect_timeout + settings.publish_timeout + 1
         try:
-            if not self._connected:
-                await asyncio.wait_for(self.broker.connect(), settings.connect_timeout + 1)
-                self._connected = True
-                log.info("broker.connected", extra=self._log)
-            results = await asyncio.wait_for(
-                self.broker.publish(messages), settings.publish_timeout + 1
-            )
+            results = await asyncio.wait_for(self.broker.publish(messages), limit)
         except BrokerUnavailable as exc:
             return await self._all_failed(messages, str(exc))
         except TimeoutError:
@@ -287,7 +282,6 @@ class Processor:
                 delay = min(delay * 2, 2.0)
 
     async def _disconnect(self) -> None:
-        self._connected = False
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.broker.close(), 5)
 

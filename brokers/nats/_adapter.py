@@ -62,12 +62,21 @@ class NatsBroker:
         """Connect and create (or check) the stream."""
         if self._broker is not None:
             return
+        errors: list[BaseException] = []
+
+        async def remember(error: BaseException) -> None:
+            errors.append(error)
+
+        # A few quick reconnects ride out a server restart; past them the connection closes,
+        # publish reports BrokerUnavailable and the processor reconnects on its own schedule.
+        # Few attempts also make an unreachable server fail fast, with its real reason.
         broker = FastStreamNats(
             self.settings.servers(),
-            connect_timeout=max(1, int(self.settings.connect_timeout)),
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=1,
+            connect_timeout=max(1, round(self.settings.connect_timeout)),
             allow_reconnect=True,
+            max_reconnect_attempts=2,
+            reconnect_time_wait=0.25,
+            error_cb=remember,
             name=f"outbox-router:{self.name}",
             logger=None,
         )
@@ -78,10 +87,10 @@ class NatsBroker:
                 await broker.stop()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise BrokerUnavailable(
-                f"{self.name}: cannot connect to NATS: {_describe(exc)}"
-            ) from exc
+            reason = _describe(errors[-1]) if errors else _describe(exc)
+            raise BrokerUnavailable(f"{self.name}: cannot connect to NATS: {reason}") from exc
         self._broker = broker
+        log.info("nats.connected", extra={"broker": self.name})
         self._js = broker.connection.jetstream(
             timeout=self.settings.publish_timeout,
             publish_async_max_pending=self.settings.max_in_flight,

@@ -1,0 +1,164 @@
+"""Fixtures shared by every test: real PostgreSQL databases, NATS streams, SQLite files."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from router import RouterConfig
+from router.config import DatabaseSettings
+from router.migrate import upgrade
+from tests.services import NATS, POSTGRES, require
+
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+NATS_URL = "nats://127.0.0.1:4222"
+
+
+def database_url(name: str) -> str:
+    """URL of a database on the test server."""
+    return f"postgresql://postgres@127.0.0.1:5432/{name}"
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """A migrated database to copy from: one migration per session, not per test."""
+    require("PostgreSQL", POSTGRES)
+    name = f"router_tpl_{uuid.uuid4().hex[:8]}"
+
+    async def create() -> None:
+        admin = await asyncpg.connect(PG_ADMIN)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        await upgrade(name, DatabaseSettings(url=database_url(name)), Path.cwd())
+
+    asyncio.run(create())
+    yield name
+    asyncio.run(_drop_database(name))
+
+
+@dataclass
+class PgDatabases:
+    """Creates migrated PostgreSQL databases for one test and drops them afterwards."""
+
+    template: str
+    created: list[str]
+
+    async def new(self, *, migrated: bool = True) -> str:
+        """A fresh database; returns its URL."""
+        name = f"router_t_{uuid.uuid4().hex[:10]}"
+        admin = await asyncpg.connect(PG_ADMIN)
+        try:
+            template = f' TEMPLATE "{self.template}"' if migrated else ""
+            await admin.execute(f'CREATE DATABASE "{name}"{template}')
+        finally:
+            await admin.close()
+        self.created.append(name)
+        return database_url(name)
+
+
+@pytest.fixture
+async def pg_databases(pg_template: str) -> AsyncIterator[PgDatabases]:
+    """Make as many fresh, migrated databases as a test needs."""
+    databases = PgDatabases(pg_template, [])
+    yield databases
+    for name in databases.created:
+        await _drop_database(name)
+
+
+@pytest.fixture
+async def pg_url(pg_databases: PgDatabases) -> str:
+    """One fresh, migrated PostgreSQL database."""
+    return await pg_databases.new()
+
+
+async def _drop_database(name: str) -> None:
+    admin = await asyncpg.connect(PG_ADMIN)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@dataclass
+class NatsStreams:
+    """Unique stream names and subject prefixes per test, deleted afterwards."""
+
+    prefix: str
+    created: list[str]
+
+    def stream(self, label: str) -> tuple[str, str]:
+        """A (stream name, subject prefix) pair no other test uses."""
+        name = f"T{self.prefix}_{label}".upper()
+        self.created.append(name)
+        return name, f"t{self.prefix}.{label}"
+
+    async def messages(self, stream: str, expected: int, timeout: float = 10.0) -> list[Any]:
+        """Wait until ``stream`` holds ``expected`` messages; return all it holds, in order."""
+        client = await nats.connect(NATS_URL)
+        try:
+            js = client.jetstream()
+            deadline = asyncio.get_running_loop().time() + timeout
+            count = 0
+            while True:
+                try:
+                    count = (await js.stream_info(stream)).state.messages
+                except NotFoundError:
+                    count = 0
+                if count >= expected or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            return [await js.get_msg(stream, seq=i) for i in range(1, count + 1)] if count else []
+        finally:
+            await client.close()
+
+
+@pytest.fixture
+async def nats_streams() -> AsyncIterator[NatsStreams]:
+    """Per-test JetStream streams on the NATS server at 127.0.0.1:4222."""
+    require("NATS", NATS)
+    streams = NatsStreams(uuid.uuid4().hex[:8], [])
+    yield streams
+    client = await nats.connect(NATS_URL)
+    try:
+        js = client.jetstream()
+        for name in streams.created:
+            try:
+                await js.delete_stream(name)
+            except NotFoundError:
+                pass
+    finally:
+        await client.close()
+
+
+def nats_broker(stream: tuple[str, str], **extra: Any) -> dict[str, Any]:
+    """A NATS broker config for a test stream."""
+    name, subject = stream
+    return {
+        "type": "nats",
+        "url": NATS_URL,
+        "destination": subject + ".{event_type}",
+        "stream": {"name": name, "subjects": [subject + ".>"], "storage": "memory"},
+        **extra,
+    }
+
+
+def make_config(
+    databases: dict[str, Any], brokers: dict[str, Any], base_dir: Path | None = None,
+    **sections: Any,
+) -> RouterConfig:
+    """A validated config from plain dicts, as config.yaml would give it."""
+    data: dict[str, Any] = {"service": "shop", "databases": databases, "brokers": brokers,
+                            "http": {"enabled": False}, **sections}
+    config = RouterConfig.model_validate(data)
+    return config.with_base_dir(base_dir or Path.cwd())

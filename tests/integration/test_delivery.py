@@ -1,0 +1,249 @@
+"""router serve's processors against real PostgreSQL and NATS JetStream.
+
+Asserts what arrived at the broker and what the outbox table says afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import pytest
+
+from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
+from envelopes import EXTERNAL_FIELDS, ExternalEnvelope, InternalEnvelope
+from router import Outbox, RouterConfig, Supervisor
+from router.config import RetrySettings
+from router.retry import delay_bounds
+from tests.conftest import NatsStreams, make_config, nats_broker
+from tests.integration.events import OrderPlaced, StockReserved
+from tests.services import free_port
+
+
+@contextlib.asynccontextmanager
+async def serving(config: RouterConfig, **kwargs: Any) -> AsyncIterator[Supervisor]:
+    supervisor = Supervisor(config, **kwargs)
+    await supervisor.start()
+    try:
+        yield supervisor
+    finally:
+        await supervisor.shutdown()
+
+
+async def statuses(url: str) -> dict[str, list[str]]:
+    conn = await asyncpg.connect(url)
+    try:
+        records = await conn.fetch("SELECT target, status FROM router_outbox ORDER BY seq")
+    finally:
+        await conn.close()
+    by_target: dict[str, list[str]] = {}
+    for record in records:
+        by_target.setdefault(record["target"], []).append(record["status"])
+    return by_target
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_internal_gets_full_envelope_and_partners_the_stripped_one(
+    pg_url: str, nats_streams: NatsStreams
+) -> None:
+    internal, partner_a, partner_b = (nats_streams.stream(n) for n in ("int", "pa", "pb"))
+    config = make_config(
+        {"main": pg_url},
+        {
+            "events": nats_broker(internal, internal=True),
+            "analytics": nats_broker(partner_a),
+            "billing": nats_broker(partner_b, omit=["causation_id"]),
+        },
+    )
+    outbox = Outbox(config)
+    async with outbox.transaction() as tx:
+        [message_id] = await tx.stage(
+            OrderPlaced(order_id="o-1", total=Decimal("12.30")),
+            stream_key="o-1", correlation_id="corr-1", causation_id="cause-1",
+            headers={"channel": "web"}, extensions={"region": "eu"}, tenant="acme",
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            expected_version=4, priority=5, positions={"global": 10, "stream": 4},
+        )
+        await tx.stage(StockReserved(order_id="o-1", quantity=1), stream_key="o-1")
+    await outbox.close()
+
+    async with serving(config):
+        [full, reserved] = await nats_streams.messages(internal[0], 2)
+        [stripped_a] = await nats_streams.messages(partner_a[0], 1)
+        [stripped_b] = await nats_streams.messages(partner_b[0], 1)
+
+    body = json.loads(full.data)
+    InternalEnvelope.model_validate(body)
+    assert body["id"] == message_id
+    assert body["type"] == "order_placed" and body["version"] == 2
+    assert body["source"] == "shop" and body["stream"] == "o-1"
+    assert body["correlation_id"] == "corr-1" and body["causation_id"] == "cause-1"
+    assert body["expected_version"] == 4 and body["priority"] == 5
+    assert body["positions"] == {"global": 10, "stream": 4}
+    assert body["tenant"] == "acme" and body["asynchronous"] is True
+    assert body["headers"] == {"channel": "web"} and body["extensions"] == {"region": "eu"}
+    assert body["checksum"].startswith("sha256:") and len(body["checksum"]) == 71
+    assert body["event_class"] == "tests.integration.events.OrderPlaced"
+    assert isinstance(body["sequence"], int)
+    assert body["payload"] == {"order_id": "o-1", "total": "12.30", "note": None}
+    assert full.subject == internal[1] + ".order_placed"
+    assert json.loads(reserved.data)["type"] == "stock_reserved"
+
+    external = json.loads(stripped_a.data)
+    ExternalEnvelope.model_validate(external)
+    assert set(external) == set(EXTERNAL_FIELDS)
+    for field in ("id", "type", "version", "time", "source", "stream", "correlation_id",
+                  "causation_id", "traceparent", "extensions"):
+        assert external[field] == body[field], field
+    assert external["payload"] == body["payload"]  # user nulls in the payload stay
+    assert stripped_a.subject == partner_a[1] + ".order_placed"
+    assert set(json.loads(stripped_b.data)) == set(EXTERNAL_FIELDS) - {"causation_id"}
+
+    for message in (full, stripped_a, stripped_b):
+        assert message.headers["Nats-Msg-Id"] == message_id
+        assert message.headers["message-id"] == message_id
+        assert message.headers["event-type"] == "order_placed"
+        assert message.headers["correlation-id"] == "corr-1"
+        assert message.headers["channel"] == "web"
+    assert await statuses(pg_url) == {
+        "events": ["published", "published"], "analytics": ["published"], "billing": ["published"]
+    }
+
+
+class Recording:
+    """A real adapter, wrapped to note when each message's attempts started and ended."""
+
+    def __init__(self, inner: Broker) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.attempts: dict[str, list[tuple[float, float]]] = {}
+
+    async def connect(self) -> None:
+        await self.inner.connect()
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        started = time.monotonic()
+        try:
+            return await self.inner.publish(batch)
+        finally:
+            ended = time.monotonic()
+            for message in batch:
+                self.attempts.setdefault(message.wire.message_id, []).append((started, ended))
+
+    async def ping(self) -> None:
+        await self.inner.ping()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_unreachable_partner_retries_on_schedule_then_abandons_while_others_deliver(
+    pg_url: str, nats_streams: NatsStreams
+) -> None:
+    internal, partner = nats_streams.stream("int"), nats_streams.stream("down")
+    retry = {"max_attempts": 4, "base_delay": 0.3, "max_delay": 0.8, "jitter": 0.25}
+    config = make_config(
+        {"main": pg_url},
+        {
+            "events": nats_broker(internal, internal=True),
+            "partner": nats_broker(partner, url=f"nats://127.0.0.1:{free_port()}",
+                                   connect_timeout=0.5),
+        },
+        outbox={"retry": retry, "poll_interval": 30},
+    )
+    recorders: dict[str, Recording] = {}
+
+    def factory(name: str, settings: BrokerSettings) -> Broker:
+        recorders[name] = Recording(create_broker(name, settings))
+        return recorders[name]
+
+    outbox = Outbox(config)
+    async with serving(config, broker_factory=factory):
+        async with outbox.transaction() as tx:
+            await tx.stage(*(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in range(5)))
+
+        async def partner_done() -> bool:
+            return (await statuses(pg_url)).get("partner") == ["abandoned"] * 5
+
+        await wait_until(partner_done, timeout=20)
+        delivered = await nats_streams.messages(internal[0], 5)
+    await outbox.close()
+
+    assert len(delivered) == 5
+    assert (await statuses(pg_url))["events"] == ["published"] * 5
+    settings = RetrySettings(**retry)
+    per_message = recorders["partner"].attempts
+    assert len(per_message) == 5
+    slowest = max(end - start for a in per_message.values() for start, end in a)
+    for attempts in per_message.values():
+        assert len(attempts) == 4  # then abandoned
+        for number, (previous, following) in enumerate(zip(attempts, attempts[1:]), 1):
+            waited = following[0] - previous[1]
+            low, high = delay_bounds(number, settings)
+            # Never early. Late by at most one attempt of another row that fell due just
+            # before (the processor publishes one batch at a time), plus scheduling slack.
+            assert low - 0.01 <= waited <= high + slowest + 0.1, (number, waited, low, high)
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        errors = await conn.fetch(
+            "SELECT attempts, last_error FROM router_outbox WHERE target = 'partner'"
+        )
+    finally:
+        await conn.close()
+    assert {r["attempts"] for r in errors} == {4}
+    assert all("gave up after 4 attempts" in r["last_error"] for r in errors)
+    assert all("Connect call failed" in r["last_error"] for r in errors)
+
+
+async def test_a_partner_that_never_answers_does_not_slow_the_others(
+    pg_url: str, nats_streams: NatsStreams
+) -> None:
+    hung: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)
+
+    server = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    internal, partner = nats_streams.stream("int"), nats_streams.stream("hang")
+    config = make_config(
+        {"main": pg_url},
+        {
+            "events": nats_broker(internal, internal=True),
+            "partner": nats_broker(partner, url=f"nats://127.0.0.1:{port}",
+                                   connect_timeout=5, publish_timeout=5),
+        },
+    )
+    outbox = Outbox(config)
+    latencies = []
+    try:
+        async with serving(config):
+            for i in range(20):
+                started = time.monotonic()
+                async with outbox.transaction() as tx:
+                    await tx.stage(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)))
+                await nats_streams.messages(internal[0], i + 1, timeout=5)
+                latencies.append(time.monotonic() - started)
+            assert len(hung) >= 1  # the partner's processor is stuck connecting meanwhile
+            partner_rows = (await statuses(pg_url))["partner"]
+    finally:
+        await outbox.close()
+        server.close()
+        for writer in hung:
+            writer.close()
+    assert max(latencies) < 0.5, latencies
+    assert "published" not in partner_rows

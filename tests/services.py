@@ -1,0 +1,55 @@
+"""Reaching the real services the tests use, and what to do when one is missing.
+
+Under ``CI=true`` a missing service fails the test (a skip would count as a pass); on a
+developer's machine it skips with the reason and the command that starts the service.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+POSTGRES = ("127.0.0.1", 5432)
+NATS = ("127.0.0.1", 4222)
+
+START = {
+    "PostgreSQL": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+    "NATS": (
+        "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- "
+        "-a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log"
+    ),
+}
+
+
+def in_ci() -> bool:
+    """True when running under CI, where nothing may be skipped for a missing service."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when something accepts TCP connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def require(service: str, address: tuple[str, int]) -> None:
+    """Fail (CI) or skip (laptop) unless ``service`` answers at ``address``."""
+    if reachable(*address):
+        return
+    message = f"{service} is not reachable at {address[0]}:{address[1]}; start it with: {START[service]}"
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
