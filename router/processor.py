@@ -30,7 +30,8 @@ __all__ = ["Processor", "ProcessorStats"]
 
 log = logging.getLogger(__name__)
 
-_DB_RETRY_MAX = 30.0
+# Back-off after a cycle failed (database down, or a bug): from half a second to 30 s.
+_PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
 
 
 @dataclass(slots=True)
@@ -92,20 +93,17 @@ class Processor:
     async def run(self) -> None:
         """Deliver until ``stop()``; on cancellation, release what was claimed."""
         log.info("processor.started", extra={**self._log, "worker": self.worker_id})
-        db_delay = 0.5
+        pause = _PAUSE_MIN
         try:
             while not self._stopping:
                 self._wake.clear()
                 try:
                     handled = await self.run_once()
                     timeout = await self._idle_timeout(handled)
-                    db_delay = 0.5
-                except DatabaseError as exc:
-                    log.warning(
-                        "db.unavailable",
-                        extra={**self._log, "error": str(exc), "retry_in": db_delay},
-                    )
-                    timeout, db_delay = db_delay, min(db_delay * 2, _DB_RETRY_MAX)
+                    pause = _PAUSE_MIN
+                except Exception as exc:  # the loop must outlive a database outage, or a bug
+                    self._report(exc, pause)
+                    timeout, pause = pause, min(pause * 2, _PAUSE_MAX)
                     self._check_due = True
                 if timeout is None or self._stopping:
                     continue
@@ -114,6 +112,12 @@ class Processor:
         finally:
             await self._shutdown()
             log.info("processor.stopped", extra={**self._log, "published": self.stats.published})
+
+    def _report(self, exc: Exception, pause: float) -> None:
+        if isinstance(exc, DatabaseError):
+            log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
+        else:
+            log.exception("processor.error", extra={**self._log, "retry_in": pause})
 
     async def drain(self, max_cycles: int = 10_000) -> int:
         """Burst mode: deliver every row that is due now, then return how many were handled."""
@@ -132,12 +136,15 @@ class Processor:
         )
         if not rows:
             return 0
+        # Until the outcomes are written, a cancellation (shutdown past its grace period)
+        # gives these rows back: see _shutdown.
         self._claimed = rows
         try:
             marks = await self._deliver(rows)
             await self._mark(marks)
         finally:
-            self._claimed = []
+            if not _cancelling():
+                self._claimed = []
         self.stats.batches += 1
         return len(rows)
 
@@ -295,3 +302,8 @@ class Processor:
                 )
                 log.info("batch.released", extra={**self._log, "rows": len(claimed)})
         await self._disconnect()
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import socket
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from brokers import Broker, BrokerSettings, create_broker
 from brokers.nats import EmbeddedNats
 from router._embedded import embedded_brokers
 from router._store import OutboxStore, open_store
 from router.config import RouterConfig
+from router.http import HttpServer
 from router.processor import Processor
 
 __all__ = ["BrokerFactory", "Supervisor", "new_worker_id"]
@@ -54,6 +57,7 @@ class Supervisor:
         self._embedded: list[EmbeddedNats] = []
         self._start_embedded = start_embedded
         self._exit_stack = contextlib.AsyncExitStack()
+        self.http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._watchers: list[asyncio.Task[None]] = []
         for name in databases or list(config.databases):
@@ -97,6 +101,14 @@ class Supervisor:
                     store.watch(functools.partial(self.wake, name)), name=f"watch:{name}"
                 )
             )
+        if self.config.http.enabled:
+            self.http = HttpServer(
+                self.config.http.host,
+                self.config.http.port,
+                {"/healthz": self._health, "/api/processors": self._processor_stats},
+            )
+            await self.http.start()
+            self._exit_stack.push_async_callback(self.http.stop)
         for processor in self.processors:
             self._tasks.append(asyncio.create_task(processor.run(), name=processor.name))
         log.info(
@@ -116,6 +128,19 @@ class Supervisor:
                     log.error("processor.crashed", exc_info=task.exception())
         finally:
             await self.shutdown()
+
+    def _health(self) -> tuple[int, dict[str, Any]]:
+        running = sum(1 for task in self._tasks if not task.done())
+        return 200, {"status": "ok", "worker": self.worker_id, "processors": running}
+
+    def _processor_stats(self) -> tuple[int, dict[str, Any]]:
+        return 200, {
+            "worker": self.worker_id,
+            "processors": [
+                {"database": p.database, "target": p.target, **dataclasses.asdict(p.stats)}
+                for p in self.processors
+            ],
+        }
 
     async def shutdown(self) -> None:
         """Stop processors (they finish their batch within the grace period), then clean up."""

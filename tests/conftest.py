@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def pg_template() -> Iterator[str]:
             await admin.execute(f'CREATE DATABASE "{name}"')
         finally:
             await admin.close()
-        await upgrade(name, DatabaseSettings(url=database_url(name)), Path.cwd())
+        await upgrade(name, DatabaseSettings.model_validate({"url": database_url(name)}), Path.cwd())
 
     asyncio.run(create())
     yield name
@@ -133,10 +134,8 @@ async def nats_streams() -> AsyncIterator[NatsStreams]:
     try:
         js = client.jetstream()
         for name in streams.created:
-            try:
+            with contextlib.suppress(NotFoundError):
                 await js.delete_stream(name)
-            except NotFoundError:
-                pass
     finally:
         await client.close()
 
@@ -154,11 +153,18 @@ def nats_broker(stream: tuple[str, str], **extra: Any) -> dict[str, Any]:
 
 
 def make_config(
-    databases: dict[str, Any], brokers: dict[str, Any], base_dir: Path | None = None,
+    databases: dict[str, Any],
+    brokers: dict[str, Any],
+    base_dir: Path | None = None,
     **sections: Any,
 ) -> RouterConfig:
     """A validated config from plain dicts, as config.yaml would give it."""
-    data: dict[str, Any] = {"service": "shop", "databases": databases, "brokers": brokers,
-                            "http": {"enabled": False}, **sections}
+    data: dict[str, Any] = {
+        "service": "shop",
+        "databases": databases,
+        "brokers": brokers,
+        "http": {"enabled": False},
+        **sections,
+    }
     config = RouterConfig.model_validate(data)
     return config.with_base_dir(base_dir or Path.cwd())

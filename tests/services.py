@@ -41,7 +41,9 @@ def require(service: str, address: tuple[str, int]) -> None:
     """Fail (CI) or skip (laptop) unless ``service`` answers at ``address``."""
     if reachable(*address):
         return
-    message = f"{service} is not reachable at {address[0]}:{address[1]}; start it with: {START[service]}"
+    message = (
+        f"{service} is not reachable at {address[0]}:{address[1]}; start it with: {START[service]}"
+    )
     if in_ci():
         pytest.fail(message)
     pytest.skip(message)

@@ -70,16 +70,16 @@ class NatsBroker:
         # A few quick reconnects ride out a server restart; past them the connection closes,
         # publish reports BrokerUnavailable and the processor reconnects on its own schedule.
         # Few attempts also make an unreachable server fail fast, with its real reason.
-        broker = FastStreamNats(
-            self.settings.servers(),
-            connect_timeout=max(1, round(self.settings.connect_timeout)),
-            allow_reconnect=True,
-            max_reconnect_attempts=2,
-            reconnect_time_wait=0.25,
-            error_cb=remember,
-            name=f"outbox-router:{self.name}",
-            logger=None,
-        )
+        options: dict[str, Any] = {
+            "connect_timeout": max(1, round(self.settings.connect_timeout)),
+            "allow_reconnect": True,
+            "max_reconnect_attempts": 2,
+            "reconnect_time_wait": 0.25,  # nats-py takes seconds as float; FastStream says int
+            "error_cb": remember,
+            "name": f"outbox-router:{self.name}",
+            "logger": None,
+        }
+        broker = FastStreamNats(self.settings.servers(), **options)
         try:
             await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
         except BaseException as exc:

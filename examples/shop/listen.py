@@ -37,8 +37,9 @@ async def follow(name: str, settings: NatsSettings, once: bool, idle: float) -> 
         print("    " + json.dumps(body, indent=None, sort_keys=True))
 
     subscriptions = [
-        await js.subscribe(subject, cb=show, ordered_consumer=True,
-                           deliver_policy=DeliverPolicy.ALL)
+        await js.subscribe(
+            subject, cb=show, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
         for subject in settings.stream.subjects
     ]
     try:

@@ -14,22 +14,33 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUTER = Path(sys.executable).with_name("router")
 
 
-def router(*args: str, cwd: Path, env: dict[str, str] | None = None,
-           timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def router(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run ``router ARGS`` to completion."""
     return subprocess.run(
-        [str(ROUTER), *args], cwd=cwd, env={**os.environ, **(env or {})},
-        capture_output=True, text=True, timeout=timeout, check=False,
+        [str(ROUTER), *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
-def python(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None,
-           timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def python(
+    script: str, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run one of the repository's Python scripts."""
     return subprocess.run(
-        [sys.executable, str(ROOT / script), *args], cwd=cwd,
+        [sys.executable, str(ROOT / script), *args],
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -40,8 +51,11 @@ class Serving:
         self.log = cwd / "serve.log"
         self._file = self.log.open("w")
         self.process = subprocess.Popen(
-            [str(ROUTER), *args, "serve"], cwd=cwd, env={**os.environ, **(env or {})},
-            stdout=self._file, stderr=subprocess.STDOUT,
+            [str(ROUTER), *args, "serve"],
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
         )
 
     def wait_for(self, text: str, timeout: float = 20) -> None:

@@ -21,9 +21,13 @@ def write_config(folder: Path, databases: dict[str, str], brokers: dict[str, obj
 
 
 def nats(url: str, **extra: object) -> dict[str, object]:
-    return {"type": "nats", "url": url, "destination": "clitest.{event_type}",
-            "stream": {"name": "CLITEST", "subjects": ["clitest.>"], "storage": "memory"},
-            **extra}
+    return {
+        "type": "nats",
+        "url": url,
+        "destination": "clitest.{event_type}",
+        "stream": {"name": "CLITEST", "subjects": ["clitest.>"], "storage": "memory"},
+        **extra,
+    }
 
 
 async def schema(url: str) -> list[tuple[str, str]]:
@@ -76,8 +80,11 @@ async def test_check_names_the_failing_broker_and_why_without_secrets(
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert SECRET not in output
-    lines = {line.split()[1]: line for line in result.stdout.splitlines()[1:] if line.strip()
-             and line.split()[0] in ("database", "broker")}
+    lines = {
+        line.split()[1]: line
+        for line in result.stdout.splitlines()[1:]
+        if line.strip() and line.split()[0] in ("database", "broker")
+    }
     assert "ok" in lines["main"].split()
     assert "ok" in lines["events"].split()
     assert "FAILED" in lines["partner"]

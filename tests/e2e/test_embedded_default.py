@@ -29,8 +29,16 @@ def test_router_serve_delivers_the_example_events(tmp_path: Path) -> None:
         assert reachable("127.0.0.1", port)
         app = python("examples/shop/app.py", "-c", "config.yaml", "-n", "2", cwd=tmp_path, env=env)
         assert app.returncode == 0, app.stderr
-        listened = python("examples/shop/listen.py", "-c", "config.yaml", "--once", "--idle", "1.5",
-                          cwd=tmp_path, env=env)
+        listened = python(
+            "examples/shop/listen.py",
+            "-c",
+            "config.yaml",
+            "--once",
+            "--idle",
+            "1.5",
+            cwd=tmp_path,
+            env=env,
+        )
         assert listened.returncode == 0, listened.stderr
     finally:
         code = serving.stop()
@@ -40,8 +48,9 @@ def test_router_serve_delivers_the_example_events(tmp_path: Path) -> None:
     lines = listened.stdout.splitlines()
     assert "events: 4 message(s)" in lines
     assert "partners: 2 message(s)" in lines
-    partner_bodies = [json.loads(lines[i + 1]) for i, line in enumerate(lines)
-                      if line.startswith("[partners]")]
+    partner_bodies = [
+        json.loads(lines[i + 1]) for i, line in enumerate(lines) if line.startswith("[partners]")
+    ]
     assert [b["type"] for b in partner_bodies] == ["order_placed", "order_placed"]
     for body in partner_bodies:
         assert not set(body) & INTERNAL_ONLY_FIELDS

@@ -27,7 +27,7 @@ async def test_each_database_delivers_only_its_own_rows(
         {"events": nats_broker(stream, internal=True)},
         base_dir=tmp_path,
     )
-    await upgrade("lite", DatabaseSettings(url=sqlite_url), tmp_path)
+    await upgrade("lite", DatabaseSettings.model_validate({"url": sqlite_url}), tmp_path)
     outbox = Outbox(config)
     async with serving(config) as supervisor:
         assert sorted(p.name for p in supervisor.processors) == ["lite/events", "pg/events"]

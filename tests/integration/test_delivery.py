@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -14,7 +15,6 @@ from decimal import Decimal
 from typing import Any
 
 import asyncpg
-import pytest
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from envelopes import EXTERNAL_FIELDS, ExternalEnvelope, InternalEnvelope
@@ -72,10 +72,16 @@ async def test_internal_gets_full_envelope_and_partners_the_stripped_one(
     async with outbox.transaction() as tx:
         [message_id] = await tx.stage(
             OrderPlaced(order_id="o-1", total=Decimal("12.30")),
-            stream_key="o-1", correlation_id="corr-1", causation_id="cause-1",
-            headers={"channel": "web"}, extensions={"region": "eu"}, tenant="acme",
+            stream_key="o-1",
+            correlation_id="corr-1",
+            causation_id="cause-1",
+            headers={"channel": "web"},
+            extensions={"region": "eu"},
+            tenant="acme",
             traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-            expected_version=4, priority=5, positions={"global": 10, "stream": 4},
+            expected_version=4,
+            priority=5,
+            positions={"global": 10, "stream": 4},
         )
         await tx.stage(StockReserved(order_id="o-1", quantity=1), stream_key="o-1")
     await outbox.close()
@@ -105,8 +111,18 @@ async def test_internal_gets_full_envelope_and_partners_the_stripped_one(
     external = json.loads(stripped_a.data)
     ExternalEnvelope.model_validate(external)
     assert set(external) == set(EXTERNAL_FIELDS)
-    for field in ("id", "type", "version", "time", "source", "stream", "correlation_id",
-                  "causation_id", "traceparent", "extensions"):
+    for field in (
+        "id",
+        "type",
+        "version",
+        "time",
+        "source",
+        "stream",
+        "correlation_id",
+        "causation_id",
+        "traceparent",
+        "extensions",
+    ):
         assert external[field] == body[field], field
     assert external["payload"] == body["payload"]  # user nulls in the payload stay
     assert stripped_a.subject == partner_a[1] + ".order_placed"
@@ -119,7 +135,9 @@ async def test_internal_gets_full_envelope_and_partners_the_stripped_one(
         assert message.headers["correlation-id"] == "corr-1"
         assert message.headers["channel"] == "web"
     assert await statuses(pg_url) == {
-        "events": ["published", "published"], "analytics": ["published"], "billing": ["published"]
+        "events": ["published", "published"],
+        "analytics": ["published"],
+        "billing": ["published"],
     }
 
 
@@ -159,8 +177,9 @@ async def test_unreachable_partner_retries_on_schedule_then_abandons_while_other
         {"main": pg_url},
         {
             "events": nats_broker(internal, internal=True),
-            "partner": nats_broker(partner, url=f"nats://127.0.0.1:{free_port()}",
-                                   connect_timeout=0.5),
+            "partner": nats_broker(
+                partner, url=f"nats://127.0.0.1:{free_port()}", connect_timeout=0.5
+            ),
         },
         outbox={"retry": retry, "poll_interval": 30},
     )
@@ -184,13 +203,13 @@ async def test_unreachable_partner_retries_on_schedule_then_abandons_while_other
 
     assert len(delivered) == 5
     assert (await statuses(pg_url))["events"] == ["published"] * 5
-    settings = RetrySettings(**retry)
+    settings = RetrySettings.model_validate(retry)
     per_message = recorders["partner"].attempts
     assert len(per_message) == 5
     slowest = max(end - start for a in per_message.values() for start, end in a)
     for attempts in per_message.values():
         assert len(attempts) == 4  # then abandoned
-        for number, (previous, following) in enumerate(zip(attempts, attempts[1:]), 1):
+        for number, (previous, following) in enumerate(itertools.pairwise(attempts), 1):
             waited = following[0] - previous[1]
             low, high = delay_bounds(number, settings)
             # Never early. Late by at most one attempt of another row that fell due just
@@ -224,8 +243,9 @@ async def test_a_partner_that_never_answers_does_not_slow_the_others(
         {"main": pg_url},
         {
             "events": nats_broker(internal, internal=True),
-            "partner": nats_broker(partner, url=f"nats://127.0.0.1:{port}",
-                                   connect_timeout=5, publish_timeout=5),
+            "partner": nats_broker(
+                partner, url=f"nats://127.0.0.1:{port}", connect_timeout=5, publish_timeout=5
+            ),
         },
     )
     outbox = Outbox(config)

@@ -29,10 +29,11 @@ def outbox_for(url: str, **outbox: Any) -> Outbox:
 async def rows(url: str) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(url)
     try:
-        return await conn.fetch(
+        records: list[asyncpg.Record] = await conn.fetch(
             "SELECT message_id::text, target, destination, event_type, stream_key, "
             "envelope::text, status, attempts FROM router_outbox ORDER BY seq"
         )
+        return records
     finally:
         await conn.close()
 
@@ -93,8 +94,12 @@ async def test_stage_with_a_raw_asyncpg_connection(pg_url: str) -> None:
             await outbox.stage(conn, StockReserved(order_id="o-3", quantity=1))
         async with conn.transaction():
             await outbox.stage(
-                conn, OrderPlaced(order_id="o-3", total=Decimal(3)), StockReserved(order_id="o-3", quantity=1),
-                stream_key="o-3", causation_id="cmd-1", headers={"tenant": "acme"},
+                conn,
+                OrderPlaced(order_id="o-3", total=Decimal(3)),
+                StockReserved(order_id="o-3", quantity=1),
+                stream_key="o-3",
+                causation_id="cmd-1",
+                headers={"tenant": "acme"},
             )
     finally:
         await conn.close()
@@ -112,8 +117,10 @@ async def test_notify_arrives_once_and_only_at_commit(pg_url: str) -> None:
     outbox = outbox_for(pg_url)
     try:
         async with outbox.transaction() as tx:
-            await tx.stage(OrderPlaced(order_id="o-4", total=Decimal(4)),
-                           OrderPlaced(order_id="o-5", total=Decimal(5)))
+            await tx.stage(
+                OrderPlaced(order_id="o-4", total=Decimal(4)),
+                OrderPlaced(order_id="o-5", total=Decimal(5)),
+            )
             await asyncio.sleep(0.2)
             assert received == []  # nothing before COMMIT
         with pytest.raises(RuntimeError):

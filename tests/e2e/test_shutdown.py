@@ -1,0 +1,134 @@
+"""SIGTERM and SIGINT: finish the batch in flight, give back leases, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import asyncpg
+import yaml
+
+from router import Outbox
+from tests.conftest import NatsStreams, make_config, nats_broker
+from tests.e2e.helpers import Serving
+from tests.integration.events import OrderPlaced
+
+
+def write(folder: Path, config: dict[str, object]) -> None:
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+async def counts(url: str) -> dict[tuple[str, str], int]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT target, status, count(*) FROM router_outbox GROUP BY target, status"
+        )
+    finally:
+        await conn.close()
+    return {(r[0], r[1]): r[2] for r in rows}
+
+
+async def stage(url: str, brokers: dict[str, object], total: int) -> None:
+    outbox = Outbox(make_config({"main": url}, brokers))
+    for start in range(0, total, 500):
+        async with outbox.transaction() as tx:
+            await tx.stage(
+                *(
+                    OrderPlaced(order_id=f"o-{i}", total=Decimal(i))
+                    for i in range(start, min(start + 500, total))
+                )
+            )
+    await outbox.close()
+
+
+async def test_sigterm_mid_backlog_leaves_no_row_in_flight_and_a_restart_finishes(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    stream = nats_streams.stream("int")
+    brokers: dict[str, object] = {"events": nats_broker(stream, internal=True)}
+    await stage(pg_url, brokers, 20_000)
+    write(
+        tmp_path,
+        {
+            "service": "shop",
+            "databases": {"main": pg_url},
+            "brokers": brokers,
+            "outbox": {"batch_size": 200},
+            "http": {"enabled": False},
+        },
+    )
+
+    serving = Serving(tmp_path)
+    await asyncio.to_thread(serving.wait_for, "router.started")
+    while (await counts(pg_url)).get(("events", "published"), 0) < 1000:
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+    assert code == 0, serving.log.read_text()
+    assert time.monotonic() - started < 5
+    after_stop = await counts(pg_url)
+    assert ("events", "processing") not in after_stop
+    assert after_stop.get(("events", "pending"), 0) > 0, "stopped too late to test anything"
+
+    again = Serving(tmp_path)
+    arrived = await nats_streams.messages(stream[0], 20_000, timeout=60)
+    assert (await asyncio.to_thread(again.stop, signal.SIGINT)) == 0
+    assert len(arrived) == 20_000
+    assert await counts(pg_url) == {("events", "published"): 20_000}
+
+
+async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    hung: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    internal, partner = nats_streams.stream("int"), nats_streams.stream("hang")
+    brokers: dict[str, object] = {
+        "events": nats_broker(internal, internal=True),
+        "partner": nats_broker(
+            partner, url=f"nats://127.0.0.1:{port}", connect_timeout=30, publish_timeout=30
+        ),
+    }
+    await stage(pg_url, brokers, 10)
+    write(
+        tmp_path,
+        {
+            "service": "shop",
+            "databases": {"main": pg_url},
+            "brokers": brokers,
+            "outbox": {"shutdown_grace_seconds": 1},
+            "http": {"enabled": False},
+        },
+    )
+    serving = Serving(tmp_path)
+    try:
+        await nats_streams.messages(internal[0], 10)
+        while (await counts(pg_url)).get(("partner", "processing"), 0) < 10:
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+        elapsed = time.monotonic() - started
+    finally:
+        server.close()
+        for writer in hung:
+            writer.close()
+    assert code == 0, serving.log.read_text()
+    assert elapsed < 4, elapsed
+    assert "batch.released" in serving.log.read_text()
+    conn = await asyncpg.connect(pg_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT status, attempts, locked_by FROM router_outbox WHERE target = 'partner'"
+        )
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in rows] == [("pending", 0, None)] * 10
