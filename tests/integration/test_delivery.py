@@ -267,3 +267,29 @@ async def test_a_partner_that_never_answers_does_not_slow_the_others(
             writer.close()
     assert max(latencies) < 0.5, latencies
     assert "published" not in partner_rows
+
+
+async def test_a_rolled_back_transaction_publishes_nothing(
+    pg_url: str, nats_streams: NatsStreams
+) -> None:
+    internal, partner = nats_streams.stream("int"), nats_streams.stream("ext")
+    config = make_config(
+        {"main": pg_url},
+        {"events": nats_broker(internal, internal=True), "partner": nats_broker(partner)},
+    )
+    outbox = Outbox(config)
+    async with serving(config):
+        with contextlib.suppress(RuntimeError):
+            async with outbox.transaction() as tx:
+                await tx.stage(OrderPlaced(order_id="rolled-back", total=Decimal(1)))
+                raise RuntimeError("payment declined")
+        async with outbox.transaction() as tx:
+            [committed] = await tx.stage(OrderPlaced(order_id="committed", total=Decimal(2)))
+        internal_messages = await nats_streams.messages(internal[0], 1)
+        partner_messages = await nats_streams.messages(partner[0], 1)
+        await asyncio.sleep(0.5)  # a wrong delivery of the rolled-back event would show now
+        internal_messages = await nats_streams.messages(internal[0], 2, timeout=0.1)
+    await outbox.close()
+    assert [m.headers["Nats-Msg-Id"] for m in internal_messages] == [committed]
+    assert [m.headers["Nats-Msg-Id"] for m in partner_messages] == [committed]
+    assert await statuses(pg_url) == {"events": ["published"], "partner": ["published"]}
