@@ -6,9 +6,7 @@ try:
     from brokers.nats._adapter import NatsBroker
     from brokers.nats._embedded import EmbeddedNats, find_nats_server
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "The NATS broker needs FastStream's NATS extra: pip install 'outbox-router[nats]'"
-    ) from exc
+    raise ImportError("The NATS broker needs nats-py: pip install 'outbox-router[nats]'") from exc
 
 __all__ = [
     "EmbeddedNats",

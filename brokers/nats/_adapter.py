@@ -1,10 +1,20 @@
-"""NATS JetStream adapter.
+"""NATS JetStream adapter, on nats-py.
 
-FastStream's ``NatsBroker`` owns the connection (servers, reconnects, TLS, auth). Publishing
-goes through that connection's JetStream context with ``publish_async``: every message of a
-batch is written at once and their PubAcks are awaited together, which is about twice as
-cheap per message as awaiting FastStream's ``publish`` one by one. Messages leave in batch
-order on one connection, so JetStream stores them in that order.
+Every message of a batch is written at once with ``publish_async`` and the PubAcks are awaited
+together: acks in flight, in batch order on one connection, so JetStream stores them in that
+order. Two choices keep that order true when things break:
+
+- The client never reconnects by itself (``allow_reconnect=False``). nats-py would otherwise
+  buffer publishes made during a reconnect and flush them on the new connection, where they
+  could be stored although earlier messages of the same batch were lost with the old one. A
+  lost connection fails every unacknowledged message of the batch at once, and the next batch
+  connects again.
+- Messages leave in order on one TCP connection, so what the server stored of a batch is
+  always a prefix of it; retrying the unacknowledged rest keeps first deliveries in order.
+
+This adapter talks to nats-py directly rather than through FastStream: FastStream's connect
+retries and reconnects on its own, and its ``publish`` awaits each ack in turn (about twice
+the CPU per message, and no acks in flight).
 """
 
 from __future__ import annotations
@@ -15,22 +25,22 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import nats
 import nats.errors
 import nats.js.errors
-from faststream.nats import NatsBroker as FastStreamNats
 from nats.js.api import StorageType, StreamConfig
 
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
 
-__all__ = ["NatsBroker"]
+__all__ = ["MSG_ID_HEADER", "NatsBroker"]
 
 log = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
-# Failures that mean "the connection is not usable": nothing in the batch counts as sent.
+# Failures that mean "the connection is not usable": nothing unacknowledged counts as sent.
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
@@ -55,46 +65,44 @@ class NatsBroker:
     def __init__(self, name: str, settings: NatsSettings) -> None:
         self.name = name
         self.settings = settings
-        self._broker: FastStreamNats | None = None
+        self._client: Any = None
         self._js: Any = None
+        self._closed = asyncio.Event()
 
     async def connect(self) -> None:
         """Connect and create (or check) the stream."""
-        if self._broker is not None:
+        if self._client is not None and not self._client.is_closed:
             return
         errors: list[BaseException] = []
+        closed = asyncio.Event()
 
         async def remember(error: BaseException) -> None:
             errors.append(error)
 
-        # A few quick reconnects ride out a server restart; past them the connection closes,
-        # publish reports BrokerUnavailable and the processor reconnects on its own schedule.
-        # Few attempts also make an unreachable server fail fast, with its real reason.
-        options: dict[str, Any] = {
-            "connect_timeout": max(1, round(self.settings.connect_timeout)),
-            "allow_reconnect": True,
-            "max_reconnect_attempts": 2,
-            "reconnect_time_wait": 0.25,  # nats-py takes seconds as float; FastStream says int
-            "error_cb": remember,
-            "name": f"outbox-router:{self.name}",
-            "logger": None,
-        }
-        broker = FastStreamNats(self.settings.servers(), **options)
+        async def on_closed() -> None:
+            closed.set()
+
         try:
-            await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await broker.stop()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+            client = await asyncio.wait_for(
+                nats.connect(
+                    self.settings.servers(),
+                    connect_timeout=self.settings.connect_timeout,
+                    allow_reconnect=False,
+                    error_cb=remember,
+                    closed_cb=on_closed,
+                    name=f"outbox-router:{self.name}",
+                ),
+                self.settings.connect_timeout + 1,
+            )
+        except _ANSWER_ERRORS as exc:
             reason = _describe(errors[-1]) if errors else _describe(exc)
             raise BrokerUnavailable(f"{self.name}: cannot connect to NATS: {reason}") from exc
-        self._broker = broker
-        log.info("nats.connected", extra={"broker": self.name})
-        self._js = broker.connection.jetstream(
+        self._client, self._closed = client, closed
+        self._js = client.jetstream(
             timeout=self.settings.publish_timeout,
             publish_async_max_pending=self.settings.max_in_flight,
         )
+        log.info("nats.connected", extra={"broker": self.name})
         try:
             await self._ensure_stream()
         except BaseException:
@@ -103,8 +111,7 @@ class NatsBroker:
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Publish all messages with acks in flight; one result per message, in order."""
-        if self._broker is None:
-            await self.connect()
+        await self.connect()
         js = self._js
         stream = self.settings.stream.name
         futures: list[asyncio.Future[Any]] = []
@@ -117,7 +124,7 @@ class NatsBroker:
                         message.destination,
                         message.wire.body,
                         # No wait_stall: a timeout there costs a task per message (half
-                        # the throughput); the processor bounds the whole call instead.
+                        # the throughput); max_in_flight and publish_timeout bound the wait.
                         wait_stall=None,
                         stream=stream,
                         headers=headers,
@@ -125,30 +132,24 @@ class NatsBroker:
                 )
         except _CONNECTION_ERRORS as exc:
             _cancel(futures)
+            await self.close()
             raise BrokerUnavailable(f"{self.name}: NATS connection lost: {_describe(exc)}") from exc
         except nats.errors.MaxPayloadError as exc:
             # One message over the server's max_payload: the ones before it are in flight.
-            return (
-                await self._collect(futures)
-                + [PublishResult.failed(f"message too large: {_describe(exc)}", retryable=False)]
-                + [
-                    PublishResult.failed(
-                        "not sent: an earlier message was too large", retryable=True
-                    )
-                    for _ in batch[len(futures) + 1 :]
-                ]
+            sent = await self._collect(futures)
+            too_large = PublishResult.failed(
+                f"message too large: {_describe(exc)}", retryable=False
             )
-        except nats.js.errors.TooManyStalledMsgsError:
-            return await self._collect(futures) + [
-                PublishResult.failed("too many publishes awaiting acks", retryable=True)
-                for _ in batch[len(futures) :]
+            rest = [
+                PublishResult.failed("not sent: an earlier message was too large", retryable=True)
+                for _ in batch[len(futures) + 1 :]
             ]
+            return [*sent, too_large, *rest]
         return await self._collect(futures)
 
     async def ping(self) -> None:
-        """Round-trip to the server (and JetStream account info)."""
-        if self._broker is None:
-            await self.connect()
+        """Round-trip to the server (JetStream account info)."""
+        await self.connect()
         try:
             await asyncio.wait_for(self._js.account_info(), self.settings.connect_timeout)
         except _ANSWER_ERRORS as exc:
@@ -156,17 +157,34 @@ class NatsBroker:
 
     async def close(self) -> None:
         """Close the connection."""
-        broker, self._broker, self._js = self._broker, None, None
-        if broker is not None:
+        client, self._client, self._js = self._client, None, None
+        if client is not None and not client.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(broker.stop(), 5)
+                await asyncio.wait_for(client.close(), 5)
 
     async def _collect(self, futures: list[asyncio.Future[Any]]) -> list[PublishResult]:
+        """Wait for every ack, the connection to close, or publish_timeout: whichever first."""
         if not futures:
             return []
-        _, pending = await asyncio.wait(futures, timeout=self.settings.publish_timeout)
-        _cancel(list(pending))
-        return [_result(f) for f in futures]
+        acks: asyncio.Future[Any] = asyncio.gather(*futures, return_exceptions=True)
+        closed: asyncio.Future[Any] = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait(
+                [acks, closed],
+                timeout=self.settings.publish_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            closed.cancel()
+        lost = self._closed.is_set()
+        if lost:
+            await self.close()
+        pending = [f for f in futures if not f.done()]
+        _cancel(pending)
+        with contextlib.suppress(asyncio.CancelledError):
+            await acks
+        reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
+        return [_result(f, reason) for f in futures]
 
     async def _ensure_stream(self) -> None:
         wanted = self.settings.stream
@@ -202,9 +220,9 @@ class NatsBroker:
             )
 
 
-def _result(future: asyncio.Future[Any]) -> PublishResult:
+def _result(future: asyncio.Future[Any], unanswered: str) -> PublishResult:
     if future.cancelled():
-        return PublishResult.failed("no ack within publish_timeout", retryable=True)
+        return PublishResult.failed(unanswered, retryable=True)
     exc = future.exception()
     if exc is None:
         return PublishResult.acked()
