@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerUnavailable, DatabaseError, EnvelopeError, render
-from router._store import ClaimedRow, Marks, OutboxStore
+from router._store import Claim, ClaimedRow, Marks, OutboxStore
 from router.config import OutboxSettings
 from router.retry import retry_delay
 
@@ -73,7 +73,7 @@ class Processor:
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
-        self._claimed: list[ClaimedRow] = []
+        self._claimed: Claim | None = None
         self._log = {"database": database, "target": target}
 
     @property
@@ -131,22 +131,22 @@ class Processor:
 
     async def run_once(self) -> int:
         """One cycle: claim, publish, mark. Returns the number of rows handled."""
-        rows = await self.store.claim(
+        claim = await self.store.claim(
             self.target, self.outbox.batch_size, self.worker_id, self.outbox.lease_seconds
         )
-        if not rows:
+        if not claim.rows:
             return 0
         # Until the outcomes are written, a cancellation (shutdown past its grace period)
         # gives these rows back: see _shutdown.
-        self._claimed = rows
+        self._claimed = claim
         try:
-            marks = await self._deliver(rows)
-            await self._mark(marks)
+            marks = await self._deliver(claim.rows)
+            await self._mark(claim.token, marks)
         finally:
             if not _cancelling():
-                self._claimed = []
+                self._claimed = None
         self.stats.batches += 1
-        return len(rows)
+        return len(claim.rows)
 
     async def _idle_timeout(self, handled: int) -> float | None:
         """None to go on at once; otherwise how long to wait for a wake-up."""
@@ -269,14 +269,14 @@ class Processor:
                 },
             )
 
-    async def _mark(self, marks: Marks) -> None:
+    async def _mark(self, token: int, marks: Marks) -> None:
         """Write outcomes back, retrying while the lease lasts (marks are idempotent)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.outbox.lease_seconds * 0.8
         delay = 0.1
         while True:
             try:
-                await self.store.mark(self.target, self.worker_id, marks)
+                await self.store.mark(self.target, token, marks)
                 return
             except DatabaseError as exc:
                 if loop.time() + delay > deadline:
@@ -294,13 +294,12 @@ class Processor:
 
     async def _shutdown(self) -> None:
         """Give back rows claimed but not marked (cancelled mid-batch), then disconnect."""
-        claimed, self._claimed = self._claimed, []
-        if claimed:
+        claimed, self._claimed = self._claimed, None
+        if claimed is not None:
             with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    self.store.release(self.target, self.worker_id, [r.seq for r in claimed])
-                )
-                log.info("batch.released", extra={**self._log, "rows": len(claimed)})
+                seqs = [r.seq for r in claimed.rows]
+                await asyncio.shield(self.store.release(self.target, claimed.token, seqs))
+                log.info("batch.released", extra={**self._log, "rows": len(seqs)})
         await self._disconnect()
 
 

@@ -28,10 +28,23 @@ __all__ = ["Route", "Row", "Stager", "StagingOptions"]
 
 _COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
 
+# Per-stream commit order on PostgreSQL: before any row gets its seq, the transaction takes
+# a transaction-scoped advisory lock per stream key (in hash order, so two stagers never wait
+# on each other in a cycle). A second transaction staging on the same key waits until the
+# first commits or rolls back, so per stream key, seq order is commit order, and a later row
+# can never become visible while an earlier one is still in flight. The scalar subquery is
+# an InitPlan: it runs before the first row reaches the INSERT, i.e. before any seq is drawn.
+_STREAM_LOCKS = """(
+    SELECT count(pg_advisory_xact_lock({namespace}, h))
+    FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest({keys}) AS k ORDER BY h) AS keys
+) >= 0"""
+STREAM_LOCK_NAMESPACE = 1869903202
+
 PG_INSERT = f"""
 WITH inserted AS (
     INSERT INTO router_outbox ({_COLUMNS})
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::json[])
+    WHERE {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="$8::text[]")}
     RETURNING 1
 )
 SELECT pg_notify('router_outbox', $7)
@@ -44,6 +57,7 @@ WITH inserted AS (
     SELECT * FROM unnest(
         CAST(:ids AS uuid[]), CAST(:targets AS text[]), CAST(:destinations AS text[]),
         CAST(:types AS text[]), CAST(:streams AS text[]), CAST(:envelopes AS json[]))
+    WHERE {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="CAST(:locks AS text[])")}
     RETURNING 1
 )
 SELECT pg_notify('router_outbox', :notify)
@@ -136,7 +150,7 @@ class Stager:
 
     async def insert_postgres_raw(self, conn: Any, rows: Sequence[Row]) -> None:
         """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
-        await conn.execute(PG_INSERT, *_columns(rows), _notify_payload(rows))
+        await conn.execute(PG_INSERT, *_columns(rows), _notify_payload(rows), _stream_keys(rows))
 
     async def insert_sqlalchemy(self, conn: Any, dialect: str, rows: Sequence[Row]) -> None:
         """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
@@ -152,6 +166,7 @@ class Stager:
                     "streams": streams,
                     "envelopes": envelopes,
                     "notify": _notify_payload(rows),
+                    "locks": _stream_keys(rows),
                 },
             )
             return
@@ -268,6 +283,10 @@ def _columns(
         [r.stream_key for r in rows],
         [r.envelope for r in rows],
     )
+
+
+def _stream_keys(rows: Sequence[Row]) -> list[str]:
+    return sorted({r.stream_key for r in rows if r.stream_key is not None})
 
 
 def _notify_payload(rows: Sequence[Row]) -> str:

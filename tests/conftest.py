@@ -41,7 +41,9 @@ def pg_template() -> Iterator[str]:
             await admin.execute(f'CREATE DATABASE "{name}"')
         finally:
             await admin.close()
-        await upgrade(name, DatabaseSettings.model_validate({"url": database_url(name)}), Path.cwd())
+        await upgrade(
+            name, DatabaseSettings.model_validate({"url": database_url(name)}), Path.cwd()
+        )
 
     asyncio.run(create())
     yield name

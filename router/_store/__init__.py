@@ -5,10 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from router._db import asyncpg_dsn, sqlite_path
-from router._store.base import OPEN_STATUSES, ClaimedRow, Marks, OutboxStore, Wake
+from router._store.base import (
+    OPEN_STATUSES,
+    Claim,
+    ClaimedRow,
+    Marks,
+    OutboxStore,
+    Wake,
+    new_token,
+)
 from router.config import DatabaseSettings
 
-__all__ = ["OPEN_STATUSES", "ClaimedRow", "Marks", "OutboxStore", "Wake", "open_store"]
+__all__ = [
+    "OPEN_STATUSES",
+    "Claim",
+    "ClaimedRow",
+    "Marks",
+    "OutboxStore",
+    "Wake",
+    "new_token",
+    "open_store",
+]
 
 
 def open_store(name: str, database: DatabaseSettings, base_dir: Path) -> OutboxStore:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["OPEN_STATUSES", "ClaimedRow", "Marks", "OutboxStore", "Wake"]
+__all__ = ["OPEN_STATUSES", "Claim", "ClaimedRow", "Marks", "OutboxStore", "Wake", "new_token"]
 
 OPEN_STATUSES = ("pending", "processing", "failed")
 
@@ -23,6 +24,23 @@ class ClaimedRow:
     destination: str
     envelope: str
     attempts: int
+    stream_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The rows one claim leased, in outbox order, and the claim's fencing token."""
+
+    token: int
+    rows: list[ClaimedRow]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def new_token() -> int:
+    """A fencing token: random, so every claim's is distinct (no counter to share)."""
+    return secrets.randbits(63)
 
 
 @dataclass(slots=True)
@@ -44,15 +62,17 @@ class OutboxStore(Protocol):
 
     kind: str
 
-    async def claim(
-        self, target: str, limit: int, worker: str, lease_seconds: float
-    ) -> list[ClaimedRow]:
-        """Lease up to ``limit`` due rows of ``target`` in outbox order."""
+    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+        """Lease up to ``limit`` due rows of ``target`` in outbox order.
 
-    async def mark(self, target: str, worker: str, marks: Marks) -> None:
-        """Write back a batch's outcomes for rows this worker still holds."""
+        A row whose stream has an earlier open row that is not claimable now (waiting to
+        retry, or in flight under another lease) is not claimed: streams stay in order.
+        """
 
-    async def release(self, target: str, worker: str, seqs: Sequence[int]) -> None:
+    async def mark(self, target: str, token: int, marks: Marks) -> None:
+        """Write back a batch's outcomes for rows still held under ``token``."""
+
+    async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give back rows that were claimed but not tried; their attempt does not count."""
 
     async def next_due(self, target: str) -> float | None:

@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 
 from envelopes import DatabaseError
-from router._store.base import ClaimedRow, Marks, Wake
+from router._store.base import Claim, ClaimedRow, Marks, Wake, new_token
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -25,29 +25,14 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
 
-CLAIM = """
-WITH picked AS (
-    SELECT seq FROM router_outbox
-    WHERE target = $1
-      AND status IN ('pending', 'processing', 'failed')
-      AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END <= now()
-    ORDER BY seq
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE router_outbox AS o
-SET status = 'processing', locked_by = $3,
-    locked_until = now() + make_interval(secs => $4), attempts = o.attempts + 1
-FROM picked
-WHERE o.seq = picked.seq
-RETURNING o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts
-"""
+# One round trip; see migration 0002 for why the claim lives in a function.
+CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5)"
 
 MARK_PUBLISHED = """
 UPDATE router_outbox
 SET status = 'published', published_at = now(), last_error = NULL,
     locked_by = NULL, locked_until = NULL
-WHERE seq = ANY($1::bigint[]) AND locked_by = $2 AND status = 'processing'
+WHERE seq = ANY($1::bigint[]) AND lease_token = $2 AND status = 'processing'
 """
 
 MARK_FAILED = """
@@ -55,21 +40,21 @@ UPDATE router_outbox AS o
 SET status = 'failed', available_at = now() + make_interval(secs => t.delay),
     last_error = t.error, locked_by = NULL, locked_until = NULL
 FROM unnest($1::bigint[], $2::float8[], $3::text[]) AS t(seq, delay, error)
-WHERE o.seq = t.seq AND o.locked_by = $4 AND o.status = 'processing'
+WHERE o.seq = t.seq AND o.lease_token = $4 AND o.status = 'processing'
 """
 
 MARK_ABANDONED = """
 UPDATE router_outbox AS o
 SET status = 'abandoned', last_error = t.error, locked_by = NULL, locked_until = NULL
 FROM unnest($1::bigint[], $2::text[]) AS t(seq, error)
-WHERE o.seq = t.seq AND o.locked_by = $3 AND o.status = 'processing'
+WHERE o.seq = t.seq AND o.lease_token = $3 AND o.status = 'processing'
 """
 
 RELEASE = """
 UPDATE router_outbox
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = now(), locked_by = NULL, locked_until = NULL
-WHERE seq = ANY($1::bigint[]) AND locked_by = $2 AND status = 'processing'
+WHERE seq = ANY($1::bigint[]) AND lease_token = $2 AND status = 'processing'
 """
 
 NEXT_DUE = """
@@ -96,33 +81,32 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
 
-    async def claim(
-        self, target: str, limit: int, worker: str, lease_seconds: float
-    ) -> list[ClaimedRow]:
-        """Lease up to ``limit`` due rows of ``target``, oldest first."""
+    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
+        token = new_token()
         async with self._connection() as conn:
-            records = await conn.fetch(CLAIM, target, limit, worker, lease_seconds)
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4]) for r in records]
+            records = await conn.fetch(CLAIM, target, limit, worker, lease_seconds, token)
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in records]
         rows.sort(key=lambda r: r.seq)  # RETURNING does not promise an order
-        return rows
+        return Claim(token, rows)
 
-    async def mark(self, target: str, worker: str, marks: Marks) -> None:
-        """One UPDATE per kind of outcome, each guarded by the lease holder."""
+    async def mark(self, target: str, token: int, marks: Marks) -> None:
+        """One UPDATE per kind of outcome, each fenced by the claim's token."""
         async with self._connection() as conn:
             if marks.published:
-                await conn.execute(MARK_PUBLISHED, marks.published, worker)
+                await conn.execute(MARK_PUBLISHED, marks.published, token)
             if marks.failed:
                 seqs, delays, errors = zip(*marks.failed, strict=True)
-                await conn.execute(MARK_FAILED, seqs, delays, errors, worker)
+                await conn.execute(MARK_FAILED, seqs, delays, errors, token)
             if marks.abandoned:
                 seqs, errors = zip(*marks.abandoned, strict=True)
-                await conn.execute(MARK_ABANDONED, seqs, errors, worker)
+                await conn.execute(MARK_ABANDONED, seqs, errors, token)
 
-    async def release(self, target: str, worker: str, seqs: Sequence[int]) -> None:
+    async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""
         if seqs:
             async with self._connection() as conn:
-                await conn.execute(RELEASE, list(seqs), worker)
+                await conn.execute(RELEASE, list(seqs), token)
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row is due, from the database's clock."""

@@ -20,47 +20,56 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
-from router._store.base import ClaimedRow, Marks, Wake
+from router._store.base import Claim, ClaimedRow, Marks, Wake, new_token
 
 __all__ = ["SqliteStore"]
 
+# SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
+# the predecessor check below always sees every earlier claim.
 CLAIM = """
 UPDATE router_outbox
-SET status = 'processing', locked_by = ?, locked_until = ?, attempts = attempts + 1
+SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
+    attempts = attempts + 1
 WHERE seq IN (
-    SELECT seq FROM router_outbox
-    WHERE target = ?
-      AND status IN ('pending', 'processing', 'failed')
-      AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END <= ?
-    ORDER BY seq
+    SELECT o.seq FROM router_outbox o
+    WHERE o.target = ?
+      AND o.status IN ('pending', 'processing', 'failed')
+      AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?
+      AND (o.stream_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM router_outbox p
+            WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
+              AND p.status IN ('processing', 'failed')
+              AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
+                  > ?))
+    ORDER BY o.seq
     LIMIT ?
 )
-RETURNING seq, message_id, destination, envelope, attempts
+RETURNING seq, message_id, destination, envelope, attempts, stream_key
 """
 
 MARK_PUBLISHED = """
 UPDATE router_outbox
 SET status = 'published', published_at = ?, last_error = NULL, locked_by = NULL, locked_until = NULL
-WHERE seq = ? AND locked_by = ? AND status = 'processing'
+WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
 MARK_FAILED = """
 UPDATE router_outbox
 SET status = 'failed', available_at = ?, last_error = ?, locked_by = NULL, locked_until = NULL
-WHERE seq = ? AND locked_by = ? AND status = 'processing'
+WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
 MARK_ABANDONED = """
 UPDATE router_outbox
 SET status = 'abandoned', last_error = ?, locked_by = NULL, locked_until = NULL
-WHERE seq = ? AND locked_by = ? AND status = 'processing'
+WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
 RELEASE = """
 UPDATE router_outbox
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = ?, locked_by = NULL, locked_until = NULL
-WHERE seq = ? AND locked_by = ? AND status = 'processing'
+WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
 NEXT_DUE = """
@@ -82,45 +91,45 @@ class SqliteStore:
         self._db: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
 
-    async def claim(
-        self, target: str, limit: int, worker: str, lease_seconds: float
-    ) -> list[ClaimedRow]:
-        """Lease up to ``limit`` due rows of ``target``, oldest first."""
+    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
+        token = new_token()
         now = datetime.now(UTC)
         until = sqlite_time(now + timedelta(seconds=lease_seconds))
+        stamp = sqlite_time(now)
         async with self._transaction() as db:
-            cursor = await db.execute(CLAIM, (worker, until, target, sqlite_time(now), limit))
+            cursor = await db.execute(CLAIM, (worker, token, until, target, stamp, stamp, limit))
             records = await cursor.fetchall()
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4]) for r in records]
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in records]
         rows.sort(key=lambda r: r.seq)
-        return rows
+        return Claim(token, rows)
 
-    async def mark(self, target: str, worker: str, marks: Marks) -> None:
+    async def mark(self, target: str, token: int, marks: Marks) -> None:
         """Write back a batch's outcomes in one transaction."""
         now = datetime.now(UTC)
         stamp = sqlite_time(now)
         async with self._transaction() as db:
             if marks.published:
-                await db.executemany(MARK_PUBLISHED, [(stamp, s, worker) for s in marks.published])
+                await db.executemany(MARK_PUBLISHED, [(stamp, s, token) for s in marks.published])
             if marks.failed:
                 await db.executemany(
                     MARK_FAILED,
                     [
-                        (sqlite_time(now + timedelta(seconds=delay)), error, seq, worker)
+                        (sqlite_time(now + timedelta(seconds=delay)), error, seq, token)
                         for seq, delay, error in marks.failed
                     ],
                 )
             if marks.abandoned:
                 await db.executemany(
-                    MARK_ABANDONED, [(error, seq, worker) for seq, error in marks.abandoned]
+                    MARK_ABANDONED, [(error, seq, token) for seq, error in marks.abandoned]
                 )
 
-    async def release(self, target: str, worker: str, seqs: Sequence[int]) -> None:
+    async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""
         if seqs:
             stamp = sqlite_time(datetime.now(UTC))
             async with self._transaction() as db:
-                await db.executemany(RELEASE, [(stamp, seq, worker) for seq in seqs])
+                await db.executemany(RELEASE, [(stamp, seq, token) for seq in seqs])
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due."""
