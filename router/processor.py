@@ -167,23 +167,37 @@ class Processor:
         return timeout
 
     async def _deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
+        """Publish a batch in waves: the n-th row of every stream goes in wave n.
+
+        A broker can fail one message and take the next; within one wave no two messages
+        share a stream, so a failed row's successors are never sent behind its back: they
+        stay untried (their attempt is not counted) and wait for it.
+        """
         marks = Marks()
-        messages: list[OutgoingMessage] = []
-        sent: list[ClaimedRow] = []
-        for row in rows:
-            try:
-                wire = render(
-                    row.envelope, self.settings.profile, sequence=row.seq, omit=self.settings.omit
-                )
-            except EnvelopeError as exc:
-                marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+        held: set[str] = set()
+        for wave in _waves(rows):
+            sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
+            for row in wave:
+                if row.stream_key is not None and row.stream_key in held:
+                    marks.untried.append(row.seq)
+                    continue
+                try:
+                    wire = render(
+                        row.envelope,
+                        self.settings.profile,
+                        sequence=row.seq,
+                        omit=self.settings.omit,
+                    )
+                except EnvelopeError as exc:
+                    marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+                    continue
+                sendable.append((row, OutgoingMessage(row.destination, wire)))
+            if not sendable:
                 continue
-            messages.append(OutgoingMessage(row.destination, wire))
-            sent.append(row)
-        if messages:
-            results = await self._publish(messages)
-            for row, result in zip(sent, results, strict=True):
-                self._classify(row, result, marks)
+            results = await self._publish([message for _, message in sendable])
+            for (row, _), result in zip(sendable, results, strict=True):
+                if not self._classify(row, result, marks) and row.stream_key is not None:
+                    held.add(row.stream_key)
         self._record(marks, rows)
         return marks
 
@@ -215,10 +229,12 @@ class Processor:
         await self._disconnect()
         return [PublishResult.failed(error, retryable=True) for _ in messages]
 
-    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> None:
+    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> bool:
+        """Sort one outcome into ``marks``; False when the row will be retried (it then holds
+        back its stream)."""
         if result.ok:
             marks.published.append(row.seq)
-            return
+            return True
         error = result.error or "failed"
         if not result.retryable:
             marks.abandoned.append((row.seq, f"not retryable: {error}"))
@@ -227,6 +243,8 @@ class Processor:
         else:
             delay = retry_delay(row.attempts, self.outbox.retry, self._rand)
             marks.failed.append((row.seq, delay, error))
+            return False
+        return True
 
     def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:
         self.stats.published += len(marks.published)
@@ -306,3 +324,18 @@ class Processor:
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
+    """Split a batch so that no wave holds two rows of one stream (order kept in each)."""
+    waves: list[list[ClaimedRow]] = []
+    depth: dict[str, int] = {}
+    for row in rows:
+        level = 0
+        if row.stream_key is not None:
+            level = depth.get(row.stream_key, 0)
+            depth[row.stream_key] = level + 1
+        if level == len(waves):
+            waves.append([])
+        waves[level].append(row)
+    return waves

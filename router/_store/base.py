@@ -52,9 +52,11 @@ class Marks:
     """(seq, seconds until the next attempt, error)"""
     abandoned: list[tuple[int, str]] = field(default_factory=list)
     """(seq, error)"""
+    untried: list[int] = field(default_factory=list)
+    """Claimed but not sent (held back behind a failed row of their stream): released."""
 
     def __len__(self) -> int:
-        return len(self.published) + len(self.failed) + len(self.abandoned)
+        return len(self.published) + len(self.failed) + len(self.abandoned) + len(self.untried)
 
 
 class OutboxStore(Protocol):

@@ -101,6 +101,8 @@ class PostgresStore:
             if marks.abandoned:
                 seqs, errors = zip(*marks.abandoned, strict=True)
                 await conn.execute(MARK_ABANDONED, seqs, errors, token)
+            if marks.untried:
+                await conn.execute(RELEASE, marks.untried, token)
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""

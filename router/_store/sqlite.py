@@ -123,6 +123,8 @@ class SqliteStore:
                 await db.executemany(
                     MARK_ABANDONED, [(error, seq, token) for seq, error in marks.abandoned]
                 )
+            if marks.untried:
+                await db.executemany(RELEASE, [(stamp, seq, token) for seq in marks.untried])
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""
