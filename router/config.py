@@ -24,6 +24,7 @@ from pydantic import (
 from brokers import AnyBrokerSettings, BrokerSettings, redact_url
 
 __all__ = [
+    "CircuitSettings",
     "DatabaseSettings",
     "HttpSettings",
     "OutboxSettings",
@@ -51,6 +52,19 @@ class RetrySettings(BaseModel):
         return self
 
 
+class CircuitSettings(BaseModel):
+    """When a target stops claiming because its broker is unreachable, and how it probes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    open_after: float = Field(
+        30.0, ge=0, description="Seconds of continuous unreachability before the circuit opens."
+    )
+    probe_max_delay: float = Field(
+        60.0, gt=0, description="Longest wait between two probes of an open circuit."
+    )
+
+
 class OutboxSettings(BaseModel):
     """How processors claim, publish and retry rows."""
 
@@ -70,6 +84,7 @@ class OutboxSettings(BaseModel):
         10.0, ge=0, description="How long a stopping router waits for in-flight publishes."
     )
     retry: RetrySettings = Field(default_factory=RetrySettings)
+    circuit: CircuitSettings = Field(default_factory=CircuitSettings)
 
 
 class HttpSettings(BaseModel):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerUnavailable, DatabaseError, EnvelopeError, render
 from router._store import Claim, ClaimedRow, Marks, OutboxStore
+from router.circuit import Circuit
 from router.config import OutboxSettings
 from router.retry import retry_delay
 
@@ -75,6 +76,7 @@ class Processor:
         self._next_due: float | None = None
         self._claimed: Claim | None = None
         self._log = {"database": database, "target": target}
+        self.circuit = Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log)
 
     @property
     def name(self) -> str:
@@ -98,8 +100,11 @@ class Processor:
             while not self._stopping:
                 self._wake.clear()
                 try:
-                    handled = await self.run_once()
-                    timeout = await self._idle_timeout(handled)
+                    if self.circuit.is_open:
+                        timeout = await self._probe()
+                    else:
+                        handled = await self.run_once()
+                        timeout = await self._idle_timeout(handled)
                     pause = _PAUSE_MIN
                 except Exception as exc:  # the loop must outlive a database outage, or a bug
                     self._report(exc, pause)
@@ -112,6 +117,25 @@ class Processor:
         finally:
             await self._shutdown()
             log.info("processor.stopped", extra={**self._log, "published": self.stats.published})
+
+    async def _probe(self) -> float | None:
+        """Circuit open: once a probe is due, try the broker. None: closed again, go on."""
+        wait = self.circuit.probe_in()
+        if wait > 0:
+            return wait
+        limit = self.settings.connect_timeout * 2 + 1
+        try:
+            await asyncio.wait_for(self._connect_and_ping(), limit)
+        except (BrokerUnavailable, TimeoutError) as exc:
+            self.circuit.probe_failed(str(exc) or "no answer within the timeout")
+            await self._disconnect()
+            return self.circuit.probe_in()
+        self.circuit.reachable()
+        return None
+
+    async def _connect_and_ping(self) -> None:
+        await self.broker.connect()
+        await self.broker.ping()
 
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):
@@ -208,14 +232,16 @@ class Processor:
         try:
             results = await asyncio.wait_for(self.broker.publish(messages), limit)
         except BrokerUnavailable as exc:
+            self.circuit.unreachable(str(exc))
             return await self._all_failed(messages, str(exc))
         except TimeoutError:
-            return await self._all_failed(
-                messages, f"{self.target}: broker did not answer within the timeout"
-            )
+            error = f"{self.target}: broker did not answer within the timeout"
+            self.circuit.unreachable(error)
+            return await self._all_failed(messages, error)
         except Exception as exc:  # an adapter bug must not stop delivery to other targets
             log.exception("broker.error", extra=self._log)
             return await self._all_failed(messages, f"{type(exc).__name__}: {exc}")
+        self.circuit.reachable()
         if len(results) != len(messages):
             return await self._all_failed(
                 messages, f"adapter returned {len(results)} results for {len(messages)} messages"

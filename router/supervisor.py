@@ -137,7 +137,12 @@ class Supervisor:
         return 200, {
             "worker": self.worker_id,
             "processors": [
-                {"database": p.database, "target": p.target, **dataclasses.asdict(p.stats)}
+                {
+                    "database": p.database,
+                    "target": p.target,
+                    "circuit": p.circuit.state,
+                    **dataclasses.asdict(p.stats),
+                }
                 for p in self.processors
             ],
         }

@@ -184,7 +184,10 @@ class NatsBroker:
         with contextlib.suppress(asyncio.CancelledError):
             await acks
         reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
-        return [_result(f, reason) for f in futures]
+        results = [_result(f, reason) for f in futures]
+        if lost and not any(r.ok for r in results):
+            raise BrokerUnavailable(f"{self.name}: {reason}")
+        return results
 
     async def _ensure_stream(self) -> None:
         wanted = self.settings.stream

@@ -1,0 +1,86 @@
+"""A partner outage opens the target's circuit: no attempts are spent on rows never tried,
+probes find the broker again, and delivery resumes."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+from pathlib import Path
+
+import asyncpg
+
+from brokers.nats import EmbeddedNats
+from router import Outbox
+from tests.conftest import NatsStreams, make_config, nats_broker
+from tests.integration.events import OrderPlaced
+from tests.integration.test_delivery import serving, wait_until
+from tests.services import free_port
+
+
+async def partner_rows(url: str) -> list[tuple[str, str, int]]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT envelope::json->'payload'->>'order_id', status, attempts FROM router_outbox "
+            "WHERE target = 'partner' ORDER BY seq"
+        )
+    finally:
+        await conn.close()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+async def test_an_outage_longer_than_all_retries_abandons_no_row_that_was_never_tried(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    port = free_port()
+    internal, partner = nats_streams.stream("int"), nats_streams.stream("ext")
+    partner_settings = nats_broker(partner, url=f"nats://127.0.0.1:{port}", connect_timeout=0.5)
+    config = make_config(
+        {"main": pg_url},
+        {"events": nats_broker(internal, internal=True), "partner": partner_settings},
+        outbox={
+            "retry": {"max_attempts": 3, "base_delay": 0.1, "max_delay": 0.2, "jitter": 0.1},
+            "circuit": {"open_after": 0.3, "probe_max_delay": 0.3},
+        },
+    )
+    outbox = Outbox(config)
+    server = EmbeddedNats(f"nats://127.0.0.1:{port}", tmp_path / "partner-nats")
+    async with serving(config) as supervisor:
+        processor = supervisor.processor("main", "partner")
+        async with outbox.transaction() as tx:
+            await tx.stage(OrderPlaced(order_id="before", total=Decimal(1)))
+
+        async def circuit_open() -> bool:
+            return processor.circuit.is_open
+
+        await wait_until(circuit_open, timeout=10)
+        async with outbox.transaction() as tx:
+            await tx.stage(
+                *(OrderPlaced(order_id=f"during-{i}", total=Decimal(i)) for i in range(5))
+            )
+        # Far longer than three attempts' worth of backoff (0.1 + 0.2 + 0.2 s).
+        await asyncio.sleep(2.0)
+        during_outage = await partner_rows(pg_url)
+        assert await nats_streams.messages(internal[0], 6) != []
+
+        await server.start()
+        try:
+
+            async def delivered() -> bool:
+                rows = await partner_rows(pg_url)
+                return all(status in ("published", "abandoned") for _, status, _ in rows)
+
+            await wait_until(delivered, timeout=15)
+            after = await partner_rows(pg_url)
+            assert not processor.circuit.is_open
+        finally:
+            await server.stop()
+    await outbox.close()
+
+    assert during_outage[0][0] == "before"  # tried before the circuit opened
+    assert during_outage[0][2] >= 1
+    assert [(o, s, a) for o, s, a in during_outage[1:]] == [
+        (f"during-{i}", "pending", 0) for i in range(5)
+    ]
+    statuses = {order: status for order, status, _ in after}
+    assert all(statuses[f"during-{i}"] == "published" for i in range(5))
