@@ -1,6 +1,6 @@
 """The ``router`` command: parse arguments, load the config, set up logging, run.
 
-router serve       run every processor until SIGINT/SIGTERM
+router serve       run every processor until SIGINT/SIGTERM (--workers N: N processes)
 router init-db     create or upgrade the outbox table in every database
 router check       validate the config and reach every database and broker
 """
@@ -24,6 +24,7 @@ from router.check import run_checks
 from router.config import RouterConfig
 from router.migrate import upgrade
 from router.supervisor import Supervisor
+from router.workers import WorkerPool
 
 __all__ = ["main"]
 
@@ -75,7 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("serve", help="run every processor until SIGINT/SIGTERM")
+    serve = commands.add_parser("serve", help="run every processor until SIGINT/SIGTERM")
+    serve.add_argument(
+        "--workers",
+        type=_positive,
+        default=int(os.environ.get("ROUTER_WORKERS", "1")),
+        help="worker processes (default 1; $ROUTER_WORKERS)",
+    )
+    serve.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     init_db = commands.add_parser("init-db", help="create or upgrade the outbox table")
     init_db.add_argument(
         "--database", action="append", help="only this database (repeatable; default: all)"
@@ -89,9 +97,30 @@ async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, stop, signum)
-    supervisor = Supervisor(config)
+    if args.workers > 1 and not args.child:
+        child = [
+            "-c",
+            args.config,
+            "--log-level",
+            args.log_level,
+            "--log-format",
+            args.log_format,
+            "serve",
+            "--child",
+        ]
+        await WorkerPool(config, args.workers, child).run(stop)
+        return EXIT_OK
+    # A child of a worker pool leaves embedded brokers and HTTP to its parent.
+    supervisor = Supervisor(config, start_embedded=not args.child, serve_http=not args.child)
     await supervisor.run(stop)
     return EXIT_OK
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _on_signal(stop: asyncio.Event, signum: int) -> None:

@@ -34,8 +34,11 @@ BrokerFactory = Callable[[str, BrokerSettings], Broker]
 
 
 def new_worker_id() -> str:
-    """``host:pid:random``, unique per running router process."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    """``host:pid:random``, unique per running router process (``host:wN:pid:random`` in a
+    worker pool)."""
+    index = os.environ.get("ROUTER_WORKER_INDEX")
+    slot = f"w{index}:" if index is not None else ""
+    return f"{socket.gethostname()}:{slot}{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 class Supervisor:
@@ -49,6 +52,7 @@ class Supervisor:
         broker_factory: BrokerFactory = create_broker,
         databases: list[str] | None = None,
         start_embedded: bool = True,
+        serve_http: bool = True,
     ) -> None:
         self.config = config
         self.worker_id = worker_id or new_worker_id()
@@ -56,6 +60,7 @@ class Supervisor:
         self.processors: list[Processor] = []
         self._embedded: list[EmbeddedNats] = []
         self._start_embedded = start_embedded
+        self._serve_http = serve_http
         self._exit_stack = contextlib.AsyncExitStack()
         self.http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -101,7 +106,7 @@ class Supervisor:
                     store.watch(functools.partial(self.wake, name)), name=f"watch:{name}"
                 )
             )
-        if self.config.http.enabled:
+        if self.config.http.enabled and self._serve_http:
             self.http = HttpServer(
                 self.config.http.host,
                 self.config.http.port,
