@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
-from envelopes import BrokerUnavailable, DatabaseError, EnvelopeError, render
+from envelopes import BrokerError, DatabaseError, EnvelopeError, render
 from router._store import Claim, ClaimedRow, Marks, OutboxStore
 from router.circuit import Circuit
 from router.config import OutboxSettings
@@ -126,7 +126,7 @@ class Processor:
         limit = self.settings.connect_timeout * 2 + 1
         try:
             await asyncio.wait_for(self._connect_and_ping(), limit)
-        except (BrokerUnavailable, TimeoutError) as exc:
+        except (BrokerError, TimeoutError) as exc:
             self.circuit.probe_failed(str(exc) or "no answer within the timeout")
             await self._disconnect()
             return self.circuit.probe_in()
@@ -231,7 +231,7 @@ class Processor:
         limit = settings.connect_timeout + settings.publish_timeout + 1
         try:
             results = await asyncio.wait_for(self.broker.publish(messages), limit)
-        except BrokerUnavailable as exc:
+        except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
             self.circuit.unreachable(str(exc))
             return await self._all_failed(messages, str(exc))
         except TimeoutError:

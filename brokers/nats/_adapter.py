@@ -198,16 +198,21 @@ class NatsBroker:
                 raise BrokerError(
                     f"{self.name}: stream {wanted.name!r} does not exist and stream.create is off"
                 ) from None
-            await self._js.add_stream(
-                StreamConfig(
-                    name=wanted.name,
-                    subjects=list(wanted.subjects),
-                    storage=StorageType(wanted.storage),
-                    num_replicas=wanted.replicas,
-                    max_age=wanted.max_age_seconds,
-                    duplicate_window=wanted.duplicate_window_seconds,
+            try:
+                await self._js.add_stream(
+                    StreamConfig(
+                        name=wanted.name,
+                        subjects=list(wanted.subjects),
+                        storage=StorageType(wanted.storage),
+                        num_replicas=wanted.replicas,
+                        max_age=wanted.max_age_seconds,
+                        duplicate_window=wanted.duplicate_window_seconds,
+                    )
                 )
-            )
+            except nats.js.errors.APIError as exc:
+                raise BrokerError(
+                    f"{self.name}: cannot create stream {wanted.name!r}: {exc.description}"
+                ) from exc
             log.info("nats.stream.created", extra={"broker": self.name, "stream": wanted.name})
             return
         except _ANSWER_ERRORS as exc:

@@ -23,7 +23,7 @@ class NatsStream(BaseModel):
     replicas: int = Field(1, ge=1, le=5)
     max_age_seconds: float | None = Field(None, gt=0)
     duplicate_window_seconds: float = Field(
-        120.0, gt=0, description="How long JetStream drops a repeated Nats-Msg-Id."
+        120.0, ge=0.1, description="How long JetStream drops a repeated Nats-Msg-Id."
     )
 
     @field_validator("subjects")
