@@ -1,0 +1,268 @@
+"""What every benchmark shares: throwaway databases and streams, the router as a subprocess,
+the machine description, and the table + JSON output."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import yaml
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from router import Event
+from router.config import DatabaseSettings
+from router.migrate import upgrade
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+ADMIN_DSN = os.environ.get("BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+NATS_URL = os.environ.get("BENCH_NATS_URL", "nats://127.0.0.1:4222")
+
+
+class OrderPlaced(Event, type="order_placed", published=True):
+    """The event every benchmark stages: a small, realistic payload."""
+
+    order_id: str
+    customer: str
+    total: str
+    lines: int
+
+
+def order(i: int) -> OrderPlaced:
+    """The i-th benchmark event."""
+    return OrderPlaced(
+        order_id=f"order-{i}",
+        customer=f"customer-{i % 997}",
+        total=f"{i % 1000}.99",
+        lines=1 + i % 5,
+    )
+
+
+def dsn(database: str) -> str:
+    """The URL of a database on the benchmark server."""
+    return ADMIN_DSN.rsplit("/", 1)[0] + "/" + database
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(label: str) -> AsyncIterator[str]:
+    """A migrated, empty database for one measurement; dropped afterwards."""
+    name = f"bench_{label}_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        await upgrade(name, DatabaseSettings.model_validate({"url": dsn(name)}), Path.cwd())
+        yield dsn(name)
+    finally:
+        admin = await asyncpg.connect(ADMIN_DSN)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A throwaway JetStream stream."""
+
+    name: str
+    subject: str
+
+    @property
+    def destination(self) -> str:
+        """The router's destination template for it."""
+        return self.subject + ".{event_type}"
+
+
+@contextlib.asynccontextmanager
+async def fresh_stream(label: str) -> AsyncIterator[Stream]:
+    """A memory-backed stream for one measurement; deleted afterwards."""
+    tag = uuid.uuid4().hex[:8]
+    stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}")
+    client = await nats.connect(NATS_URL)
+    try:
+        await client.jetstream().add_stream(
+            StreamConfig(
+                name=stream.name, subjects=[stream.subject + ".>"], storage=StorageType.MEMORY
+            )
+        )
+        yield stream
+    finally:
+        with contextlib.suppress(NotFoundError):
+            await client.jetstream().delete_stream(stream.name)
+        await client.close()
+
+
+async def stream_count(js: Any, stream: Stream) -> int:
+    """Messages the stream holds now."""
+    count: int = (await js.stream_info(stream.name)).state.messages
+    return count
+
+
+async def wait_for_count(
+    stream: Stream, expected: int, timeout: float = 600
+) -> tuple[float, float]:
+    """Poll until the stream holds ``expected`` messages; (time of first, time of last)."""
+    client = await nats.connect(NATS_URL)
+    js = client.jetstream()
+    first: float | None = None
+    deadline = time.perf_counter() + timeout
+    try:
+        while time.perf_counter() < deadline:
+            count = await stream_count(js, stream)
+            now = time.perf_counter()
+            if count and first is None:
+                first = now
+            if count >= expected:
+                return first or now, now
+            await asyncio.sleep(0.005)
+    finally:
+        await client.close()
+    raise TimeoutError(f"stream {stream.name} did not reach {expected} messages")
+
+
+def router_config(database_url: str, stream: Stream, **outbox: Any) -> dict[str, Any]:
+    """A config with one database and one internal NATS broker."""
+    return {
+        "service": "bench",
+        "databases": {"main": database_url},
+        "brokers": {
+            "events": {
+                "type": "nats",
+                "internal": True,
+                "url": NATS_URL,
+                "destination": stream.destination,
+                "stream": {
+                    "name": stream.name,
+                    "subjects": [stream.subject + ".>"],
+                    "storage": "memory",
+                    "create": False,
+                },
+            }
+        },
+        "outbox": outbox,
+        "http": {"enabled": False},
+    }
+
+
+class RouterProcess:
+    """``router serve`` as a subprocess with a generated config."""
+
+    def __init__(self, config: dict[str, Any], *args: str) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="router-bench-"))
+        (self.folder / "config.yaml").write_text(yaml.safe_dump(config))
+        self.log = (self.folder / "router.log").open("w")
+        self.process = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("router")),
+                "--log-level",
+                "warning",
+                "serve",
+                *args,
+            ],
+            cwd=self.folder,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        """SIGTERM, then wait."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+
+    def version(command: Sequence[str]) -> str:
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
+        except OSError:
+            return "unknown"
+        return (
+            (out.stdout or out.stderr).strip().splitlines()[0]
+            if (out.stdout or out.stderr)
+            else "unknown"
+        )
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "postgresql": version(["psql", "--version"]),
+        "nats_server": version(["nats-server", "--version"]),
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (mean of the two middle ones for an even count)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain aligned table on stdout."""
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(title)
+    for n, row in enumerate(cells):
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if n == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def write_results(name: str, parameters: dict[str, Any], figures: Any) -> Path:
+    """bench/results/<name>.json with the machine, parameters and figures."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    target = RESULTS / f"{name}.json"
+    target.write_text(
+        json.dumps(
+            {
+                "benchmark": name,
+                "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": machine(),
+                "parameters": parameters,
+                "figures": figures,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return target

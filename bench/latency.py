@@ -1,0 +1,145 @@
+"""latency: commit-to-broker-ack latency, measured at a consumer.
+
+    python bench/latency.py [--rate 100 2000] [--seconds 20 10]
+
+``router serve`` runs as a subprocess. Producers commit one event per transaction at a steady
+rate and note the time right after each COMMIT returns; a NATS subscriber on the stream's
+subjects notes when each message arrives (by its ``Nats-Msg-Id``). The difference is what an
+application waits between committing an event and a consumer seeing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import asyncpg
+import nats
+
+from bench._common import (
+    NATS_URL,
+    RouterProcess,
+    fresh_database,
+    fresh_stream,
+    order,
+    print_table,
+    router_config,
+    write_results,
+)
+from router import Outbox
+from tests.conftest import make_config
+
+PRODUCERS = 8
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of sorted ``values``."""
+    index = max(0, min(len(values) - 1, round(q / 100 * len(values)) - 1))
+    return values[index]
+
+
+async def measure(rate: float, seconds: float) -> dict[str, Any]:
+    """Commit ``rate`` events/s for ``seconds``; return latency figures in milliseconds."""
+    async with fresh_database("latency") as url, fresh_stream("latency") as stream:
+        outbox = Outbox(
+            make_config(
+                {"main": url},
+                {
+                    "events": {
+                        "type": "nats",
+                        "internal": True,
+                        "destination": stream.destination,
+                        "stream": {"name": stream.name, "subjects": [stream.subject + ".>"]},
+                    }
+                },
+            )
+        )
+        committed: dict[str, float] = {}
+        arrived: dict[str, float] = {}
+        client = await nats.connect(NATS_URL)
+
+        async def on_message(msg: Any) -> None:
+            arrived.setdefault(msg.headers["Nats-Msg-Id"], time.time())
+
+        await client.subscribe(stream.subject + ".>", cb=on_message)
+        with RouterProcess(router_config(url, stream)) as router:
+            await asyncio.sleep(2.0)  # let the router start and connect
+            total = int(rate * seconds)
+            started = time.perf_counter()
+            await asyncio.gather(
+                *(produce(outbox, url, p, total, rate, committed) for p in range(PRODUCERS))
+            )
+            achieved = len(committed) / (time.perf_counter() - started)
+            deadline = time.perf_counter() + 10
+            while len(arrived) < len(committed) and time.perf_counter() < deadline:
+                await asyncio.sleep(0.05)
+            del router
+        await client.close()
+        latencies = sorted((arrived[i] - t) * 1000 for i, t in committed.items() if i in arrived)
+        return {
+            "rate": rate,
+            "seconds": seconds,
+            "achieved_rate": round(achieved, 1),
+            "events": len(committed),
+            "lost": len(committed) - len(latencies),
+            "p50_ms": round(percentile(latencies, 50), 3),
+            "p95_ms": round(percentile(latencies, 95), 3),
+            "p99_ms": round(percentile(latencies, 99), 3),
+            "max_ms": round(latencies[-1], 3),
+        }
+
+
+async def produce(
+    outbox: Outbox, url: str, index: int, total: int, rate: float, committed: dict[str, float]
+) -> None:
+    """One of the producers: every PRODUCERS-th event, on its own connection, on schedule."""
+    conn = await asyncpg.connect(url)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        for i in range(index, total, PRODUCERS):
+            delay = start + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with conn.transaction():
+                [message_id] = await outbox.stage(conn, order(i), stream_key=f"order-{i}")
+            committed[message_id] = time.time()
+    finally:
+        await conn.close()
+
+
+async def main() -> None:
+    """Measure each rate; print and save."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, nargs="+", default=[100.0, 2000.0])
+    parser.add_argument("--seconds", type=float, nargs="+", default=[20.0, 10.0])
+    args = parser.parse_args()
+    seconds = args.seconds + [args.seconds[-1]] * (len(args.rate) - len(args.seconds))
+    figures = [await measure(rate, secs) for rate, secs in zip(args.rate, seconds, strict=False)]
+    print_table(
+        "latency: commit to arrival at a NATS consumer, router serve (1 process)",
+        ["rate (ev/s)", "achieved", "events", "lost", "p50 ms", "p95 ms", "p99 ms", "max ms"],
+        [
+            (
+                f"{f['rate']:,.0f}",
+                f"{f['achieved_rate']:,.0f}",
+                f["events"],
+                f["lost"],
+                f["p50_ms"],
+                f["p95_ms"],
+                f["p99_ms"],
+                f["max_ms"],
+            )
+            for f in figures
+        ],
+    )
+    path = write_results(
+        "latency", {"rates": args.rate, "seconds": seconds, "producers": PRODUCERS}, figures
+    )
+    print(f"written to {path.relative_to(path.parents[2])}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
