@@ -21,51 +21,66 @@ def order_ids(messages: Sequence[object]) -> list[str]:
     return [json.loads(m.data)["payload"]["order_id"] for m in messages]  # type: ignore[attr-defined]
 
 
-async def test_staging_on_one_stream_key_waits_for_the_open_transaction_and_order_follows_commits(
+async def test_two_transactions_on_one_stream_key_are_published_in_commit_order(
     pg_url: str, nats_streams: NatsStreams
 ) -> None:
     stream = nats_streams.stream("int")
     config = make_config({"main": pg_url}, {"events": nats_broker(stream, internal=True)})
     outbox = Outbox(config)
-    first = await asyncpg.connect(pg_url)
-    second = await asyncpg.connect(pg_url)
+    early, late = await asyncpg.connect(pg_url), await asyncpg.connect(pg_url)
+    await early.execute("CREATE TABLE orders (id text PRIMARY KEY, created serial)")
     try:
         async with serving(config):
-            # "second" begins first and stages first, but commits last.
-            tx_second = second.transaction()
-            await tx_second.start()
+            # "early" writes its business row first but commits last...
+            tx_early = early.transaction()
+            await tx_early.start()
+            await early.execute("INSERT INTO orders (id) VALUES ('early')")
+            # ...while "late" writes, stages and commits in between.
+            async with late.transaction():
+                await late.execute("INSERT INTO orders (id) VALUES ('late')")
+                await outbox.stage(
+                    late, OrderPlaced(order_id="late", total=Decimal(2)), stream_key="order-1"
+                )
             await outbox.stage(
-                second, OrderPlaced(order_id="staged-first", total=Decimal(1)), stream_key="order-1"
+                early, OrderPlaced(order_id="early", total=Decimal(1)), stream_key="order-1"
             )
+            await tx_early.commit()
 
-            tx_first = first.transaction()
-            await tx_first.start()
+            # Now the other way round: a transaction that staged first holds the stream key,
+            # so one that stages on it later waits for it and commits after it.
+            holder = early.transaction()
+            await holder.start()
+            await outbox.stage(
+                early, OrderPlaced(order_id="holder", total=Decimal(3)), stream_key="order-1"
+            )
+            waiting = late.transaction()
+            await waiting.start()
             staging = asyncio.create_task(
                 outbox.stage(
-                    first,
-                    OrderPlaced(order_id="staged-second", total=Decimal(2)),
-                    stream_key="order-1",
+                    late, OrderPlaced(order_id="waiter", total=Decimal(4)), stream_key="order-1"
                 )
             )
             await asyncio.sleep(0.3)
-            assert not staging.done()  # waits: an open transaction holds stream "order-1"
+            assert not staging.done()
 
-            # Another stream key is not held up by it.
+            # Another stream key is not held up meanwhile.
             async with outbox.transaction() as tx:
                 await tx.stage(
-                    OrderPlaced(order_id="other-stream", total=Decimal(3)), stream_key="order-2"
+                    OrderPlaced(order_id="other-stream", total=Decimal(5)), stream_key="order-2"
                 )
-            assert order_ids(await nats_streams.messages(stream[0], 1)) == ["other-stream"]
+            await nats_streams.messages(stream[0], 3)
 
-            await tx_second.commit()
+            await holder.commit()
             await staging
-            await tx_first.commit()
-            arrived = await nats_streams.messages(stream[0], 3)
+            await waiting.commit()
+            arrived = await nats_streams.messages(stream[0], 5)
+            business = await early.fetch("SELECT id FROM orders ORDER BY created")
     finally:
-        await first.close()
-        await second.close()
+        await early.close()
+        await late.close()
         await outbox.close()
-    assert order_ids(arrived) == ["other-stream", "staged-first", "staged-second"]
+    assert [r["id"] for r in business] == ["early", "late"]  # row order of the business data
+    assert order_ids(arrived) == ["late", "early", "other-stream", "holder", "waiter"]
 
 
 async def test_a_rolled_back_transaction_releases_the_stream(
@@ -178,3 +193,36 @@ async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
     assert by_status["events"] == ["published"] * 7
     assert sorted(by_status["partner"]) == ["failed", "pending"] + ["published"] * 5
     assert order_ids(released)[5:] == ["a-1", "a-2"]
+
+
+async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: str) -> None:
+    from router._store import Marks
+    from router._store.postgres import PostgresStore
+
+    config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
+    outbox = Outbox(config)
+    async with outbox.transaction() as tx:
+        await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+    await outbox.close()
+    paused = PostgresStore("main", pg_url)
+    healthy = PostgresStore("main", pg_url)
+    try:
+        stale = await paused.claim("events", 10, "paused-worker", 0.05)
+        await asyncio.sleep(0.2)  # the paused worker's lease runs out
+        fresh = await healthy.claim("events", 10, "healthy-worker", 30)
+        assert [r.seq for r in fresh.rows] == [r.seq for r in stale.rows]
+        # The paused worker wakes up and reports a failure: it must change nothing.
+        await paused.mark("events", stale.token, Marks(failed=[(stale.rows[0].seq, 60, "late")]))
+        conn = await asyncpg.connect(pg_url)
+        try:
+            row = await conn.fetchrow(
+                "SELECT status, locked_by, attempts, last_error FROM router_outbox"
+            )
+            assert tuple(row) == ("processing", "healthy-worker", 2, None)
+            await healthy.mark("events", fresh.token, Marks(published=[fresh.rows[0].seq]))
+            assert await conn.fetchval("SELECT status FROM router_outbox") == "published"
+        finally:
+            await conn.close()
+    finally:
+        await paused.close()
+        await healthy.close()
