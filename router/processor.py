@@ -1,9 +1,14 @@
 """The processor: drains one target (one database, one broker).
 
-Each cycle claims a batch of due rows under a lease, renders each row's envelope for the
-broker's profile, publishes the batch with acks in flight, and writes the outcomes back with
-one statement per kind: published; failed with ``available_at = now + backoff``; abandoned
-after ``max_attempts`` or when the broker says retrying cannot help.
+Each cycle claims a batch of due rows under a lease, hands it to ``Delivery`` (render, publish
+in waves with acks in flight, classify), and writes the outcomes back with one statement per
+kind: published; failed with ``available_at = now + backoff``; abandoned after
+``max_attempts`` or when the broker says retrying cannot help.
+
+While a full batch is being published, the next one is already claimed: at most two batches
+are in flight, so claiming and marking overlap publishing and memory stays bounded however
+long the backlog. Rows of one stream are never in two batches at once (a claim skips rows
+whose predecessor is in flight), so the overlap keeps every stream in order.
 
 It wakes on new rows (NOTIFY, the SQLite watcher, or an in-process signal), when the earliest
 retry falls due, and on a slow fallback poll; it never sleeps while a full batch is waiting.
@@ -17,15 +22,15 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
-from envelopes import BrokerError, DatabaseError, EnvelopeError, render
-from router._store import Claim, ClaimedRow, Marks, OutboxStore
+from brokers import Broker, BrokerSettings
+from envelopes import BrokerError, DatabaseError
+from router._store import Claim, Marks, OutboxStore
 from router.circuit import Circuit
 from router.config import OutboxSettings
-from router.retry import retry_delay
+from router.delivery import Delivery
+from router.stats import ProcessorStats
 
 __all__ = ["Processor", "ProcessorStats"]
 
@@ -33,17 +38,6 @@ log = logging.getLogger(__name__)
 
 # Back-off after a cycle failed (database down, or a bug): from half a second to 30 s.
 _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
-
-
-@dataclass(slots=True)
-class ProcessorStats:
-    """Counters since the processor started."""
-
-    published: int = 0
-    failed: int = 0
-    abandoned: int = 0
-    batches: int = 0
-    last_error: str | None = None
 
 
 class Processor:
@@ -69,14 +63,23 @@ class Processor:
         self.outbox = outbox
         self.worker_id = worker_id
         self.stats = ProcessorStats()
-        self._rand = rand
+        self._log = {"database": database, "target": target}
+        self.circuit = Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log)
+        self.delivery = Delivery(
+            target=target,
+            settings=settings,
+            broker=broker,
+            retry=outbox.retry,
+            circuit=self.circuit,
+            stats=self.stats,
+            rand=rand,
+            labels=self._log,
+        )
         self._wake = asyncio.Event()
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
-        self._claimed: Claim | None = None
-        self._log = {"database": database, "target": target}
-        self.circuit = Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log)
+        self._in_flight: dict[int, Claim] = {}  # claims not yet marked, by token
 
     @property
     def name(self) -> str:
@@ -88,23 +91,19 @@ class Processor:
         self._wake.set()
 
     def stop(self) -> None:
-        """Finish the batch in flight, then return from ``run()``."""
+        """Finish the batches in flight, then return from ``run()``."""
         self._stopping = True
         self._wake.set()
 
     async def run(self) -> None:
-        """Deliver until ``stop()``; on cancellation, release what was claimed."""
+        """Deliver until ``stop()``; on cancellation, give back what was claimed."""
         log.info("processor.started", extra={**self._log, "worker": self.worker_id})
         pause = _PAUSE_MIN
         try:
             while not self._stopping:
                 self._wake.clear()
                 try:
-                    if self.circuit.is_open:
-                        timeout = await self._probe()
-                    else:
-                        handled = await self.run_once()
-                        timeout = await self._idle_timeout(handled)
+                    timeout = await (self._probe() if self.circuit.is_open else self._pump())
                     pause = _PAUSE_MIN
                 except Exception as exc:  # the loop must outlive a database outage, or a bug
                     self._report(exc, pause)
@@ -118,31 +117,6 @@ class Processor:
             await self._shutdown()
             log.info("processor.stopped", extra={**self._log, "published": self.stats.published})
 
-    async def _probe(self) -> float | None:
-        """Circuit open: once a probe is due, try the broker. None: closed again, go on."""
-        wait = self.circuit.probe_in()
-        if wait > 0:
-            return wait
-        limit = self.settings.connect_timeout * 2 + 1
-        try:
-            await asyncio.wait_for(self._connect_and_ping(), limit)
-        except (BrokerError, TimeoutError) as exc:
-            self.circuit.probe_failed(str(exc) or "no answer within the timeout")
-            await self._disconnect()
-            return self.circuit.probe_in()
-        self.circuit.reachable()
-        return None
-
-    async def _connect_and_ping(self) -> None:
-        await self.broker.connect()
-        await self.broker.ping()
-
-    def _report(self, exc: Exception, pause: float) -> None:
-        if isinstance(exc, DatabaseError):
-            log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
-        else:
-            log.exception("processor.error", extra={**self._log, "retry_in": pause})
-
     async def drain(self, max_cycles: int = 10_000) -> int:
         """Burst mode: deliver every row that is due now, then return how many were handled."""
         total = 0
@@ -154,23 +128,68 @@ class Processor:
         return total
 
     async def run_once(self) -> int:
-        """One cycle: claim, publish, mark. Returns the number of rows handled."""
-        claim = await self.store.claim(
+        """One cycle, without overlap: claim, publish, mark. Returns the rows handled."""
+        claim = await self._claim()
+        if claim.rows:
+            await self._deliver_and_mark(claim)
+        return len(claim)
+
+    async def _pump(self) -> float | None:
+        """Deliver batches while they come back full, claiming the next during the publish
+        of the current; then say how long to wait (None: go on at once)."""
+        previous: asyncio.Task[None] | None = None
+        current: asyncio.Task[None] | None = None
+        try:
+            while True:
+                claim = await self._claim()
+                current = asyncio.create_task(self._deliver_and_mark(claim)) if claim.rows else None
+                if previous is not None:
+                    await previous
+                previous, current = current, None
+                full = len(claim) >= self.outbox.batch_size
+                if not full or self._stopping or self.circuit.is_open:
+                    break
+            if previous is not None:
+                await previous
+                previous = None
+        finally:
+            await _settle(previous, current)
+        return await self._idle_timeout(len(claim))
+
+    async def _claim(self) -> Claim:
+        return await self.store.claim(
             self.target, self.outbox.batch_size, self.worker_id, self.outbox.lease_seconds
         )
-        if not claim.rows:
-            return 0
-        # Until the outcomes are written, a cancellation (shutdown past its grace period)
-        # gives these rows back: see _shutdown.
-        self._claimed = claim
+
+    async def _deliver_and_mark(self, claim: Claim) -> None:
+        # Until its outcomes are written, a cancelled batch (shutdown past its grace period)
+        # is given back by _shutdown.
+        self._in_flight[claim.token] = claim
         try:
-            marks = await self._deliver(claim.rows)
+            marks = await self.delivery.deliver(claim.rows)
+            if marks.failed or marks.abandoned:
+                self._check_due = True
             await self._mark(claim.token, marks)
-        finally:
-            if not _cancelling():
-                self._claimed = None
+        except Exception:
+            # Not written back (the database is away): the lease will bring the rows back.
+            self._in_flight.pop(claim.token, None)
+            raise
+        self._in_flight.pop(claim.token, None)
         self.stats.batches += 1
-        return len(claim.rows)
+
+    async def _probe(self) -> float | None:
+        """Circuit open: once a probe is due, try the broker. None: closed again, go on."""
+        wait = self.circuit.probe_in()
+        if wait > 0:
+            return wait
+        try:
+            await self.delivery.probe()
+        except (BrokerError, TimeoutError) as exc:
+            self.circuit.probe_failed(str(exc) or "no answer within the timeout")
+            await self.delivery.disconnect()
+            return self.circuit.probe_in()
+        self.circuit.reachable()
+        return None
 
     async def _idle_timeout(self, handled: int) -> float | None:
         """None to go on at once; otherwise how long to wait for a wake-up."""
@@ -189,129 +208,6 @@ class Processor:
                 return 0.0 if handled else 0.05
             timeout = min(timeout, remaining + 0.005)
         return timeout
-
-    async def _deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
-        """Publish a batch in waves: the n-th row of every stream goes in wave n.
-
-        A broker can fail one message and take the next; within one wave no two messages
-        share a stream, so a failed row's successors are never sent behind its back: they
-        stay untried (their attempt is not counted) and wait for it.
-        """
-        marks = Marks()
-        held: set[str] = set()
-        for wave in _waves(rows):
-            sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
-            for row in wave:
-                if row.stream_key is not None and row.stream_key in held:
-                    marks.untried.append(row.seq)
-                    continue
-                try:
-                    wire = render(
-                        row.envelope,
-                        self.settings.profile,
-                        sequence=row.seq,
-                        omit=self.settings.omit,
-                    )
-                except EnvelopeError as exc:
-                    marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
-                    continue
-                sendable.append((row, OutgoingMessage(row.destination, wire)))
-            if not sendable:
-                continue
-            results = await self._publish([message for _, message in sendable])
-            for (row, _), result in zip(sendable, results, strict=True):
-                if not self._classify(row, result, marks) and row.stream_key is not None:
-                    held.add(row.stream_key)
-        self._record(marks, rows)
-        return marks
-
-    async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
-        settings = self.settings
-        # publish() connects first when it has to, so both timeouts bound one call.
-        limit = settings.connect_timeout + settings.publish_timeout + 1
-        try:
-            results = await asyncio.wait_for(self.broker.publish(messages), limit)
-        except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
-            self.circuit.unreachable(str(exc))
-            return await self._all_failed(messages, str(exc))
-        except TimeoutError:
-            error = f"{self.target}: broker did not answer within the timeout"
-            self.circuit.unreachable(error)
-            return await self._all_failed(messages, error)
-        except Exception as exc:  # an adapter bug must not stop delivery to other targets
-            log.exception("broker.error", extra=self._log)
-            return await self._all_failed(messages, f"{type(exc).__name__}: {exc}")
-        self.circuit.reachable()
-        if len(results) != len(messages):
-            return await self._all_failed(
-                messages, f"adapter returned {len(results)} results for {len(messages)} messages"
-            )
-        return results
-
-    async def _all_failed(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
-        """The broker could not be used: drop the connection so the next batch reconnects."""
-        log.warning("broker.unavailable", extra={**self._log, "error": error})
-        self.stats.last_error = error
-        await self._disconnect()
-        return [PublishResult.failed(error, retryable=True) for _ in messages]
-
-    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> bool:
-        """Sort one outcome into ``marks``; False when the row will be retried (it then holds
-        back its stream)."""
-        if result.ok:
-            marks.published.append(row.seq)
-            return True
-        error = result.error or "failed"
-        if not result.retryable:
-            marks.abandoned.append((row.seq, f"not retryable: {error}"))
-        elif row.attempts >= self.outbox.retry.max_attempts:
-            marks.abandoned.append((row.seq, f"gave up after {row.attempts} attempts: {error}"))
-        else:
-            delay = retry_delay(row.attempts, self.outbox.retry, self._rand)
-            marks.failed.append((row.seq, delay, error))
-            return False
-        return True
-
-    def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:
-        self.stats.published += len(marks.published)
-        self.stats.failed += len(marks.failed)
-        self.stats.abandoned += len(marks.abandoned)
-        if marks.failed or marks.abandoned:
-            self._check_due = True
-            by_seq = {row.seq: row for row in rows}
-            for seq, error in marks.abandoned:
-                log.error(
-                    "row.abandoned",
-                    extra={
-                        **self._log,
-                        "message_id": by_seq[seq].message_id,
-                        "attempts": by_seq[seq].attempts,
-                        "error": error,
-                    },
-                )
-            for seq, delay, error in marks.failed:
-                log.debug(
-                    "row.failed",
-                    extra={
-                        **self._log,
-                        "message_id": by_seq[seq].message_id,
-                        "attempts": by_seq[seq].attempts,
-                        "retry_in": round(delay, 3),
-                        "error": error,
-                    },
-                )
-            first = marks.failed[0][2] if marks.failed else marks.abandoned[0][1]
-            self.stats.last_error = first
-            log.warning(
-                "batch.failures",
-                extra={
-                    **self._log,
-                    "failed": len(marks.failed),
-                    "abandoned": len(marks.abandoned),
-                    "published": len(marks.published),
-                    "error": first,
-                },
-            )
 
     async def _mark(self, token: int, marks: Marks) -> None:
         """Write outcomes back, retrying while the lease lasts (marks are idempotent)."""
@@ -332,36 +228,31 @@ class Processor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def _disconnect(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.broker.close(), 5)
+    def _report(self, exc: Exception, pause: float) -> None:
+        if isinstance(exc, DatabaseError):
+            log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
+        else:
+            log.exception("processor.error", extra={**self._log, "retry_in": pause})
 
     async def _shutdown(self) -> None:
         """Give back rows claimed but not marked (cancelled mid-batch), then disconnect."""
-        claimed, self._claimed = self._claimed, None
-        if claimed is not None:
+        claims, self._in_flight = list(self._in_flight.values()), {}
+        for claim in claims:
             with contextlib.suppress(Exception):
-                seqs = [r.seq for r in claimed.rows]
-                await asyncio.shield(self.store.release(self.target, claimed.token, seqs))
+                seqs = [r.seq for r in claim.rows]
+                await asyncio.shield(self.store.release(self.target, claim.token, seqs))
                 log.info("batch.released", extra={**self._log, "rows": len(seqs)})
-        await self._disconnect()
+        await self.delivery.disconnect()
 
 
-def _cancelling() -> bool:
+async def _settle(*tasks: asyncio.Task[None] | None) -> None:
+    """Leave no batch task behind: when we are being cancelled, cancel them too; otherwise
+    (another batch failed) let them finish, so their outcomes are written."""
+    running = [t for t in tasks if t is not None and not t.done()]
+    if not running:
+        return
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def _waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
-    """Split a batch so that no wave holds two rows of one stream (order kept in each)."""
-    waves: list[list[ClaimedRow]] = []
-    depth: dict[str, int] = {}
-    for row in rows:
-        level = 0
-        if row.stream_key is not None:
-            level = depth.get(row.stream_key, 0)
-            depth[row.stream_key] = level + 1
-        if level == len(waves):
-            waves.append([])
-        waves[level].append(row)
-    return waves
+    if task is not None and task.cancelling():
+        for t in running:
+            t.cancel()
+    await asyncio.gather(*running, return_exceptions=True)

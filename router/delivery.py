@@ -1,0 +1,200 @@
+"""Delivering one claimed batch to one broker: render, publish in waves, classify outcomes.
+
+No database here: the processor claims rows and writes back the ``Marks`` this returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
+from envelopes import BrokerError, EnvelopeError, render
+from router._store import ClaimedRow, Marks
+from router.circuit import Circuit
+from router.config import RetrySettings
+from router.retry import retry_delay
+from router.stats import ProcessorStats
+
+__all__ = ["Delivery", "waves"]
+
+log = logging.getLogger(__name__)
+
+
+class Delivery:
+    """Publishes batches to one target's broker and decides what becomes of each row."""
+
+    def __init__(
+        self,
+        *,
+        target: str,
+        settings: BrokerSettings,
+        broker: Broker,
+        retry: RetrySettings,
+        circuit: Circuit,
+        stats: ProcessorStats,
+        rand: Callable[[], float],
+        labels: dict[str, str],
+    ) -> None:
+        self.target = target
+        self.settings = settings
+        self.broker = broker
+        self.retry = retry
+        self.circuit = circuit
+        self.stats = stats
+        self._rand = rand
+        self._log = labels
+
+    async def deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
+        """Publish a batch in waves: the n-th row of every stream goes in wave n.
+
+        A broker can fail one message and take the next; within one wave no two messages
+        share a stream, so a failed row's successors are never sent behind its back: they
+        stay untried (their attempt is not counted) and wait for it.
+        """
+        marks = Marks()
+        held: set[str] = set()
+        for wave in waves(rows):
+            sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
+            for row in wave:
+                if row.stream_key is not None and row.stream_key in held:
+                    marks.untried.append(row.seq)
+                    continue
+                try:
+                    wire = render(
+                        row.envelope,
+                        self.settings.profile,
+                        sequence=row.seq,
+                        omit=self.settings.omit,
+                    )
+                except EnvelopeError as exc:
+                    marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+                    continue
+                sendable.append((row, OutgoingMessage(row.destination, wire)))
+            if not sendable:
+                continue
+            results = await self._publish([message for _, message in sendable])
+            for (row, _), result in zip(sendable, results, strict=True):
+                if not self._classify(row, result, marks) and row.stream_key is not None:
+                    held.add(row.stream_key)
+        self._record(marks, rows)
+        return marks
+
+    async def probe(self) -> None:
+        """Connect and ping (raises BrokerError or TimeoutError)."""
+        limit = self.settings.connect_timeout * 2 + 1
+        async with asyncio.timeout(limit):
+            await self.broker.connect()
+            await self.broker.ping()
+
+    async def disconnect(self) -> None:
+        """Drop the connection; the next publish connects again."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.broker.close(), 5)
+
+    async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
+        settings = self.settings
+        # publish() connects first when it has to, so both timeouts bound one call.
+        limit = settings.connect_timeout + settings.publish_timeout + 1
+        try:
+            results = await asyncio.wait_for(self.broker.publish(messages), limit)
+        except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
+            self.circuit.unreachable(str(exc))
+            return await self._all_failed(messages, str(exc))
+        except TimeoutError:
+            error = f"{self.target}: broker did not answer within the timeout"
+            self.circuit.unreachable(error)
+            return await self._all_failed(messages, error)
+        except Exception as exc:  # an adapter bug must not stop delivery to other targets
+            log.exception("broker.error", extra=self._log)
+            return await self._all_failed(messages, f"{type(exc).__name__}: {exc}")
+        self.circuit.reachable()
+        if len(results) != len(messages):
+            return await self._all_failed(
+                messages, f"adapter returned {len(results)} results for {len(messages)} messages"
+            )
+        return results
+
+    async def _all_failed(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
+        """The broker could not be used: drop the connection so the next batch reconnects."""
+        log.warning("broker.unavailable", extra={**self._log, "error": error})
+        self.stats.last_error = error
+        await self.disconnect()
+        return [PublishResult.failed(error, retryable=True) for _ in messages]
+
+    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> bool:
+        """Sort one outcome into ``marks``; False when the row will be retried (it then holds
+        back its stream)."""
+        if result.ok:
+            marks.published.append(row.seq)
+            return True
+        error = result.error or "failed"
+        if not result.retryable:
+            marks.abandoned.append((row.seq, f"not retryable: {error}"))
+        elif row.attempts >= self.retry.max_attempts:
+            marks.abandoned.append((row.seq, f"gave up after {row.attempts} attempts: {error}"))
+        else:
+            delay = retry_delay(row.attempts, self.retry, self._rand)
+            marks.failed.append((row.seq, delay, error))
+            return False
+        return True
+
+    def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:
+        self.stats.published += len(marks.published)
+        self.stats.failed += len(marks.failed)
+        self.stats.abandoned += len(marks.abandoned)
+        if not (marks.failed or marks.abandoned):
+            return
+        by_seq = {row.seq: row for row in rows}
+        for seq, error in marks.abandoned:
+            row = by_seq[seq]
+            log.error(
+                "row.abandoned",
+                extra={
+                    **self._log,
+                    "message_id": row.message_id,
+                    "attempts": row.attempts,
+                    "error": error,
+                },
+            )
+        for seq, delay, error in marks.failed:
+            row = by_seq[seq]
+            log.debug(
+                "row.failed",
+                extra={
+                    **self._log,
+                    "message_id": row.message_id,
+                    "attempts": row.attempts,
+                    "retry_in": round(delay, 3),
+                    "error": error,
+                },
+            )
+        first = marks.failed[0][2] if marks.failed else marks.abandoned[0][1]
+        self.stats.last_error = first
+        log.warning(
+            "batch.failures",
+            extra={
+                **self._log,
+                "failed": len(marks.failed),
+                "abandoned": len(marks.abandoned),
+                "published": len(marks.published),
+                "error": first,
+            },
+        )
+
+
+def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
+    """Split a batch so that no wave holds two rows of one stream (order kept in each)."""
+    result: list[list[ClaimedRow]] = []
+    depth: dict[str, int] = {}
+    for row in rows:
+        level = 0
+        if row.stream_key is not None:
+            level = depth.get(row.stream_key, 0)
+            depth[row.stream_key] = level + 1
+        if level == len(result):
+            result.append([])
+        result[level].append(row)
+    return result
