@@ -13,7 +13,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from envelopes import ConfigError, RouterError
 from router import __version__
@@ -46,12 +47,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format, redactor)
     command = {"serve": _serve, "init-db": _init_db, "check": _check}[args.command]
     try:
-        return asyncio.run(command(config, args, redactor))
+        return _run(command(config, args, redactor))
     except RouterError as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:  # pragma: no cover - serve handles SIGINT itself
         return 130
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed (a faster event loop), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _parser() -> argparse.ArgumentParser:
