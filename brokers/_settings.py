@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -75,6 +75,11 @@ class BrokerSettings(BaseModel):
     destination: str = Field(
         "{destination}", description="Template for where each event goes on this broker."
     )
+    cloudevents_mode: Literal["structured", "binary"] = Field(
+        "structured",
+        description="With envelope: cloudevents, the whole event as the body (structured) or "
+        "the data as the body and the attributes as headers (binary).",
+    )
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     publish_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for one batch's acknowledgements."
@@ -101,11 +106,21 @@ class BrokerSettings(BaseModel):
             raise ValueError(f"cannot omit {sorted(unknown)}; omittable: {sorted(_OMITTABLE)}")
         return fields
 
+    # The header prefix of the broker's CloudEvents binding, for binary mode.
+    cloudevents_prefix: ClassVar[str] = "ce_"
+
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:
         if self.internal and self.events is not None:
             raise ValueError("'events' filters external brokers; the internal broker gets all")
         return self
+
+    @property
+    def binary_prefix(self) -> str | None:
+        """The CloudEvents header prefix when this broker gets binary-mode CloudEvents."""
+        if self.profile == "cloudevents" and self.cloudevents_mode == "binary":
+            return self.cloudevents_prefix
+        return None
 
     @property
     def profile(self) -> Profile:

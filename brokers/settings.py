@@ -7,19 +7,37 @@ from typing import Annotated
 from pydantic import Field
 
 from brokers._settings import BrokerSettings, EventFilter, EventRoute, redact_url
+from brokers.kafka._settings import KafkaSasl, KafkaSettings
 from brokers.memory import MemorySettings
 from brokers.nats._settings import NatsEmbedded, NatsSettings, NatsStream
+from brokers.rabbitmq._settings import RabbitExchange, RabbitSettings
+from brokers.redis._settings import RedisSettings
+from brokers.servicebus._settings import ServiceBusSettings
 
 __all__ = [
     "AnyBrokerSettings",
     "BrokerSettings",
     "EventFilter",
     "EventRoute",
+    "KafkaSasl",
+    "KafkaSettings",
     "MemorySettings",
     "NatsEmbedded",
     "NatsSettings",
     "NatsStream",
+    "RabbitExchange",
+    "RabbitSettings",
+    "RedisSettings",
+    "ServiceBusSettings",
     "redact_url",
 ]
 
-AnyBrokerSettings = Annotated[NatsSettings | MemorySettings, Field(discriminator="type")]
+AnyBrokerSettings = Annotated[
+    NatsSettings
+    | KafkaSettings
+    | RabbitSettings
+    | RedisSettings
+    | ServiceBusSettings
+    | MemorySettings,
+    Field(discriminator="type"),
+]

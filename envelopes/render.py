@@ -133,8 +133,15 @@ def render(
     *,
     sequence: int | None = None,
     omit: Iterable[str] = (),
+    cloudevents_prefix: str | None = None,
 ) -> WireMessage:
-    """Render a stored internal envelope for one broker profile."""
+    """Render a stored internal envelope for one broker profile.
+
+    With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
+    mode: the body is the data alone and every other attribute becomes a header named with
+    the broker binding's prefix (``ce_`` for Kafka, ``cloudEvents:`` for AMQP, ``ce-`` for
+    NATS); without a prefix it goes in structured mode, the whole event as the body.
+    """
     try:
         envelope = orjson.loads(stored)
     except orjson.JSONDecodeError as exc:
@@ -153,19 +160,44 @@ def render(
             if _present(envelope.get(k)) and k not in omitted
         }
         body, content_type = orjson.dumps(body_fields), JSON
+    elif profile == "cloudevents" and cloudevents_prefix is not None:
+        event = _cloudevent(envelope, omitted)
+        body, content_type = orjson.dumps(event.pop("data")), JSON
+        headers = _headers(envelope, content_type, omitted)
+        headers.update(
+            {cloudevents_prefix + name: _attribute(value) for name, value in event.items()}
+        )
+        return _wire(envelope, body, content_type, headers)
     elif profile == "cloudevents":
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
+    return _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+
+
+def _wire(
+    envelope: dict[str, Any], body: bytes, content_type: str, headers: dict[str, str]
+) -> WireMessage:
     return WireMessage(
         message_id=envelope["id"],
         event_type=envelope["type"],
         body=body,
         content_type=content_type,
-        headers=_headers(envelope, content_type, omitted),
+        headers=headers,
         stream_key=envelope.get("stream"),
         correlation_id=envelope.get("correlation_id"),
     )
+
+
+def _attribute(value: Any) -> str:
+    """A CloudEvents attribute as a header value (binary mode carries strings)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return orjson.dumps(value).decode()
 
 
 def _present(value: Any) -> bool:

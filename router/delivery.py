@@ -68,6 +68,7 @@ class Delivery:
                         self.settings.profile,
                         sequence=row.seq,
                         omit=self.settings.omit,
+                        cloudevents_prefix=self.settings.binary_prefix,
                     )
                 except EnvelopeError as exc:
                     marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))

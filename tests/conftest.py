@@ -170,3 +170,27 @@ def make_config(
     }
     config = RouterConfig.model_validate(data)
     return config.with_base_dir(base_dir or Path.cwd())
+
+
+@pytest.fixture(scope="session")
+def kafka_peer() -> Iterator[str]:
+    """tansu (Kafka-compatible, in memory) on a free port, for the whole session."""
+    from tests.peers.kafka import TansuPeer
+    from tests.services import free_port
+
+    peer = TansuPeer(free_port())
+    peer.start()
+    yield peer.bootstrap
+    peer.stop()
+
+
+@pytest.fixture(scope="session")
+def servicebus_peer() -> Iterator[Any]:
+    """The AMQP 1.0 Service Bus peer on a free port, for the whole session."""
+    from tests.peers.servicebus import ServiceBusPeer
+    from tests.services import free_port
+
+    peer = ServiceBusPeer(port=free_port())
+    peer.start()
+    yield peer
+    peer.stop()

@@ -55,3 +55,12 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+RABBITMQ = ("127.0.0.1", 5672)
+REDIS = ("127.0.0.1", 6379)
+START["RabbitMQ"] = "rabbitmq-server -detached"
+START["Redis"] = (
+    'redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" '
+    "--appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log"
+)

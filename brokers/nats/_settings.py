@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -46,6 +46,7 @@ class NatsSettings(BrokerSettings):
     """NATS JetStream: publishes with acks in flight, ``Nats-Msg-Id`` = message id."""
 
     type: Literal["nats"]
+    cloudevents_prefix: ClassVar[str] = "ce-"  # the NATS binding's header prefix
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )

@@ -1,0 +1,160 @@
+"""Kafka adapter (FastStream's KafkaBroker over aiokafka).
+
+Each message goes to its destination topic with the stream key as record key, so one stream
+stays on one partition and in order; ``acks="all"`` and, by default, the idempotent producer.
+The message id, type and correlation id travel as headers. FastStream's ``publish`` returns
+once the record is acknowledged; messages of different streams are in flight together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiokafka.errors as kafka_errors
+from faststream.kafka import KafkaBroker as FastStreamKafka
+
+from brokers._ordered import publish_in_order
+from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.kafka._settings import KafkaSettings
+from envelopes import BrokerUnavailable
+
+__all__ = ["KafkaBroker"]
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.NodeNotReadyError,
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.RequestTimedOutError,
+    ConnectionError,
+    OSError,
+)
+_PERMANENT: tuple[type[BaseException], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.UnknownTopicOrPartitionError,
+    kafka_errors.UnsupportedVersionError,
+)
+
+
+class KafkaBroker:
+    """Publishes to Kafka topics; see ``brokers._protocol`` for the contract."""
+
+    def __init__(self, name: str, settings: KafkaSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self._broker: FastStreamKafka | None = None
+
+    async def connect(self) -> None:
+        """Start the producer (it fetches cluster metadata)."""
+        if self._broker is not None:
+            return
+        settings = self.settings
+        options: dict[str, Any] = {
+            "acks": "all",
+            "enable_idempotence": settings.idempotent,
+            "compression_type": None if settings.compression == "none" else settings.compression,
+            "max_request_size": settings.max_request_size,
+            "request_timeout_ms": int(settings.publish_timeout * 1000),
+            "client_id": f"outbox-router:{self.name}",
+            "logger": None,
+        }
+        security = _security(settings)
+        if security is not None:
+            options["security"] = security
+        broker = FastStreamKafka(settings.servers(), **options)
+        try:
+            await asyncio.wait_for(broker.connect(), settings.connect_timeout + 1)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await broker.stop()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise BrokerUnavailable(
+                f"{self.name}: cannot connect to Kafka: {_describe(exc)}"
+            ) from exc
+        self._broker = broker
+        log.info("kafka.connected", extra={"broker": self.name})
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """Send every message and wait for its acknowledgement; streams in order."""
+        await self.connect()
+        broker = self._broker
+        assert broker is not None
+
+        async def send(message: OutgoingMessage) -> None:
+            wire = message.wire
+            try:
+                await broker.publish(
+                    wire.body,
+                    topic=message.destination,
+                    key=wire.stream_key.encode() if wire.stream_key else None,
+                    headers=wire.headers,
+                    correlation_id=wire.correlation_id or wire.message_id,
+                )
+            except _UNAVAILABLE as exc:
+                raise BrokerUnavailable(
+                    f"{self.name}: Kafka unreachable: {_describe(exc)}"
+                ) from exc
+
+        return await publish_in_order(
+            batch, send, _classify, concurrency=self.settings.max_in_flight
+        )
+
+    async def ping(self) -> None:
+        """Ask the cluster for metadata."""
+        await self.connect()
+        assert self._broker is not None
+        if not await self._broker.ping(timeout=self.settings.connect_timeout):
+            raise BrokerUnavailable(f"{self.name}: Kafka does not answer")
+
+    async def close(self) -> None:
+        """Flush and stop the producer."""
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(broker.stop(), 10)
+
+
+def _classify(exc: Exception) -> PublishResult:
+    if isinstance(exc, _PERMANENT):
+        return PublishResult.failed(f"rejected by Kafka: {_describe(exc)}", retryable=False)
+    retriable = getattr(exc, "retriable", True)
+    return PublishResult.failed(f"Kafka error: {_describe(exc)}", retryable=bool(retriable))
+
+
+def _security(settings: KafkaSettings) -> Any:
+    from faststream.security import (
+        BaseSecurity,
+        SASLPlaintext,
+        SASLScram256,
+        SASLScram512,
+    )
+
+    ssl = None
+    if settings.tls:
+        import ssl as ssl_module
+
+        ssl = ssl_module.create_default_context()
+    if settings.sasl is None:
+        return BaseSecurity(ssl_context=ssl) if ssl is not None else None
+    kinds = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}
+    kind = kinds[settings.sasl.mechanism]
+    return kind(
+        username=settings.sasl.username,
+        password=settings.sasl.password.get_secret_value(),
+        ssl_context=ssl,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name

@@ -1,0 +1,56 @@
+"""Settings of the Kafka broker (``type: kafka``)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from brokers._settings import BrokerSettings, redact_url
+
+__all__ = ["KafkaSasl", "KafkaSettings"]
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+
+class KafkaSasl(BaseModel):
+    """SASL credentials (over TLS when ``tls`` is on)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    username: str
+    password: SecretStr
+
+
+class KafkaSettings(BrokerSettings):
+    """Kafka: topic per destination, key = stream key, acks=all, idempotent producer."""
+
+    type: Literal["kafka"]
+    cloudevents_prefix: ClassVar[str] = "ce_"  # the Kafka binding's header prefix
+
+    bootstrap_servers: SecretStr = Field(
+        SecretStr("127.0.0.1:9092"), description="host:port[,host:port...]"
+    )
+    idempotent: bool = Field(
+        True, description="Idempotent producer: no duplicates or reordering on retries."
+    )
+    tls: bool = False
+    sasl: KafkaSasl | None = None
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
+    max_request_size: int = Field(1_048_576, ge=1024, description="Largest record, in bytes.")
+    max_in_flight: int = Field(256, ge=1, description="Messages awaiting their ack at most.")
+
+    def check_destination(self, destination: str) -> None:
+        """A topic name: letters, digits, '.', '_' or '-', at most 249 characters."""
+        if not _TOPIC.match(destination) or destination in (".", ".."):
+            raise ValueError(f"{destination!r} is not a valid Kafka topic name")
+
+    def servers(self) -> list[str]:
+        """The bootstrap servers."""
+        return [s.strip() for s in self.bootstrap_servers.get_secret_value().split(",") if s]
+
+    def public_url(self) -> str:
+        """Servers without credentials."""
+        return ",".join(redact_url(f"kafka://{s}") for s in self.servers())

@@ -1,0 +1,161 @@
+"""RabbitMQ adapter (FastStream's RabbitBroker over aio-pika).
+
+Messages are persistent and published ``mandatory`` on a channel with publisher confirms and
+``on_return_raises``: ``publish`` returns only once the broker confirmed the message, and a
+message no queue would receive is an error rather than lost. ``message_id`` and
+``correlation_id`` are AMQP properties; the type goes in ``type``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aio_pika.exceptions
+import aiormq.exceptions
+from faststream.rabbit import Channel, ExchangeType, RabbitExchange
+from faststream.rabbit import RabbitBroker as FastStreamRabbit
+
+from brokers._ordered import publish_in_order
+from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.rabbitmq._settings import RabbitSettings
+from envelopes import BrokerError, BrokerUnavailable
+
+__all__ = ["RabbitBroker"]
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aio_pika.exceptions.ChannelClosed,
+    ConnectionError,
+    OSError,
+)
+
+
+class RabbitBroker:
+    """Publishes to one exchange; see ``brokers._protocol`` for the contract."""
+
+    def __init__(self, name: str, settings: RabbitSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self._broker: FastStreamRabbit | None = None
+        self._exchange = RabbitExchange(
+            settings.exchange.name,
+            type=ExchangeType(settings.exchange.type),
+            durable=settings.exchange.durable,
+            declare=settings.exchange.declare,
+        )
+
+    async def connect(self) -> None:
+        """Connect and declare (or check) the exchange."""
+        if self._broker is not None:
+            return
+        broker = FastStreamRabbit(
+            self.settings.url.get_secret_value(),
+            default_channel=Channel(publisher_confirms=True, on_return_raises=True),
+            timeout=self.settings.connect_timeout,
+            fail_fast=True,
+            logger=None,
+        )
+        try:
+            await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
+            await asyncio.wait_for(
+                broker.declare_exchange(self._exchange), self.settings.connect_timeout
+            )
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await broker.stop()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+                raise BrokerError(
+                    f"{self.name}: exchange {self.settings.exchange.name!r} does not exist "
+                    "(and exchange.declare is off)"
+                ) from exc
+            raise BrokerUnavailable(
+                f"{self.name}: cannot connect to RabbitMQ: {_describe(exc)}"
+            ) from exc
+        self._broker = broker
+        log.info("rabbitmq.connected", extra={"broker": self.name})
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """Publish every message and wait for its confirm; streams in order."""
+        await self.connect()
+        broker = self._broker
+        assert broker is not None
+        settings = self.settings
+
+        async def send(message: OutgoingMessage) -> None:
+            wire = message.wire
+            try:
+                await broker.publish(
+                    wire.body,
+                    exchange=self._exchange,
+                    routing_key=message.destination,
+                    mandatory=settings.mandatory,
+                    persist=settings.persistent,
+                    message_id=wire.message_id,
+                    correlation_id=wire.correlation_id,
+                    message_type=wire.event_type,
+                    content_type=wire.content_type,
+                    headers=dict(wire.headers),
+                    timeout=settings.publish_timeout,
+                )
+            except _UNAVAILABLE as exc:
+                raise BrokerUnavailable(
+                    f"{self.name}: RabbitMQ unreachable: {_describe(exc)}"
+                ) from exc
+
+        results = await publish_in_order(batch, send, _classify, concurrency=settings.max_in_flight)
+        if any(_closes_channel(r) for r in results):
+            await self.close()  # the channel is gone; the next batch opens a fresh one
+        return results
+
+    async def ping(self) -> None:
+        """Check the connection is open."""
+        await self.connect()
+        assert self._broker is not None
+        if not await self._broker.ping(timeout=self.settings.connect_timeout):
+            raise BrokerUnavailable(f"{self.name}: RabbitMQ does not answer")
+
+    async def close(self) -> None:
+        """Close the connection."""
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(broker.stop(), 10)
+
+
+def _classify(exc: Exception) -> PublishResult:
+    if isinstance(exc, aiormq.exceptions.PublishError):  # returned: mandatory and unroutable
+        delivery: Any = getattr(exc.message, "delivery", None)
+        reason = getattr(delivery, "reply_text", "NO_ROUTE")
+        return PublishResult.failed(
+            f"unroutable: no queue is bound for routing key "
+            f"{getattr(delivery, 'routing_key', '?')!r} ({reason})",
+            retryable=False,
+        )
+    if isinstance(exc, aio_pika.exceptions.DeliveryError):
+        return PublishResult.failed(f"RabbitMQ refused it (nack): {_describe(exc)}", retryable=True)
+    if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+        return PublishResult.failed(f"entity missing: {_describe(exc)}", retryable=False)
+    if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
+        return PublishResult.failed(f"access refused: {_describe(exc)}", retryable=False)
+    if isinstance(exc, TimeoutError):
+        return PublishResult.failed("no confirm within publish_timeout", retryable=True)
+    return PublishResult.failed(f"RabbitMQ error: {_describe(exc)}", retryable=True)
+
+
+def _closes_channel(result: PublishResult) -> bool:
+    return not result.ok and (result.error or "").startswith(("entity missing", "access refused"))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name

@@ -1,0 +1,46 @@
+"""Settings of the RabbitMQ broker (``type: rabbitmq``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from brokers._settings import BrokerSettings, redact_url
+
+__all__ = ["RabbitExchange", "RabbitSettings"]
+
+
+class RabbitExchange(BaseModel):
+    """The exchange messages are published to (the destination is the routing key)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=255)
+    type: Literal["topic", "direct", "fanout", "headers"] = "topic"
+    durable: bool = True
+    declare: bool = Field(True, description="Declare it on connect (else it must exist).")
+
+
+class RabbitSettings(BrokerSettings):
+    """RabbitMQ: persistent messages, publisher confirms, mandatory routing."""
+
+    type: Literal["rabbitmq"]
+    cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
+
+    url: SecretStr = Field(SecretStr("amqp://guest:guest@127.0.0.1:5672/"))
+    exchange: RabbitExchange
+    mandatory: bool = Field(
+        True, description="A message no queue is bound to is an error, not silently dropped."
+    )
+    persistent: bool = True
+    max_in_flight: int = Field(256, ge=1, description="Messages awaiting their confirm at most.")
+
+    def check_destination(self, destination: str) -> None:
+        """A routing key of at most 255 bytes."""
+        if len(destination.encode()) > 255:
+            raise ValueError(f"routing key {destination[:40]!r}... is longer than 255 bytes")
+
+    def public_url(self) -> str:
+        """The URL without credentials."""
+        return redact_url(self.url.get_secret_value())

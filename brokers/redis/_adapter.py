@@ -1,0 +1,125 @@
+"""Redis Streams adapter (FastStream's RedisBroker).
+
+One ``XADD`` per message to the destination stream, in FastStream's message format (so
+FastStream subscribers read it as they read their own), with the message id, type and
+correlation id among its headers. Redis answers each XADD with the entry id once the entry
+is in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions
+from faststream.redis import RedisBroker as FastStreamRedis
+
+from brokers._ordered import publish_in_order
+from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.redis._settings import RedisSettings
+from envelopes import BrokerUnavailable
+
+__all__ = ["RedisBroker"]
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    ConnectionError,
+    OSError,
+)
+
+
+class RedisBroker:
+    """Appends to Redis streams; see ``brokers._protocol`` for the contract."""
+
+    def __init__(self, name: str, settings: RedisSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self._broker: FastStreamRedis | None = None
+
+    async def connect(self) -> None:
+        """Connect and check the server answers."""
+        if self._broker is not None:
+            return
+        options: dict[str, Any] = {
+            "socket_timeout": self.settings.publish_timeout,
+            "socket_connect_timeout": self.settings.connect_timeout,
+            "logger": None,  # library code logs through its own loggers only
+        }
+        broker = FastStreamRedis(self.settings.url.get_secret_value(), **options)
+        try:
+            await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
+            if not await broker.ping(timeout=self.settings.connect_timeout):
+                raise BrokerUnavailable("no answer to PING")
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await broker.stop()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise BrokerUnavailable(
+                f"{self.name}: cannot connect to Redis: {_describe(exc)}"
+            ) from exc
+        self._broker = broker
+        log.info("redis.connected", extra={"broker": self.name})
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """XADD every message; streams in order."""
+        await self.connect()
+        broker = self._broker
+        assert broker is not None
+        maxlen = self.settings.maxlen
+
+        async def send(message: OutgoingMessage) -> None:
+            wire = message.wire
+            try:
+                await broker.publish(
+                    wire.body,
+                    stream=message.destination,
+                    maxlen=maxlen,
+                    headers=dict(wire.headers),
+                    correlation_id=wire.correlation_id or wire.message_id,
+                )
+            except _UNAVAILABLE as exc:
+                raise BrokerUnavailable(
+                    f"{self.name}: Redis unreachable: {_describe(exc)}"
+                ) from exc
+
+        results = await publish_in_order(
+            batch, send, _classify, concurrency=self.settings.max_in_flight
+        )
+        if any(not r.ok and r.retryable for r in results):
+            await self.close()
+        return results
+
+    async def ping(self) -> None:
+        """PING."""
+        await self.connect()
+        assert self._broker is not None
+        if not await self._broker.ping(timeout=self.settings.connect_timeout):
+            raise BrokerUnavailable(f"{self.name}: Redis does not answer")
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(broker.stop(), 10)
+
+
+def _classify(exc: Exception) -> PublishResult:
+    if isinstance(exc, redis.exceptions.ResponseError):
+        return PublishResult.failed(f"rejected by Redis: {_describe(exc)}", retryable=False)
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return PublishResult.failed(f"authentication refused: {_describe(exc)}", retryable=False)
+    return PublishResult.failed(f"Redis error: {_describe(exc)}", retryable=True)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name

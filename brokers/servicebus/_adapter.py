@@ -1,0 +1,235 @@
+"""Azure Service Bus adapter (the azure-servicebus SDK, async).
+
+Messages are sent in ``ServiceBusMessageBatch`` es, which respect the entity's size limit:
+a batch is sent when the next message would not fit. Each message carries ``message_id`` =
+the event id (the key of Service Bus duplicate detection), ``correlation_id``, ``subject`` =
+the event type, ``content_type``, the envelope's headers as application properties, and
+``session_id`` = the stream key when the entity is session-enabled. Batches of one
+destination are sent one after the other, so a stream stays in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from azure.servicebus import ServiceBusMessage
+from azure.servicebus.aio import ServiceBusClient, ServiceBusSender
+from azure.servicebus.exceptions import (
+    MessageSizeExceededError,
+    MessagingEntityDisabledError,
+    MessagingEntityNotFoundError,
+    ServiceBusAuthenticationError,
+    ServiceBusAuthorizationError,
+    ServiceBusCommunicationError,
+    ServiceBusConnectionError,
+    ServiceBusError,
+)
+
+from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.servicebus._settings import ServiceBusSettings
+from envelopes import BrokerError, BrokerUnavailable
+
+__all__ = ["ServiceBusBroker"]
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE = (ServiceBusConnectionError, ServiceBusCommunicationError, ConnectionError, OSError)
+_PERMANENT = (
+    MessagingEntityNotFoundError,
+    MessagingEntityDisabledError,
+    MessageSizeExceededError,
+    ServiceBusAuthenticationError,
+    ServiceBusAuthorizationError,
+)
+
+
+class ServiceBusBroker:
+    """Sends to Service Bus queues or topics; see ``brokers._protocol`` for the contract."""
+
+    def __init__(self, name: str, settings: ServiceBusSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self._client: ServiceBusClient | None = None
+        self._senders: dict[str, ServiceBusSender] = {}
+
+    async def connect(self) -> None:
+        """Create the client (connections open with the first sender)."""
+        if self._client is None:
+            # The SDK's own retries would hide an outage for a long while; the processor
+            # retries each row on its own schedule instead.
+            self._client = ServiceBusClient.from_connection_string(
+                self.settings.connection_string.get_secret_value(),
+                retry_total=0,
+            )
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """Send the batch in size-limited SDK batches, per destination, in order."""
+        await self.connect()
+        results: list[PublishResult | None] = [None] * len(batch)
+        by_destination: dict[str, list[int]] = {}
+        for index, message in enumerate(batch):
+            by_destination.setdefault(message.destination, []).append(index)
+        for destination, indexes in by_destination.items():
+            try:
+                await self._send_to(destination, [(i, batch[i]) for i in indexes], results)
+            except _Rejected as rejected:
+                for index in indexes:
+                    if results[index] is None:
+                        results[index] = PublishResult.failed(
+                            f"rejected by Service Bus: {_describe(rejected.__cause__ or rejected)}",
+                            retryable=False,
+                        )
+        return [r or PublishResult.failed("not sent", retryable=True) for r in results]
+
+    async def _send_to(
+        self,
+        destination: str,
+        messages: list[tuple[int, OutgoingMessage]],
+        results: list[PublishResult | None],
+    ) -> None:
+        sender = await self._sender(destination)
+        pending: list[int] = []
+        sdk_batch = await self._new_batch(sender)
+        for index, message in messages:
+            sdk_message = self._message(message)
+            try:
+                sdk_batch.add_message(sdk_message)
+            except MessageSizeExceededError:
+                if pending:  # full: send it and start the next one with this message
+                    await self._send_batch(sender, sdk_batch, pending, results)
+                    pending = []
+                    sdk_batch = await self._new_batch(sender)
+                try:
+                    sdk_batch.add_message(sdk_message)
+                except MessageSizeExceededError:
+                    results[index] = PublishResult.failed(
+                        f"message too large for {destination!r} "
+                        f"(at most {sdk_batch.max_size_in_bytes:,} bytes)",
+                        retryable=False,
+                    )
+                    continue
+            pending.append(index)
+        if pending:
+            await self._send_batch(sender, sdk_batch, pending, results)
+
+    async def _send_batch(
+        self,
+        sender: ServiceBusSender,
+        sdk_batch: Any,
+        indexes: list[int],
+        results: list[PublishResult | None],
+    ) -> None:
+        try:
+            await asyncio.wait_for(sender.send_messages(sdk_batch), self.settings.publish_timeout)
+        except _UNAVAILABLE as exc:
+            if not any(r is not None and r.ok for r in results):
+                await self.close()
+                raise BrokerUnavailable(
+                    f"{self.name}: Service Bus unreachable: {_describe(exc)}"
+                ) from exc
+            outcome = PublishResult.failed(
+                f"Service Bus unreachable: {_describe(exc)}", retryable=True
+            )
+        except _PERMANENT as exc:
+            outcome = PublishResult.failed(
+                f"rejected by Service Bus: {_describe(exc)}", retryable=False
+            )
+        except (ServiceBusError, TimeoutError) as exc:
+            outcome = PublishResult.failed(f"Service Bus error: {_describe(exc)}", retryable=True)
+        else:
+            outcome = PublishResult.acked()
+        for index in indexes:
+            results[index] = outcome
+
+    async def _sender(self, destination: str) -> ServiceBusSender:
+        sender = self._senders.get(destination)
+        if sender is None:
+            assert self._client is not None
+            if self.settings.entity == "topic":
+                sender = self._client.get_topic_sender(destination)
+            else:
+                sender = self._client.get_queue_sender(destination)
+            self._senders[destination] = sender
+        return sender
+
+    async def _new_batch(self, sender: ServiceBusSender) -> Any:
+        try:
+            return await asyncio.wait_for(
+                sender.create_message_batch(), self.settings.connect_timeout + 1
+            )
+        except (*_UNAVAILABLE, TimeoutError) as exc:
+            await self.close()
+            raise BrokerUnavailable(
+                f"{self.name}: cannot reach Service Bus: {_describe(exc)}"
+            ) from exc
+        except _PERMANENT as exc:
+            raise _Rejected(exc) from exc
+
+    def _message(self, message: OutgoingMessage) -> ServiceBusMessage:
+        wire = message.wire
+        return ServiceBusMessage(
+            wire.body,
+            message_id=wire.message_id,
+            correlation_id=wire.correlation_id,
+            subject=wire.event_type,
+            content_type=wire.content_type,
+            application_properties=_properties(wire.headers),
+            session_id=wire.stream_key if self.settings.sessions else None,
+        )
+
+    async def ping(self) -> None:
+        """Open a sender link (connection, token, attach) to check the namespace answers.
+
+        An entity that does not exist still proves the namespace answered; refused
+        credentials do not.
+        """
+        await self.connect()
+        try:
+            probe = await self._sender(_probe_entity(self.settings))
+            await asyncio.wait_for(probe.create_message_batch(), self.settings.connect_timeout)
+        except (MessagingEntityNotFoundError, MessagingEntityDisabledError):
+            return
+        except (ServiceBusAuthenticationError, ServiceBusAuthorizationError) as exc:
+            await self.close()
+            raise BrokerError(
+                f"{self.name}: Service Bus refused the credentials: {_describe(exc)}"
+            ) from exc
+        except (*_UNAVAILABLE, ServiceBusError, TimeoutError) as exc:
+            await self.close()
+            raise BrokerUnavailable(
+                f"{self.name}: Service Bus does not answer: {_describe(exc)}"
+            ) from exc
+
+    async def close(self) -> None:
+        """Close senders and the client."""
+        senders, self._senders = list(self._senders.values()), {}
+        client, self._client = self._client, None
+        for sender in senders:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sender.close(), 5)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5)
+
+
+def _properties(headers: dict[str, str]) -> dict[str | bytes, Any]:
+    return dict(headers.items())
+
+
+class _Rejected(Exception):
+    """The entity cannot be used at all (missing, disabled, not authorised)."""
+
+
+def _probe_entity(settings: ServiceBusSettings) -> str:
+    """The entity a ping attaches to: the destination when it is a fixed name."""
+    return settings.destination if "{" not in settings.destination else "outbox-router-ping"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name

@@ -1,0 +1,49 @@
+"""Settings of the Azure Service Bus broker (``type: servicebus``)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from brokers._settings import BrokerSettings
+
+__all__ = ["ServiceBusSettings"]
+
+_ENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,259}$")
+
+
+class ServiceBusSettings(BrokerSettings):
+    """Azure Service Bus: a queue or topic per destination, sent in size-limited batches."""
+
+    type: Literal["servicebus"]
+    cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
+
+    connection_string: SecretStr = Field(
+        description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."
+    )
+    entity: Literal["queue", "topic"] = Field("queue", description="What destinations name.")
+    sessions: bool = Field(
+        False, description="The entity is session-enabled: session_id = the stream key."
+    )
+
+    @field_validator("connection_string")
+    @classmethod
+    def _has_endpoint(cls, value: SecretStr) -> SecretStr:
+        if "endpoint=" not in value.get_secret_value().lower():
+            raise ValueError("a Service Bus connection string starts with Endpoint=sb://...")
+        return value
+
+    def check_destination(self, destination: str) -> None:
+        """A queue or topic name (letters, digits, '.', '_', '-', '/'; at most 260)."""
+        if not _ENTITY.match(destination):
+            raise ValueError(f"{destination!r} is not a valid Service Bus entity name")
+
+    def public_url(self) -> str:
+        """The namespace endpoint, without keys."""
+        for part in self.connection_string.get_secret_value().split(";"):
+            name, _, value = part.partition("=")
+            if name.strip().lower() == "endpoint":
+                return value.strip()
+        return ""

@@ -1,0 +1,394 @@
+"""One harness per broker: settings for a real peer, and a way to read what arrived there.
+
+The contract tests are written once against this small interface and run for every
+adapter, with the same assertions (as Watermill's pubsub conformance suite does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import nats
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+from faststream.redis.parser import BinaryMessageFormatV1
+from nats.js.errors import NotFoundError
+
+from brokers import BrokerSettings
+from brokers.settings import (
+    KafkaSettings,
+    NatsSettings,
+    RabbitSettings,
+    RedisSettings,
+    ServiceBusSettings,
+)
+from tests.conftest import NATS_URL
+from tests.peers.servicebus import ServiceBusPeer
+from tests.services import free_port
+
+RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """One message as the broker holds it."""
+
+    body: bytes
+    headers: dict[str, str]
+    native_id: str | None  # the broker's own message id / dedup key
+    key: str | None  # the partition key or session id, where the broker has one
+
+
+class Harness:
+    """What the contract suite needs from each broker."""
+
+    kind = ""
+    native_dedup = ""  # what carries the message id natively, for the report
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:8]
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        """Settings that reach the real peer."""
+        raise NotImplementedError
+
+    def unreachable(self) -> BrokerSettings:
+        """Settings that point at a port nothing listens on."""
+        raise NotImplementedError
+
+    def destination(self, label: str = "orders") -> str:
+        """A destination no other test uses."""
+        raise NotImplementedError
+
+    def rejected_destination(self) -> str:
+        """A destination the broker refuses outright."""
+        raise NotImplementedError
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        """Wait for ``count`` messages at ``destination``; return what is there, in order."""
+        raise NotImplementedError
+
+    async def prepare(self, destination: str) -> None:
+        """Make the destination ready to keep what arrives (a bound queue, ...)."""
+
+    async def cleanup(self) -> None:
+        """Remove what the test created."""
+
+
+class NatsHarness(Harness):
+    kind = "nats"
+    native_dedup = "Nats-Msg-Id header"
+
+    @property
+    def stream(self) -> str:
+        return f"CONTRACT_{self.tag}".upper()
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        return NatsSettings.model_validate(
+            {
+                "type": "nats",
+                "url": NATS_URL,
+                "destination": f"c{self.tag}.{{event_type}}",
+                "stream": {
+                    "name": self.stream,
+                    "subjects": [f"c{self.tag}.>"],
+                    "storage": "memory",
+                },
+                **overrides,
+            }
+        )
+
+    def unreachable(self) -> BrokerSettings:
+        return self.settings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout=1)
+
+    def destination(self, label: str = "orders") -> str:
+        return f"c{self.tag}.{label}"
+
+    def rejected_destination(self) -> str:
+        return f"elsewhere{self.tag}.orders"  # no stream captures it
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        client = await nats.connect(NATS_URL)
+        try:
+            js = client.jetstream()
+            deadline = time.monotonic() + timeout
+            total = 0
+            while time.monotonic() < deadline:
+                with contextlib.suppress(NotFoundError):
+                    total = (await js.stream_info(self.stream)).state.messages
+                if total >= count:
+                    break
+                await asyncio.sleep(0.05)
+            found = [await js.get_msg(self.stream, seq=i) for i in range(1, total + 1)]
+        finally:
+            await client.close()
+        return [
+            Arrived(
+                m.data or b"", dict(m.headers or {}), (m.headers or {}).get("Nats-Msg-Id"), None
+            )
+            for m in found
+            if m.subject == destination
+        ]
+
+    async def cleanup(self) -> None:
+        client = await nats.connect(NATS_URL)
+        with contextlib.suppress(NotFoundError):
+            await client.jetstream().delete_stream(self.stream)
+        await client.close()
+
+
+class KafkaHarness(Harness):
+    kind = "kafka"
+    native_dedup = "record key = stream key; message-id header"
+
+    def __init__(self, bootstrap: str) -> None:
+        super().__init__()
+        self.bootstrap = bootstrap
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        return KafkaSettings.model_validate(
+            {
+                "type": "kafka",
+                "bootstrap_servers": self.bootstrap,
+                "idempotent": False,
+                "destination": f"c{self.tag}.{{event_type}}",
+                "max_request_size": 65536,
+                **overrides,
+            }
+        )
+
+    def unreachable(self) -> BrokerSettings:
+        return self.settings(bootstrap_servers=f"127.0.0.1:{free_port()}", connect_timeout=1)
+
+    def destination(self, label: str = "orders") -> str:
+        return f"c{self.tag}.{label}"
+
+    def rejected_destination(self) -> str:
+        return ""  # Kafka refuses by size instead: see the suite
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        consumer = AIOKafkaConsumer(
+            destination,
+            bootstrap_servers=self.bootstrap,
+            auto_offset_reset="earliest",
+            group_id=None,
+            enable_auto_commit=False,
+        )
+        await consumer.start()
+        found: list[Arrived] = []
+        try:
+            deadline = time.monotonic() + timeout
+            while len(found) < count and time.monotonic() < deadline:
+                batch = await consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    for r in records:
+                        headers = {k: v.decode() for k, v in r.headers}
+                        found.append(
+                            Arrived(
+                                r.value,
+                                headers,
+                                headers.get("message-id"),
+                                r.key.decode() if r.key else None,
+                            )
+                        )
+        finally:
+            await consumer.stop()
+        return found
+
+
+class RabbitHarness(Harness):
+    kind = "rabbitmq"
+    native_dedup = "AMQP message_id property"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exchange = f"contract-{self.tag}"
+        self.queues: dict[str, str] = {}
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        return RabbitSettings.model_validate(
+            {
+                "type": "rabbitmq",
+                "url": RABBIT_URL,
+                "destination": f"c{self.tag}.{{event_type}}",
+                "exchange": {"name": self.exchange, "type": "topic", "durable": False},
+                **overrides,
+            }
+        )
+
+    def unreachable(self) -> BrokerSettings:
+        return self.settings(url=f"amqp://guest:guest@127.0.0.1:{free_port()}/", connect_timeout=1)
+
+    def destination(self, label: str = "orders") -> str:
+        return f"c{self.tag}.{label}"
+
+    def rejected_destination(self) -> str:
+        return f"c{self.tag}.nobody-listens"  # no queue bound: unroutable
+
+    async def prepare(self, destination: str) -> None:
+        if destination == self.rejected_destination():
+            return  # nothing bound: the broker returns what is sent there
+        connection = await aio_pika.connect(RABBIT_URL)
+        async with connection:
+            channel = await connection.channel()
+            exchange = await channel.declare_exchange(self.exchange, "topic", durable=False)
+            queue = await channel.declare_queue(
+                f"contract-{self.tag}-{destination}", auto_delete=False
+            )
+            await queue.bind(exchange, routing_key=destination)
+            self.queues[destination] = queue.name
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        found: list[Arrived] = []
+        connection = await aio_pika.connect(RABBIT_URL)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(self.queues[destination], ensure=False)
+            deadline = time.monotonic() + timeout
+            while len(found) < count and time.monotonic() < deadline:
+                message = await queue.get(fail=False)
+                if message is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                await message.ack()
+                headers = {
+                    k: (v.decode() if isinstance(v, bytes) else str(v))
+                    for k, v in (message.headers or {}).items()
+                }
+                found.append(Arrived(message.body, headers, message.message_id, None))
+        return found
+
+    async def cleanup(self) -> None:
+        connection = await aio_pika.connect(RABBIT_URL)
+        async with connection:
+            channel = await connection.channel()
+            for queue in self.queues.values():
+                with contextlib.suppress(Exception):
+                    await channel.queue_delete(queue)
+            with contextlib.suppress(Exception):
+                await channel.exchange_delete(self.exchange)
+
+
+class RedisHarness(Harness):
+    kind = "redis"
+    native_dedup = "none (message-id header)"
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        return RedisSettings.model_validate(
+            {
+                "type": "redis",
+                "url": REDIS_URL,
+                "destination": f"c{self.tag}.{{event_type}}",
+                **overrides,
+            }
+        )
+
+    def unreachable(self) -> BrokerSettings:
+        return self.settings(url=f"redis://127.0.0.1:{free_port()}/0", connect_timeout=1)
+
+    def destination(self, label: str = "orders") -> str:
+        return f"c{self.tag}.{label}"
+
+    def rejected_destination(self) -> str:
+        return f"c{self.tag}.a-string-key"  # holds a string: XADD gets WRONGTYPE
+
+    async def prepare(self, destination: str) -> None:
+        if destination == self.rejected_destination():
+            client = aioredis.Redis.from_url(REDIS_URL)
+            await client.set(destination, "not a stream")
+            await client.aclose()
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            deadline = time.monotonic() + timeout
+            entries: Any = []
+            while time.monotonic() < deadline:
+                entries = await client.xrange(destination)
+                if len(entries) >= count:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+        found = []
+        for _, fields in entries:
+            body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
+            headers = {k: str(v) for k, v in headers.items()}
+            found.append(Arrived(body, headers, headers.get("message-id"), None))
+        return found
+
+    async def cleanup(self) -> None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [k async for k in client.scan_iter(match=f"c{self.tag}.*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+class ServiceBusHarness(Harness):
+    kind = "servicebus"
+    native_dedup = "message_id (duplicate detection key)"
+
+    def __init__(self, peer: ServiceBusPeer) -> None:
+        super().__init__()
+        self.peer = peer
+
+    def settings(self, **overrides: Any) -> BrokerSettings:
+        return ServiceBusSettings.model_validate(
+            {
+                "type": "servicebus",
+                "connection_string": self.peer.connection_string,
+                "destination": f"c{self.tag}-{{event_type}}",
+                "sessions": True,
+                **overrides,
+            }
+        )
+
+    def unreachable(self) -> BrokerSettings:
+        dead = self.peer.connection_string.replace(f":{self.peer.port};", f":{free_port()};")
+        return self.settings(connection_string=dead, connect_timeout=2, publish_timeout=5)
+
+    def destination(self, label: str = "orders") -> str:
+        return f"c{self.tag}-{label}"
+
+    def rejected_destination(self) -> str:
+        destination = f"c{self.tag}-missing"
+        self.peer.reject.add(destination)
+        return destination
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        received = await asyncio.to_thread(self.peer.wait_for, destination, count, timeout)
+        return [
+            Arrived(
+                r.body, {k: str(v) for k, v in r.properties.items()}, r.message_id, r.session_id
+            )
+            for r in received
+        ]
+
+
+@contextlib.asynccontextmanager
+async def harness_for(kind: str, request: Any) -> AsyncIterator[Harness]:
+    """The harness of ``kind``, its peer started by the session fixtures."""
+    harness: Harness
+    if kind == "nats":
+        harness = NatsHarness()
+    elif kind == "kafka":
+        harness = KafkaHarness(request.getfixturevalue("kafka_peer"))
+    elif kind == "rabbitmq":
+        harness = RabbitHarness()
+    elif kind == "redis":
+        harness = RedisHarness()
+    else:
+        harness = ServiceBusHarness(request.getfixturevalue("servicebus_peer"))
+    try:
+        yield harness
+    finally:
+        await harness.cleanup()
