@@ -30,9 +30,9 @@ class KafkaSettings(BrokerSettings):
     type: Literal["kafka"]
     cloudevents_prefix: ClassVar[str] = "ce_"  # the Kafka binding's header prefix
 
-    bootstrap_servers: SecretStr = Field(
-        SecretStr("127.0.0.1:9092"), description="host:port[,host:port...]"
-    )
+    # Plain text on purpose: addresses are not secret (credentials go in `sasl`), and
+    # output must still say where a failing broker is.
+    bootstrap_servers: str = Field("127.0.0.1:9092", description="host:port[,host:port...]")
     idempotent: bool = Field(
         True, description="Idempotent producer: no duplicates or reordering on retries."
     )
@@ -49,7 +49,7 @@ class KafkaSettings(BrokerSettings):
 
     def servers(self) -> list[str]:
         """The bootstrap servers."""
-        return [s.strip() for s in self.bootstrap_servers.get_secret_value().split(",") if s]
+        return [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()]
 
     def public_url(self) -> str:
         """Servers without credentials."""

@@ -212,6 +212,7 @@ class RabbitHarness(Harness):
         super().__init__()
         self.exchange = f"contract-{self.tag}"
         self.queues: dict[str, str] = {}
+        self.seen: dict[str, list[Arrived]] = {}  # reading a queue consumes it: keep what came
 
     def settings(self, **overrides: Any) -> BrokerSettings:
         return RabbitSettings.model_validate(
@@ -247,7 +248,7 @@ class RabbitHarness(Harness):
             self.queues[destination] = queue.name
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
-        found: list[Arrived] = []
+        found = self.seen.setdefault(destination, [])
         connection = await aio_pika.connect(RABBIT_URL)
         async with connection:
             channel = await connection.channel()
@@ -264,7 +265,7 @@ class RabbitHarness(Harness):
                     for k, v in (message.headers or {}).items()
                 }
                 found.append(Arrived(message.body, headers, message.message_id, None))
-        return found
+        return list(found)
 
     async def cleanup(self) -> None:
         connection = await aio_pika.connect(RABBIT_URL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import yaml
@@ -124,3 +125,73 @@ def test_broken_yaml_names_line_and_column(tmp_path: Path) -> None:
     result = router("init-db", cwd=tmp_path)
     assert result.returncode == 2
     assert "config.yaml: invalid YAML at line 3, column 1" in result.stderr
+
+
+async def test_check_covers_every_broker_type_and_hides_every_kind_of_secret(
+    pg_databases: PgDatabases, tmp_path: Path, kafka_peer: str, servicebus_peer: Any
+) -> None:
+    require("NATS", NATS)
+    url = await pg_databases.new()
+    good_bus = servicebus_peer.connection_string.replace(
+        "SharedAccessKey=y", f"SharedAccessKey={SECRET}"
+    )
+    dead_port = free_port()
+    brokers: dict[str, object] = {
+        "events": nats(NATS_URL, internal=True),
+        "kafka": {
+            "type": "kafka",
+            "bootstrap_servers": kafka_peer,
+            "idempotent": False,
+            "destination": "clitest.{event_type}",
+        },
+        "rabbit": {
+            "type": "rabbitmq",
+            "url": "amqp://guest:guest@127.0.0.1:5672/",
+            "exchange": {"name": "clitest", "durable": False},
+        },
+        "redis": {"type": "redis", "url": "redis://127.0.0.1:6379/0"},
+        "bus": {
+            "type": "servicebus",
+            "connection_string": good_bus,
+            "destination": "clitest-orders",
+        },
+        "dead_rabbit": {
+            "type": "rabbitmq",
+            "url": f"amqp://app:{SECRET}@127.0.0.1:{dead_port}/",
+            "exchange": {"name": "clitest"},
+            "connect_timeout": 1,
+        },
+        "dead_redis": {
+            "type": "redis",
+            "url": f"redis://:{SECRET}@127.0.0.1:{dead_port}/0",
+            "connect_timeout": 1,
+        },
+        "dead_kafka": {
+            "type": "kafka",
+            "bootstrap_servers": f"127.0.0.1:{dead_port}",
+            "sasl": {"username": "app", "password": SECRET},
+            "connect_timeout": 1,
+        },
+        "dead_bus": {
+            "type": "servicebus",
+            "connect_timeout": 2,
+            "destination": "orders",
+            "connection_string": good_bus.replace(f":{servicebus_peer.port};", f":{dead_port};"),
+        },
+    }
+    write_config(tmp_path, {"main": url}, brokers)
+    result = router("check", cwd=tmp_path, timeout=120)
+    output = result.stdout + result.stderr
+    assert SECRET not in output
+    lines = {
+        line.split()[1]: line
+        for line in result.stdout.splitlines()[1:]
+        if line.split() and line.split()[0] in ("database", "broker")
+    }
+    for name in ("main", "events", "kafka", "rabbit", "redis", "bus"):
+        assert " ok " in lines[name], lines[name]
+    for name in ("dead_rabbit", "dead_redis", "dead_kafka", "dead_bus"):
+        assert "FAILED" in lines[name], lines[name]
+    assert "rabbitmq amqp://***@127.0.0.1" in lines["dead_rabbit"]
+    assert "4 of 10 checks failed" in result.stdout
+    assert result.returncode == 1

@@ -1,0 +1,131 @@
+"""One database, five targets: NATS internal; Kafka, Service Bus, RabbitMQ and Redis external.
+One committed event reaches each once; a partner whose peer stops only delays its own rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from envelopes import EXTERNAL_FIELDS, INTERNAL_ONLY_FIELDS
+from router import Outbox
+from tests.conftest import NatsStreams, make_config
+from tests.contract.harnesses import (
+    Harness,
+    KafkaHarness,
+    NatsHarness,
+    RabbitHarness,
+    RedisHarness,
+    ServiceBusHarness,
+)
+from tests.integration.events import OrderPlaced
+from tests.integration.test_delivery import serving, statuses, wait_until
+from tests.peers.servicebus import ServiceBusPeer
+from tests.services import RABBITMQ, REDIS, free_port, require
+
+
+@pytest.fixture
+async def partners(kafka_peer: str) -> AsyncIterator[dict[str, Harness]]:
+    require("RabbitMQ", RABBITMQ)
+    require("Redis", REDIS)
+    peer = ServiceBusPeer(port=free_port())  # its own: this test stops and restarts it
+    peer.start()
+    harnesses: dict[str, Harness] = {
+        "events": NatsHarness(),
+        "kafka": KafkaHarness(kafka_peer),
+        "servicebus": ServiceBusHarness(peer),
+        "rabbitmq": RabbitHarness(),
+        "redis": RedisHarness(),
+    }
+    try:
+        yield harnesses
+    finally:
+        for harness in harnesses.values():
+            await harness.cleanup()
+        peer.stop()
+
+
+def config_for(url: str, harnesses: dict[str, Harness]) -> Any:
+    brokers: dict[str, Any] = {}
+    for name, harness in harnesses.items():
+        settings = harness.settings(internal=(name == "events"))
+        brokers[name] = {
+            **settings.model_dump(mode="json", exclude_none=True),
+            **_secrets(settings),
+            "connect_timeout": 2,
+            "publish_timeout": 5,
+        }
+    retry = {"base_delay": 0.2, "max_delay": 0.5, "jitter": 0.1, "max_attempts": 1000}
+    return make_config({"main": url}, brokers, outbox={"retry": retry})
+
+
+def _secrets(settings: Any) -> dict[str, str]:
+    """model_dump masks SecretStr fields; put the real values back."""
+    found = {}
+    for field in ("url", "connection_string"):
+        value = getattr(settings, field, None)
+        if value is not None:
+            found[field] = value.get_secret_value()
+    return found
+
+
+async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local(
+    pg_url: str, partners: dict[str, Harness], nats_streams: NatsStreams
+) -> None:
+    config = config_for(pg_url, partners)
+    destinations = {name: h.destination("order_placed") for name, h in partners.items()}
+    for name, harness in partners.items():
+        await harness.prepare(destinations[name])
+    outbox = Outbox(config)
+    servicebus = partners["servicebus"]
+    assert isinstance(servicebus, ServiceBusHarness)
+
+    async with serving(config):
+        async with outbox.transaction() as tx:
+            [first] = await tx.stage(
+                OrderPlaced(order_id="o-1", total=Decimal("9.90")),
+                stream_key="o-1",
+                correlation_id="c-1",
+            )
+        arrived = {name: await h.arrived(destinations[name], 1) for name, h in partners.items()}
+
+        # Service Bus goes away; the other four keep delivering everything meanwhile.
+        servicebus.peer.stop()
+        async with outbox.transaction() as tx:
+            later = await tx.stage(
+                *(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in range(2, 7))
+            )
+        for name, harness in partners.items():
+            if name != "servicebus":
+                assert len(await harness.arrived(destinations[name], 6)) == 6, name
+
+        async def servicebus_retrying() -> bool:
+            rows = (await statuses(pg_url))["servicebus"]
+            return rows.count("published") == 1 and "failed" in rows
+
+        await wait_until(servicebus_retrying, timeout=20)
+        assert len(servicebus.peer.messages(destinations["servicebus"])) == 1
+
+        servicebus.peer.start()  # back: its rows go out
+        everything = await servicebus.arrived(destinations["servicebus"], 6, timeout=30)
+        await asyncio.sleep(0.5)
+        final = await statuses(pg_url)
+    await outbox.close()
+
+    for name, messages in arrived.items():
+        assert len(messages) == 1, name
+        body = json.loads(messages[0].body)
+        assert body["id"] == first
+        if name == "events":
+            assert "sequence" in body
+            assert body["event_class"] == "tests.integration.events.OrderPlaced"
+        else:
+            assert set(body) <= set(EXTERNAL_FIELDS), name
+            assert not set(body) & INTERNAL_ONLY_FIELDS, name
+            assert body["correlation_id"] == "c-1"
+    assert sorted(json.loads(m.body)["id"] for m in everything) == sorted([first, *later])
+    assert all(set(rows) == {"published"} for rows in final.values()), final
