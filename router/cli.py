@@ -3,23 +3,33 @@
 router serve       run every processor until SIGINT/SIGTERM (--workers N: N processes)
 router init-db     create or upgrade the outbox table in every database
 router check       validate the config and reach every database and broker
+router status      backlog, failures and circuits per target (--json)
+router requeue     abandoned (or failed) rows back to pending, with filters (--dry-run)
+router trace ID    every target's row of one event
+router pause T     stop claiming target T (every worker); router resume T undoes it
+router cleanup     delete published and abandoned rows past their retention
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from envelopes import ConfigError, RouterError
-from router import __version__
+from router import __version__, operations
 from router._logs import setup_logging
 from router._secrets import Redactor, secrets_of
+from router._tables import table
 from router._yaml import load_config
 from router.check import run_checks
 from router.config import RouterConfig
@@ -45,7 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     redactor = Redactor(secrets_of(config))
     setup_logging(args.log_level, args.log_format, redactor)
-    command = {"serve": _serve, "init-db": _init_db, "check": _check}[args.command]
+    command = {
+        "serve": _serve,
+        "init-db": _init_db,
+        "check": _check,
+        "status": _status,
+        "requeue": _requeue,
+        "trace": _trace,
+        "pause": _pause,
+        "resume": _pause,
+        "cleanup": _cleanup,
+    }[args.command]
     try:
         return _run(command(config, args, redactor))
     except RouterError as exc:
@@ -99,6 +119,48 @@ def _parser() -> argparse.ArgumentParser:
         "--database", action="append", help="only this database (repeatable; default: all)"
     )
     commands.add_parser("check", help="validate config, reach every database and broker")
+
+    status = commands.add_parser("status", help="backlog, failures and circuits per target")
+    status.add_argument("--database", help="only this database")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    requeue = commands.add_parser("requeue", help="put abandoned (or failed) rows back to pending")
+    requeue.add_argument("--database", help="only this database")
+    requeue.add_argument(
+        "--target", action="append", default=[], help="only this target (repeatable)"
+    )
+    requeue.add_argument(
+        "--event-type", action="append", default=[], help="only this event type (repeatable)"
+    )
+    requeue.add_argument("--error", help="only rows whose last error contains this text")
+    requeue.add_argument(
+        "--since", type=_moment, help="created at or after (ISO 8601 or 2h, 1d ago)"
+    )
+    requeue.add_argument("--until", type=_moment, help="created before (ISO 8601 or 2h, 1d ago)")
+    requeue.add_argument(
+        "--failed",
+        action="store_true",
+        help="also rows waiting to retry (default: only abandoned ones)",
+    )
+    requeue.add_argument("--dry-run", action="store_true", help="only count what would change")
+    requeue.add_argument("--json", action="store_true")
+
+    trace = commands.add_parser("trace", help="every target's row of one event")
+    trace.add_argument("message_id")
+    trace.add_argument("--json", action="store_true")
+
+    for verb, text in (
+        ("pause", "stop claiming a target's rows (every worker)"),
+        ("resume", "claim a paused target's rows again"),
+    ):
+        command = commands.add_parser(verb, help=text)
+        command.add_argument("target")
+        command.add_argument("--database", help="only this database")
+        command.add_argument("--json", action="store_true")
+
+    cleanup = commands.add_parser("cleanup", help="delete rows past their retention")
+    cleanup.add_argument("--database", help="only this database")
+    cleanup.add_argument("--json", action="store_true")
     return parser
 
 
@@ -121,7 +183,12 @@ async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redac
         await WorkerPool(config, args.workers, child).run(stop)
         return EXIT_OK
     # A child of a worker pool leaves embedded brokers and HTTP to its parent.
-    supervisor = Supervisor(config, start_embedded=not args.child, serve_http=not args.child)
+    supervisor = Supervisor(
+        config,
+        start_embedded=not args.child,
+        serve_http=not args.child,
+        run_cleanup=not args.child,
+    )
     await supervisor.run(stop)
     return EXIT_OK
 
@@ -176,3 +243,172 @@ async def _check(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     if failed:
         print(f"{len(failed)} of {len(results)} checks failed")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _moment(text: str) -> datetime:
+    """ISO 8601, or a duration ago: 30m, 2h, 1d, 1w."""
+    units = {"m": 60, "h": 3600, "d": 86400, "w": 604800}
+    value = text.strip()
+    if value and value[-1] in units and value[:-1].isdigit():
+        return datetime.now(UTC) - timedelta(seconds=int(value[:-1]) * units[value[-1]])
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use ISO 8601 or 30m, 2h, 1d, 1w") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
+    print(json.dumps(document, indent=2, default=str) if args.json else human)
+
+
+async def _status(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    rows = await operations.status(config, args.database)
+    human = table(
+        [
+            "database",
+            "target",
+            "pending",
+            "in flight",
+            "retrying",
+            "abandoned",
+            "published",
+            "oldest due",
+            "retries/min",
+            "circuit",
+            "paused",
+        ],
+        [
+            (
+                r.database,
+                r.target,
+                r.pending,
+                r.in_flight,
+                r.failed,
+                r.abandoned,
+                r.published,
+                _age(r.oldest_claimable_age),
+                r.retries_per_minute,
+                r.circuit,
+                "yes" if r.paused else "no",
+            )
+            for r in rows
+        ],
+        right=2,
+    )
+    errors = [f"  {r.database}/{r.target}: {r.last_error}" for r in rows if r.last_error]
+    if errors:
+        human += "\n\nlatest errors:\n" + "\n".join(errors)
+    _emit(args, {"targets": [r.as_dict() for r in rows]}, redactor(human))
+    return EXIT_OK
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+async def _requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
+    counts = await operations.requeue(
+        config,
+        args.database,
+        targets_=args.target,
+        event_types=args.event_type,
+        error=args.error,
+        since=args.since,
+        until=args.until,
+        statuses=statuses,
+        dry_run=args.dry_run,
+    )
+    total = sum(counts.values())
+    verb = "would requeue" if args.dry_run else "requeued"
+    human = "\n".join(f"{db}: {verb} {n} row(s)" for db, n in counts.items())
+    _emit(args, {"dry_run": args.dry_run, "rows": counts, "total": total}, human)
+    return EXIT_OK
+
+
+async def _trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    rows = await operations.trace(config, args.message_id)
+    if not rows and not args.json:
+        print(f"no outbox row has message id {args.message_id}")
+        return EXIT_FAILED
+    human = table(
+        [
+            "database",
+            "target",
+            "destination",
+            "status",
+            "attempts",
+            "published at",
+            "lease holder",
+            "last error",
+        ],
+        [
+            (
+                r.database,
+                r.target,
+                r.destination,
+                r.status,
+                r.attempts,
+                r.published_at,
+                r.locked_by,
+                r.last_error,
+            )
+            for r in rows
+        ],
+    )
+    _emit(
+        args, {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]}, redactor(human)
+    )
+    return EXIT_OK if rows else EXIT_FAILED
+
+
+async def _pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    paused = args.command == "pause"
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    databases = await operations.set_paused(
+        config, args.target, paused=paused, database=args.database, by=by
+    )
+    state = "paused" if paused else "resumed"
+    _emit(
+        args,
+        {"target": args.target, "paused": paused, "databases": databases},
+        f"{args.target}: {state} in {', '.join(databases)}",
+    )
+    return EXIT_OK
+
+
+async def _cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    done = await operations.cleanup(config, args.database)
+    retention = config.outbox.retention
+    human = "\n".join(
+        f"{d.database}: deleted {d.published} published row(s) older than "
+        f"{_span(retention.published)}, {d.abandoned} abandoned row(s) older than "
+        f"{_span(retention.abandoned)}"
+        for d in done
+    )
+    _emit(
+        args,
+        {
+            "databases": [
+                {"database": d.database, "published": d.published, "abandoned": d.abandoned}
+                for d in done
+            ]
+        },
+        human,
+    )
+    return EXIT_OK
+
+
+def _span(duration: timedelta) -> str:
+    seconds = duration.total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"

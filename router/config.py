@@ -8,11 +8,13 @@ never the value (values may be secrets).
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -26,8 +28,10 @@ from brokers import AnyBrokerSettings, BrokerSettings, redact_url
 __all__ = [
     "CircuitSettings",
     "DatabaseSettings",
+    "Duration",
     "HttpSettings",
     "OutboxSettings",
+    "RetentionSettings",
     "RetrySettings",
     "RouterConfig",
 ]
@@ -50,6 +54,34 @@ class RetrySettings(BaseModel):
         if self.max_delay < self.base_delay:
             raise ValueError("max_delay must be at least base_delay")
         return self
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(value: Any) -> Any:
+    """Accept 7d, 12h, 30m, 45s, 1w (or seconds, or ISO 8601) for durations."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text and text[-1] in _UNITS and text[:-1].replace(".", "", 1).isdigit():
+            return timedelta(seconds=float(text[:-1]) * _UNITS[text[-1]])
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+
+
+class RetentionSettings(BaseModel):
+    """How long finished rows are kept, and how often ``router serve`` removes older ones."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    published: Duration = Field(timedelta(days=7), description="Keep published rows this long.")
+    abandoned: Duration = Field(timedelta(days=30), description="Keep abandoned rows this long.")
+    interval: Duration = Field(
+        timedelta(minutes=10), description="How often router serve cleans up (0: never)."
+    )
+    batch_size: int = Field(5000, ge=1, description="Rows deleted per statement.")
 
 
 class CircuitSettings(BaseModel):
@@ -85,6 +117,7 @@ class OutboxSettings(BaseModel):
     )
     retry: RetrySettings = Field(default_factory=RetrySettings)
     circuit: CircuitSettings = Field(default_factory=CircuitSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
 
 class HttpSettings(BaseModel):
@@ -94,6 +127,11 @@ class HttpSettings(BaseModel):
 
     enabled: bool = True
     bind: str = Field("127.0.0.1:8642", description="host:port to listen on.")
+    token: SecretStr | None = Field(
+        None,
+        description="If set, every endpoint but /healthz and /readyz needs "
+        "'Authorization: Bearer <token>'. Take it from the environment: ${ROUTER_HTTP_TOKEN}.",
+    )
 
     @field_validator("bind")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
@@ -15,6 +16,7 @@ from envelopes import BrokerError, EnvelopeError, render
 from router._store import ClaimedRow, Marks
 from router.circuit import Circuit
 from router.config import RetrySettings
+from router.metrics import Metrics
 from router.retry import retry_delay
 from router.stats import ProcessorStats
 
@@ -37,6 +39,7 @@ class Delivery:
         stats: ProcessorStats,
         rand: Callable[[], float],
         labels: dict[str, str],
+        metrics: Metrics | None = None,
     ) -> None:
         self.target = target
         self.settings = settings
@@ -46,6 +49,7 @@ class Delivery:
         self.stats = stats
         self._rand = rand
         self._log = labels
+        self._metrics = metrics
 
     async def deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
@@ -146,9 +150,11 @@ class Delivery:
         self.stats.published += len(marks.published)
         self.stats.failed += len(marks.failed)
         self.stats.abandoned += len(marks.abandoned)
+        by_seq = {row.seq: row for row in rows}
+        if self._metrics is not None:
+            self._measure(marks, by_seq)
         if not (marks.failed or marks.abandoned):
             return
-        by_seq = {row.seq: row for row in rows}
         for seq, error in marks.abandoned:
             row = by_seq[seq]
             log.error(
@@ -184,6 +190,26 @@ class Delivery:
                 "error": first,
             },
         )
+
+    def _measure(self, marks: Marks, by_seq: dict[int, ClaimedRow]) -> None:
+        assert self._metrics is not None
+        labels = (self._log["database"], self.target)
+        metrics = self._metrics
+        metrics.published.labels(*labels).inc(len(marks.published))
+        metrics.failed.labels(*labels).inc(len(marks.failed))
+        metrics.abandoned.labels(*labels).inc(len(marks.abandoned))
+        tried = [
+            *marks.published,
+            *(s for s, _, _ in marks.failed),
+            *(s for s, _ in marks.abandoned),
+        ]
+        metrics.retried.labels(*labels).inc(sum(1 for s in tried if by_seq[s].attempts > 1))
+        now = time.time()
+        histogram = metrics.latency.labels(*labels)
+        for seq in marks.published:
+            created = by_seq[seq].created_at
+            if created is not None:
+                histogram.observe(max(0.0, now - created))
 
 
 def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:

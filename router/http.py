@@ -1,35 +1,65 @@
-"""The HTTP endpoint of ``router serve`` (health and per-target counters).
+"""The HTTP endpoint of ``router serve``, on asyncio streams (no web framework needed).
 
-Deliberately tiny, on asyncio streams: ``GET /healthz`` answers while the process runs;
-``GET /api/processors`` lists each target's counters since start. Bound to 127.0.0.1 by
-default (``http.bind``).
+Routes are async functions returning ``Response``. With a token configured, every route but
+``/healthz`` and ``/readyz`` (and the dashboard page itself, which holds no data and asks for
+the token) needs ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HttpServer"]
+__all__ = ["HttpServer", "Response", "json_response"]
 
 log = logging.getLogger(__name__)
 
-Route = Callable[[], tuple[int, dict[str, Any]]]
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/"})
 
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request"}
+
+@dataclass(frozen=True)
+class Response:
+    """What a route answers."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def json_response(status: int, document: Any) -> Response:
+    """A JSON answer."""
+    return Response(status, json.dumps(document, default=str).encode())
+
+
+Route = Callable[[], Awaitable[Response]]
 
 
 class HttpServer:
-    """Serves JSON for a few GET routes."""
+    """Serves a few GET routes."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route]) -> None:
+    def __init__(
+        self, host: str, port: int, routes: dict[str, Route], token: str | None = None
+    ) -> None:
         self.host = host
         self.port = port
         self.routes = routes
+        self._token = token.encode() if token else None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -49,26 +79,45 @@ class HttpServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            method, _, rest = request.decode("latin-1").partition(" ")
-            path = rest.partition(" ")[0].partition("?")[0]
-            status, body = self._route(method, path)
+            response = await self._respond(request.decode("latin-1"))
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            status, body = 400, {"error": "bad request"}
-        payload = json.dumps(body, default=str).encode()
+            response = json_response(400, {"error": "bad request"})
         head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\n"
-            "Content-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+            f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'OK')}\r\n"
+            f"Content-Type: {response.content_type}\r\n"
+            f"Content-Length: {len(response.body)}\r\nConnection: close\r\n"
+            "Cache-Control: no-store\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in response.headers.items())
+            + "\r\n"
         )
         with contextlib.suppress(ConnectionError):
-            writer.write(head.encode() + payload)
+            writer.write(head.encode() + response.body)
             await writer.drain()
         writer.close()
 
-    def _route(self, method: str, path: str) -> tuple[int, dict[str, Any]]:
+    async def _respond(self, request: str) -> Response:
+        lines = request.split("\r\n")
+        method, _, rest = lines[0].partition(" ")
+        path = rest.partition(" ")[0].partition("?")[0]
         if method != "GET":
-            return 405, {"error": "only GET is served"}
+            return json_response(405, {"error": "only GET is served"})
         route = self.routes.get(path)
         if route is None:
-            return 404, {"error": f"no route {path}", "routes": sorted(self.routes)}
-        return route()
+            return json_response(404, {"error": f"no route {path}", "routes": sorted(self.routes)})
+        if self._token is not None and path not in OPEN_ROUTES and not self._authorised(lines):
+            return json_response(401, {"error": "a bearer token is required"})
+        try:
+            return await route()
+        except Exception as exc:  # a route's failure is an answer, never a dead server
+            log.exception("http.route_failed", extra={"path": path})
+            return json_response(500, {"error": type(exc).__name__})
+
+    def _authorised(self, lines: list[str]) -> bool:
+        assert self._token is not None
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "authorization":
+                scheme, _, given = value.strip().partition(" ")
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(given.strip().encode(), self._token)
+        return False

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from envelopes import StagingError
 from router._db import create_engine
+from router._tracing import current_traceparent
 from router._yaml import load_config
 from router.config import RouterConfig
 from router.events import Event, current_correlation_id
@@ -68,7 +69,8 @@ class Outbox:
 
         Raises ``StagingError`` (having written nothing) if an event cannot be serialised, is
         larger than ``outbox.max_payload_bytes``, or has no target. The correlation id defaults
-        to the one set with ``router.correlation()``.
+        to the one set with ``router.correlation()``, the traceparent to the active
+        OpenTelemetry span's (when OpenTelemetry is installed).
         """
         if not events:
             return []
@@ -80,7 +82,7 @@ class Outbox:
             headers=headers,
             extensions=extensions,
             tenant=tenant,
-            traceparent=traceparent,
+            traceparent=traceparent or current_traceparent(),
             expected_version=expected_version,
             priority=priority,
             positions=positions,

@@ -30,6 +30,7 @@ from router._store import Claim, Marks, OutboxStore
 from router.circuit import Circuit
 from router.config import OutboxSettings
 from router.delivery import Delivery
+from router.metrics import Metrics
 from router.stats import ProcessorStats
 
 __all__ = ["Processor", "ProcessorStats"]
@@ -54,6 +55,7 @@ class Processor:
         outbox: OutboxSettings,
         worker_id: str,
         rand: Callable[[], float] = random.random,
+        metrics: Metrics | None = None,
     ) -> None:
         self.database = database
         self.target = target
@@ -74,7 +76,9 @@ class Processor:
             stats=self.stats,
             rand=rand,
             labels=self._log,
+            metrics=metrics,
         )
+        self._recorded_circuit = "closed"
         self._wake = asyncio.Event()
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
@@ -109,6 +113,7 @@ class Processor:
                     self._report(exc, pause)
                     timeout, pause = pause, min(pause * 2, _PAUSE_MAX)
                     self._check_due = True
+                await self._record_circuit()
                 if timeout is None or self._stopping:
                     continue
                 with contextlib.suppress(TimeoutError):
@@ -227,6 +232,22 @@ class Processor:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def _record_circuit(self) -> None:
+        """Make a change of circuit state visible to `router status` (best effort)."""
+        state = self.circuit.state
+        if state == self._recorded_circuit:
+            return
+        try:
+            await self.store.record_circuit(
+                self.target,
+                state,
+                self.worker_id,
+                self.stats.last_error if state == "open" else None,
+            )
+        except Exception:  # the database may be what is down; try again next cycle
+            return
+        self._recorded_circuit = state
 
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):

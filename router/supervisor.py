@@ -3,30 +3,34 @@
 Every database gets a store and a watcher (NOTIFY on PostgreSQL, the WAL watcher on SQLite)
 that wakes the processors of the targets with new rows. A database that is down only stalls
 its own processors, which keep retrying; a broker that is down only stalls its own target.
+It also serves the HTTP endpoint and removes rows past their retention on a schedule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
+import random
 import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from brokers import Broker, BrokerSettings, create_broker
-from brokers.nats import EmbeddedNats
+from envelopes import RouterError
 from router._embedded import embedded_brokers
 from router._store import OutboxStore, open_store
 from router.config import RouterConfig
 from router.http import HttpServer
+from router.metrics import Metrics
+from router.operations import cleanup
 from router.processor import Processor
+from router.web import StatusService
 
-__all__ = ["BrokerFactory", "Supervisor", "new_worker_id"]
+__all__ = ["BrokerFactory", "Supervisor", "cleanup_loop", "new_worker_id"]
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +57,21 @@ class Supervisor:
         databases: list[str] | None = None,
         start_embedded: bool = True,
         serve_http: bool = True,
+        run_cleanup: bool = True,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.worker_id = worker_id or new_worker_id()
+        self.metrics = metrics or Metrics()
         self.stores: dict[str, OutboxStore] = {}
         self.processors: list[Processor] = []
-        self._embedded: list[EmbeddedNats] = []
+        self.http: HttpServer | None = None
         self._start_embedded = start_embedded
         self._serve_http = serve_http
+        self._run_cleanup = run_cleanup
         self._exit_stack = contextlib.AsyncExitStack()
-        self.http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._watchers: list[asyncio.Task[None]] = []
+        self._background: list[asyncio.Task[None]] = []
         for name in databases or list(config.databases):
             store = open_store(name, config.databases[name], config.base_dir)
             self.stores[name] = store
@@ -78,6 +85,7 @@ class Supervisor:
                         store=store,
                         outbox=config.outbox,
                         worker_id=self.worker_id,
+                        metrics=self.metrics,
                     )
                 )
 
@@ -95,25 +103,19 @@ class Supervisor:
                 processor.wake()
 
     async def start(self) -> None:
-        """Start embedded brokers, watchers and processors; returns once they run."""
+        """Start embedded brokers, watchers, HTTP and processors; returns once they run."""
         if self._start_embedded:
-            self._embedded = await self._exit_stack.enter_async_context(
-                embedded_brokers(self.config)
-            )
+            await self._exit_stack.enter_async_context(embedded_brokers(self.config))
         for name, store in self.stores.items():
-            self._watchers.append(
-                asyncio.create_task(
-                    store.watch(functools.partial(self.wake, name)), name=f"watch:{name}"
-                )
-            )
+            watch = store.watch(functools.partial(self.wake, name))
+            self._background.append(asyncio.create_task(watch, name=f"watch:{name}"))
         if self.config.http.enabled and self._serve_http:
-            self.http = HttpServer(
-                self.config.http.host,
-                self.config.http.port,
-                {"/healthz": self._health, "/api/processors": self._processor_stats},
-            )
+            service = StatusService(self.config, self.metrics.registry, self._health)
+            self.http = service.server()
             await self.http.start()
             self._exit_stack.push_async_callback(self.http.stop)
+        if self._run_cleanup:
+            self._background.append(asyncio.create_task(cleanup_loop(self.config)))
         for processor in self.processors:
             self._tasks.append(asyncio.create_task(processor.run(), name=processor.name))
         log.info(
@@ -134,19 +136,18 @@ class Supervisor:
         finally:
             await self.shutdown()
 
-    def _health(self) -> tuple[int, dict[str, Any]]:
-        running = sum(1 for task in self._tasks if not task.done())
-        return 200, {"status": "ok", "worker": self.worker_id, "processors": running}
-
-    def _processor_stats(self) -> tuple[int, dict[str, Any]]:
-        return 200, {
+    def _health(self) -> dict[str, Any]:
+        return {
             "worker": self.worker_id,
             "processors": [
                 {
                     "database": p.database,
                     "target": p.target,
                     "circuit": p.circuit.state,
-                    **dataclasses.asdict(p.stats),
+                    "published": p.stats.published,
+                    "failed": p.stats.failed,
+                    "abandoned": p.stats.abandoned,
+                    "last_error": p.stats.last_error,
                 }
                 for p in self.processors
             ],
@@ -163,12 +164,34 @@ class Supervisor:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for watcher in self._watchers:
-            watcher.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
-        self._tasks, self._watchers = [], []
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._tasks, self._background = [], []
         for store in self.stores.values():
             await store.close()
         await self._exit_stack.aclose()
-        self._embedded = []
         log.info("router.stopped", extra={"worker": self.worker_id})
+
+
+async def cleanup_loop(config: RouterConfig) -> None:
+    """Remove rows past their retention every ``retention.interval`` (0: never)."""
+    interval = config.outbox.retention.interval.total_seconds()
+    if interval <= 0:
+        return
+    while True:
+        # Spread routers that started together, so they do not all clean at once.
+        await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+        try:
+            for done in await cleanup(config):
+                if done.published or done.abandoned:
+                    log.info(
+                        "cleanup.done",
+                        extra={
+                            "database": done.database,
+                            "published": done.published,
+                            "abandoned": done.abandoned,
+                        },
+                    )
+        except RouterError as exc:
+            log.warning("cleanup.failed", extra={"error": str(exc)})

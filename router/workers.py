@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any
 
 from router._embedded import embedded_brokers
 from router.config import RouterConfig
-from router.http import HttpServer
+from router.metrics import multiprocess_registry
+from router.supervisor import cleanup_loop
+from router.web import StatusService
 
 __all__ = ["WorkerPool"]
 
@@ -69,12 +72,17 @@ class WorkerPool:
         """Run until ``stop`` is set; then stop every worker within the grace period."""
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(embedded_brokers(self.config))
+            metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="router-metrics-"))
+            # Workers write their counters here; the parent adds them up for /metrics.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
             if self.config.http.enabled:
-                http = HttpServer(
-                    self.config.http.host, self.config.http.port, {"/healthz": self._health}
+                service = StatusService(
+                    self.config, multiprocess_registry(metrics_dir), self._health
                 )
+                http = service.server()
                 await http.start()
                 stack.push_async_callback(http.stop)
+            stack.callback(asyncio.Task.cancel, asyncio.create_task(cleanup_loop(self.config)))
             for worker in self.workers:
                 await self._spawn(worker)
             log.info(
@@ -152,7 +160,7 @@ class WorkerPool:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
 
-    def _health(self) -> tuple[int, dict[str, Any]]:
+    def _health(self) -> dict[str, Any]:
         workers = [
             {
                 "index": w.index,
@@ -162,8 +170,4 @@ class WorkerPool:
             }
             for w in self.workers
         ]
-        healthy = all(w["running"] for w in workers)
-        return (200 if healthy else 503), {
-            "status": "ok" if healthy else "degraded",
-            "workers": workers,
-        }
+        return {"workers": workers, "all_running": all(w["running"] for w in workers)}

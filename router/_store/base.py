@@ -25,6 +25,7 @@ class ClaimedRow:
     envelope: str
     attempts: int
     stream_key: str | None = None
+    created_at: float | None = None  # epoch seconds, for commit-to-ack latency
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,9 @@ class OutboxStore(Protocol):
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due (``None``: no open rows)."""
+
+    async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
+        """Note a target's circuit state where ``router status`` can see it."""
 
     async def watch(self, wake: Wake) -> None:
         """Call ``wake`` whenever rows may have been added; runs until cancelled."""

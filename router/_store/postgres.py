@@ -57,6 +57,14 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq = ANY($1::bigint[]) AND lease_token = $2 AND status = 'processing'
 """
 
+RECORD_CIRCUIT = """
+INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
+VALUES ($1, $2, now(), $3, $4)
+ON CONFLICT (target) DO UPDATE
+SET circuit = EXCLUDED.circuit, circuit_since = EXCLUDED.circuit_since,
+    circuit_worker = EXCLUDED.circuit_worker, circuit_error = EXCLUDED.circuit_error
+"""
+
 NEXT_DUE = """
 SELECT extract(epoch FROM least(
     (SELECT min(available_at) FROM router_outbox
@@ -86,7 +94,7 @@ class PostgresStore:
         token = new_token()
         async with self._connection() as conn:
             records = await conn.fetch(CLAIM, target, limit, worker, lease_seconds, token)
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in records]
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
         rows.sort(key=lambda r: r.seq)  # RETURNING does not promise an order
         return Claim(token, rows)
 
@@ -115,6 +123,11 @@ class PostgresStore:
         async with self._connection() as conn:
             value = await conn.fetchval(NEXT_DUE, target)
         return None if value is None else max(0.0, float(value))
+
+    async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
+        """Upsert the target's circuit state into router_targets."""
+        async with self._connection() as conn:
+            await conn.execute(RECORD_CIRCUIT, target, state, worker, error)
 
     async def ping(self) -> None:
         """Check the server answers and the outbox table exists."""

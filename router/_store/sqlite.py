@@ -29,8 +29,9 @@ __all__ = ["SqliteStore"]
 CLAIM = """
 UPDATE router_outbox
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
-    attempts = attempts + 1
-WHERE seq IN (
+    attempts = attempts + 1, last_attempt_at = ?
+WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused)
+  AND seq IN (
     SELECT o.seq FROM router_outbox o
     WHERE o.target = ?
       AND o.status IN ('pending', 'processing', 'failed')
@@ -44,7 +45,15 @@ WHERE seq IN (
     ORDER BY o.seq
     LIMIT ?
 )
-RETURNING seq, message_id, destination, envelope, attempts, stream_key
+RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at
+"""
+
+RECORD_CIRCUIT = """
+INSERT INTO router_targets (target, paused, circuit, circuit_since, circuit_worker, circuit_error)
+VALUES (?, 0, ?, ?, ?, ?)
+ON CONFLICT (target) DO UPDATE
+SET circuit = excluded.circuit, circuit_since = excluded.circuit_since,
+    circuit_worker = excluded.circuit_worker, circuit_error = excluded.circuit_error
 """
 
 MARK_PUBLISHED = """
@@ -98,9 +107,11 @@ class SqliteStore:
         until = sqlite_time(now + timedelta(seconds=lease_seconds))
         stamp = sqlite_time(now)
         async with self._transaction() as db:
-            cursor = await db.execute(CLAIM, (worker, token, until, target, stamp, stamp, limit))
+            cursor = await db.execute(
+                CLAIM, (worker, token, until, stamp, target, target, stamp, stamp, limit)
+            )
             records = await cursor.fetchall()
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in records]
+        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
         rows.sort(key=lambda r: r.seq)
         return Claim(token, rows)
 
@@ -146,6 +157,12 @@ class SqliteStore:
             return None
         due = datetime.strptime(row[0], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
         return max(0.0, (due - datetime.now(UTC)).total_seconds())
+
+    async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
+        """Upsert the target's circuit state into router_targets."""
+        stamp = sqlite_time(datetime.now(UTC))
+        async with self._transaction() as db:
+            await db.execute(RECORD_CIRCUIT, (target, state, stamp, worker, error))
 
     async def ping(self) -> None:
         """Check the file opens and holds the outbox table."""
@@ -214,6 +231,16 @@ class SqliteStore:
             raise _database_error(self.name, exc) from exc
         self._db = db
         return db
+
+
+def _epoch(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        moment = datetime.strptime(stamp[:26], "%Y-%m-%d %H:%M:%S.%f")
+    except ValueError:
+        return None
+    return moment.replace(tzinfo=UTC).timestamp()
 
 
 def _signature(path: Path) -> tuple[int, int] | None:

@@ -1,0 +1,53 @@
+"""The router's tables as SQLAlchemy Core objects, for the operations commands (status,
+requeue, trace, pause, cleanup), which run on PostgreSQL and SQLite alike.
+
+The migrations in ``router/migrations`` create the tables; these definitions only describe
+them for queries (the hot path uses hand-written SQL in ``router/_store``).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+__all__ = ["metadata", "outbox", "targets"]
+
+metadata = sa.MetaData()
+
+# Message ids are uuid on PostgreSQL and their 36-character text on SQLite.
+_MessageId = sa.String(36).with_variant(postgresql.UUID(as_uuid=False), "postgresql")
+_Time = sa.DateTime(timezone=True)
+
+outbox = sa.Table(
+    "router_outbox",
+    metadata,
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("message_id", _MessageId, nullable=False),
+    sa.Column("target", sa.Text, nullable=False),
+    sa.Column("destination", sa.Text, nullable=False),
+    sa.Column("event_type", sa.Text, nullable=False),
+    sa.Column("stream_key", sa.Text),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("available_at", _Time, nullable=False),
+    sa.Column("locked_by", sa.Text),
+    sa.Column("locked_until", _Time),
+    sa.Column("lease_token", sa.BigInteger),
+    sa.Column("last_error", sa.Text),
+    sa.Column("created_at", _Time, nullable=False),
+    sa.Column("published_at", _Time),
+    sa.Column("last_attempt_at", _Time),
+)
+
+targets = sa.Table(
+    "router_targets",
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("paused_at", _Time),
+    sa.Column("paused_by", sa.Text),
+    sa.Column("circuit", sa.Text, nullable=False),
+    sa.Column("circuit_since", _Time),
+    sa.Column("circuit_worker", sa.Text),
+    sa.Column("circuit_error", sa.Text),
+)

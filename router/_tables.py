@@ -1,0 +1,32 @@
+"""Plain text tables for the commands' human output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["table"]
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: int = 0) -> str:
+    """An aligned table; columns from index ``right`` on that hold numbers align right."""
+    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    numeric = [
+        i >= right and all(_is_number(row[i]) for row in cells[1:]) and len(cells) > 1
+        for i in range(len(header))
+    ]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append(
+            "  ".join(
+                cell.rjust(width) if numeric[i] and n > 0 else cell.ljust(width)
+                for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    return text == "-" or text.replace(".", "", 1).replace("-", "", 1).isdigit()

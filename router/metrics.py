@@ -1,0 +1,144 @@
+"""Prometheus metrics of ``router serve``.
+
+Counters and the latency histogram live in the processes that deliver (each worker); with
+``--workers N`` they are written to a shared folder (``PROMETHEUS_MULTIPROC_DIR``) and the
+parent adds them up. Backlog gauges (pending, in flight, failed, abandoned, oldest claimable
+age, circuit, paused) are read from the databases when scraped, so every worker and every
+host agree on them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+__all__ = ["BacklogCollector", "Metrics", "multiprocess_registry"]
+
+LABELS = ("database", "target")
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class Metrics:
+    """The delivery counters of one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.published = Counter(
+            "router_published",
+            "Rows published (broker acknowledged).",
+            LABELS,
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "router_failed",
+            "Attempts that failed and will be retried.",
+            LABELS,
+            registry=self.registry,
+        )
+        self.abandoned = Counter(
+            "router_abandoned", "Rows given up on.", LABELS, registry=self.registry
+        )
+        self.retried = Counter(
+            "router_retried", "Attempts after the first of a row.", LABELS, registry=self.registry
+        )
+        self.latency = Histogram(
+            "router_commit_to_ack_seconds",
+            "From the row's commit (created_at) to the broker's acknowledgement.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def totals(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Counter totals per (database, target), for the JSON API."""
+        return counter_totals(self.registry)
+
+
+def counter_totals(registry: CollectorRegistry) -> dict[tuple[str, str], dict[str, float]]:
+    """Sum of each ``router_*_total`` counter per (database, target) in ``registry``."""
+    totals: dict[tuple[str, str], dict[str, float]] = {}
+    for family in registry.collect():
+        if family.type != "counter":
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            key = (sample.labels.get("database", ""), sample.labels.get("target", ""))
+            name = sample.name.removeprefix("router_").removesuffix("_total")
+            totals.setdefault(key, {})[name] = totals.get(key, {}).get(name, 0) + sample.value
+    return totals
+
+
+def multiprocess_registry(path: str | None = None) -> CollectorRegistry:
+    """A registry that adds up what every worker wrote to ``PROMETHEUS_MULTIPROC_DIR``."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(  # type: ignore[no-untyped-call]
+        registry, path=path or os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    )
+    return registry
+
+
+class BacklogCollector:
+    """Backlog gauges from the last database reading (refreshed before each scrape)."""
+
+    def __init__(self) -> None:
+        self.rows: Sequence[Any] = ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Yield one gauge family per figure."""
+        figures: Iterable[tuple[str, str, str]] = (
+            ("router_pending", "Rows waiting to be claimed.", "pending"),
+            ("router_in_flight", "Rows leased by a worker now.", "in_flight"),
+            ("router_waiting_retry", "Rows that failed and wait for their next attempt.", "failed"),
+            ("router_abandoned_rows", "Abandoned rows kept for inspection.", "abandoned"),
+            (
+                "router_oldest_claimable_age_seconds",
+                "Age of the oldest row that is due.",
+                "oldest_claimable_age",
+            ),
+        )
+        for name, documentation, attribute in figures:
+            family = GaugeMetricFamily(name, documentation, labels=list(LABELS))
+            for row in self.rows:
+                value = getattr(row, attribute)
+                family.add_metric([row.database, row.target], float(value or 0))
+            yield family
+        circuit = GaugeMetricFamily(
+            "router_circuit_open",
+            "1 while the target's circuit is open (its broker unreachable).",
+            labels=list(LABELS),
+        )
+        paused = GaugeMetricFamily(
+            "router_paused", "1 while the target is paused.", labels=list(LABELS)
+        )
+        for row in self.rows:
+            circuit.add_metric([row.database, row.target], 1.0 if row.circuit == "open" else 0.0)
+            paused.add_metric([row.database, row.target], 1.0 if row.paused else 0.0)
+        yield circuit
+        yield paused

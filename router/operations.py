@@ -1,0 +1,411 @@
+"""What operators do to an outbox: look (status, trace), replay (requeue), hold (pause),
+and tidy (cleanup). Used by the ``router`` commands and the HTTP API.
+
+Every function opens its own connections from the config and works on PostgreSQL and SQLite
+alike; times are computed here, in UTC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from envelopes import DatabaseError
+from router._db import create_engine
+from router._schema import outbox, targets
+from router.config import RouterConfig
+
+__all__ = [
+    "Cleanup",
+    "TargetStatus",
+    "TraceRow",
+    "cleanup",
+    "requeue",
+    "set_paused",
+    "status",
+    "trace",
+]
+
+OPEN = ("pending", "processing", "failed")
+RETRY_WINDOW = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class TargetStatus:
+    """One (database, target) at a glance."""
+
+    database: str
+    target: str
+    pending: int = 0
+    in_flight: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    published: int = 0
+    oldest_claimable_age: float | None = None
+    retries_per_minute: float = 0.0
+    circuit: str = "closed"
+    circuit_since: str | None = None
+    paused: bool = False
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One target's row of one event."""
+
+    database: str
+    target: str
+    destination: str
+    event_type: str
+    status: str
+    attempts: int
+    last_error: str | None
+    locked_by: str | None
+    locked_until: str | None
+    created_at: str | None
+    published_at: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    """What one cleanup removed."""
+
+    database: str
+    published: int = 0
+    abandoned: int = 0
+    inbox: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def _engine(config: RouterConfig, database: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(config.databases[database], config.base_dir, pool_pre_ping=False)
+    try:
+        yield engine
+    except sa.exc.DBAPIError as exc:
+        cause = exc.orig or exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise DatabaseError(f"{database}: {type(cause).__name__}: {first}") from None
+    except OSError as exc:
+        raise DatabaseError(f"{database}: cannot connect: {exc.strerror or exc}") from None
+    finally:
+        await engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def _connect(config: RouterConfig, database: str) -> AsyncIterator[AsyncConnection]:
+    """One transaction on a database (committed when the block ends without error)."""
+    async with _engine(config, database) as engine, engine.begin() as conn:
+        yield conn
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _utc(value: Any) -> datetime | None:
+    """SQLite hands times back naive (they are stored in UTC)."""
+    if value is None:
+        return None
+    moment: datetime = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _text(value: Any) -> str | None:
+    moment = _utc(value)
+    return moment.isoformat(timespec="milliseconds") if moment else None
+
+
+def _databases(config: RouterConfig, database: str | None) -> list[str]:
+    if database is None:
+        return list(config.databases)
+    if database not in config.databases:
+        raise DatabaseError(
+            f"unknown database {database!r}; configured: {sorted(config.databases)}"
+        )
+    return [database]
+
+
+async def status(
+    config: RouterConfig, database: str | None = None, *, published: bool = True
+) -> list[TargetStatus]:
+    """Counts and ages per (database, target), for every configured target.
+
+    Counting published rows reads the whole table; ``published=False`` skips it and reads
+    only unfinished and abandoned rows, through their partial indexes (what metrics and the
+    dashboard poll).
+    """
+    found: list[TargetStatus] = []
+    for name in _databases(config, database):
+        async with _connect(config, name) as conn:
+            configured = list(config.brokers_of(name))
+            found.extend(await _status_of(conn, name, configured, published))
+    return found
+
+
+async def _status_of(
+    conn: AsyncConnection, database: str, configured: list[str], published: bool
+) -> list[TargetStatus]:
+    now = _now()
+    o = outbox
+    due = sa.case((o.c.status == "processing", o.c.locked_until), else_=o.c.available_at)
+    claimable = sa.and_(o.c.status.in_(OPEN), due <= now)
+
+    def count(condition: Any) -> Any:
+        return sa.func.sum(sa.case((condition, 1), else_=0))
+
+    query = sa.select(
+        o.c.target,
+        count(
+            sa.or_(
+                o.c.status == "pending",
+                sa.and_(o.c.status == "processing", o.c.locked_until <= now),
+            )
+        ),
+        count(sa.and_(o.c.status == "processing", o.c.locked_until > now)),
+        count(o.c.status == "failed"),
+        count(o.c.status == "abandoned"),
+        count(o.c.status == "published"),
+        sa.type_coerce(sa.func.min(sa.case((claimable, o.c.created_at))), o.c.created_at.type),
+        count(
+            sa.and_(
+                o.c.status.in_(("failed", "abandoned")), o.c.last_attempt_at > now - RETRY_WINDOW
+            )
+        ),
+    ).group_by(o.c.target)
+    if not published:
+        query = query.where(o.c.status.in_((*OPEN, "abandoned")))
+    rows = {r[0]: r for r in (await conn.execute(query)).all()}
+    states = {r.target: r for r in (await conn.execute(sa.select(targets))).all()}
+    errors = await _latest_errors(conn)
+    result = []
+    for target in sorted(set(configured) | set(rows)):
+        row = rows.get(target)
+        state = states.get(target)
+        oldest = _utc(row[6]) if row is not None else None
+        result.append(
+            TargetStatus(
+                database=database,
+                target=target,
+                pending=int(row[1] or 0) if row else 0,
+                in_flight=int(row[2] or 0) if row else 0,
+                failed=int(row[3] or 0) if row else 0,
+                abandoned=int(row[4] or 0) if row else 0,
+                published=int(row[5] or 0) if row else 0,
+                oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
+                retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
+                circuit=state.circuit if state else "closed",
+                circuit_since=_text(state.circuit_since) if state else None,
+                paused=bool(state.paused) if state else False,
+                last_error=errors.get(target),
+            )
+        )
+    return result
+
+
+async def _latest_errors(conn: AsyncConnection) -> dict[str, str]:
+    o = outbox
+    latest = (
+        sa.select(o.c.target, sa.func.max(o.c.last_attempt_at).label("at"))
+        .where(o.c.status.in_(("failed", "abandoned")), o.c.last_error.is_not(None))
+        .group_by(o.c.target)
+        .subquery()
+    )
+    query = sa.select(o.c.target, o.c.last_error).join(
+        latest, sa.and_(o.c.target == latest.c.target, o.c.last_attempt_at == latest.c.at)
+    )
+    return {r[0]: r[1] for r in (await conn.execute(query)).all()}
+
+
+async def trace(config: RouterConfig, message_id: str) -> list[TraceRow]:
+    """Every target's row of one event, in every database."""
+    found = []
+    for name in config.databases:
+        async with _connect(config, name) as conn:
+            query = (
+                sa.select(outbox).where(outbox.c.message_id == message_id).order_by(outbox.c.seq)
+            )
+            for row in (await conn.execute(query)).all():
+                found.append(
+                    TraceRow(
+                        database=name,
+                        target=row.target,
+                        destination=row.destination,
+                        event_type=row.event_type,
+                        status=row.status,
+                        attempts=row.attempts,
+                        last_error=row.last_error,
+                        locked_by=row.locked_by,
+                        locked_until=_text(row.locked_until),
+                        created_at=_text(row.created_at),
+                        published_at=_text(row.published_at),
+                    )
+                )
+    return found
+
+
+async def requeue(
+    config: RouterConfig,
+    database: str | None = None,
+    *,
+    targets_: Sequence[str] = (),
+    event_types: Sequence[str] = (),
+    error: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    statuses: Iterable[str] = ("abandoned",),
+    dry_run: bool = False,
+) -> dict[str, int]:
+    """Put abandoned (or failed) rows back to pending; returns how many, per database."""
+    counts: dict[str, int] = {}
+    for name in _databases(config, database):
+        async with _connect(config, name) as conn:
+            o = outbox
+            conditions: list[sa.ColumnElement[bool]] = [o.c.status.in_(tuple(statuses))]
+            if targets_:
+                conditions.append(o.c.target.in_(tuple(targets_)))
+            if event_types:
+                conditions.append(o.c.event_type.in_(tuple(event_types)))
+            if error:
+                conditions.append(
+                    sa.func.lower(o.c.last_error).contains(error.lower(), autoescape=True)
+                )
+            if since is not None:
+                conditions.append(o.c.created_at >= since.astimezone(UTC))
+            if until is not None:
+                conditions.append(o.c.created_at < until.astimezone(UTC))
+            where = sa.and_(*conditions)
+            if dry_run:
+                counts[name] = int(
+                    (
+                        await conn.execute(sa.select(sa.func.count()).select_from(o).where(where))
+                    ).scalar_one()
+                )
+                continue
+            touched = [
+                r[0]
+                for r in (await conn.execute(sa.select(o.c.target).where(where).distinct())).all()
+            ]
+            result = await conn.execute(
+                sa.update(o)
+                .where(where)
+                .values(
+                    status="pending",
+                    attempts=0,
+                    available_at=_now(),
+                    locked_by=None,
+                    locked_until=None,
+                    lease_token=None,
+                )
+            )
+            counts[name] = result.rowcount or 0
+            if touched:
+                await _notify(conn, touched)
+    return counts
+
+
+async def set_paused(
+    config: RouterConfig,
+    target: str,
+    *,
+    paused: bool,
+    database: str | None = None,
+    by: str | None = None,
+) -> list[str]:
+    """Pause or resume a target in every database that publishes to it."""
+    changed = []
+    for name in _databases(config, database):
+        if target not in config.brokers_of(name):
+            continue
+        async with _connect(config, name) as conn:
+            values = {
+                "target": target,
+                "paused": paused,
+                "paused_at": _now() if paused else None,
+                "paused_by": by if paused else None,
+            }
+            dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+            insert = dialect.insert(targets).values(circuit="closed", **values)
+            await conn.execute(
+                insert.on_conflict_do_update(
+                    index_elements=[targets.c.target],
+                    set_={k: v for k, v in values.items() if k != "target"},
+                )
+            )
+            if not paused:
+                await _notify(conn, [target])
+        changed.append(name)
+    if not changed:
+        raise DatabaseError(
+            f"no database publishes to {target!r}; brokers: {sorted(config.brokers)}"
+        )
+    return changed
+
+
+async def cleanup(
+    config: RouterConfig, database: str | None = None, *, batch_size: int | None = None
+) -> list[Cleanup]:
+    """Delete published and abandoned rows past their retention, in bounded batches."""
+    retention = config.outbox.retention
+    size = batch_size or retention.batch_size
+    done = []
+    for name in _databases(config, database):
+        now = _now()
+        async with _engine(config, name) as engine:
+            published = await _delete_older(
+                engine, "published", outbox.c.published_at, now - retention.published, size
+            )
+            abandoned = await _delete_older(
+                engine, "abandoned", outbox.c.last_attempt_at, now - retention.abandoned, size
+            )
+        done.append(Cleanup(name, published, abandoned))
+    return done
+
+
+def cleanup_statement(status_: str, column: Any, cutoff: datetime, size: int) -> Any:
+    """DELETE one batch of rows of ``status_`` whose ``column`` is before ``cutoff``."""
+    o = outbox
+    batch = (
+        sa.select(o.c.seq)
+        .where(o.c.status == status_, column < cutoff)
+        .order_by(column)
+        .limit(size)
+        .scalar_subquery()
+    )
+    return sa.delete(o).where(o.c.seq.in_(batch))
+
+
+async def _delete_older(
+    engine: AsyncEngine, status_: str, column: Any, cutoff: datetime, size: int
+) -> int:
+    total = 0
+    while True:
+        # One transaction per batch: locks stay short on a busy outbox.
+        async with engine.begin() as conn:
+            result = await conn.execute(cleanup_statement(status_, column, cutoff, size))
+        deleted = result.rowcount or 0
+        total += deleted
+        if deleted < size:
+            return total
+
+
+async def _notify(conn: AsyncConnection, target_names: Sequence[str]) -> None:
+    if conn.dialect.name == "postgresql":
+        await conn.execute(
+            sa.select(sa.func.pg_notify("router_outbox", ",".join(sorted(target_names))))
+        )
