@@ -12,8 +12,8 @@ from typing import Any
 
 import asyncpg
 import pytest
-import sqlalchemy as sa
 import yaml
+from sqlalchemy.dialects import postgresql
 
 from router import Event, Outbox
 from router._schema import outbox as outbox_table
@@ -73,7 +73,7 @@ async def seed(url: str) -> dict[str, list[str]]:
     await outbox.close()
     now = datetime.now(UTC)
     day = timedelta(days=1)
-    changes = {
+    changes: dict[str, tuple[str, dict[str, Any]]] = {
         "published_old": ("published", {"published_at": now - 10 * day}),
         "published_old2": ("published", {"published_at": now - 8 * day}),
         "published_new": ("published", {"published_at": now - day}),
@@ -265,7 +265,7 @@ async def test_cleanup_batches_are_served_by_the_retention_indexes(pg_url: str) 
                    now() - make_interval(days => i % 60), now() - make_interval(days => i % 60)
             FROM generate_series(1, 20000) AS i""")
         await conn.execute("ANALYZE router_outbox")
-        dialect = sa.dialects.postgresql.dialect()  # type: ignore[attr-defined]
+        dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
         cutoff = datetime.now(UTC) - timedelta(days=7)
         for status, column, index in (
             ("published", outbox_table.c.published_at, "ix_router_outbox_published"),
