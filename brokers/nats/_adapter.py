@@ -88,6 +88,10 @@ class NatsBroker:
                     self.settings.servers(),
                     connect_timeout=self.settings.connect_timeout,
                     allow_reconnect=False,
+                    # nats-py tries each server until this is exhausted even when it may not
+                    # reconnect; two quick tries, then the real reason.
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=0.1,
                     error_cb=remember,
                     closed_cb=on_closed,
                     name=f"outbox-router:{self.name}",
