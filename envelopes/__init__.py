@@ -10,6 +10,7 @@ from envelopes.errors import (
     RouterError,
     StagingError,
 )
+from envelopes.identify import message_id_of
 from envelopes.ids import uuid7
 from envelopes.models import (
     EXTERNAL_FIELDS,
@@ -48,6 +49,7 @@ __all__ = [
     "WireMessage",
     "format_time",
     "make_internal_envelope",
+    "message_id_of",
     "render",
     "uuid7",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-__all__ = ["metadata", "outbox", "targets"]
+__all__ = ["inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
 
@@ -37,6 +37,14 @@ outbox = sa.Table(
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("published_at", _Time),
     sa.Column("last_attempt_at", _Time),
+)
+
+inbox = sa.Table(
+    "router_inbox",
+    metadata,
+    sa.Column("consumer", sa.Text, primary_key=True),
+    sa.Column("message_id", sa.Text, primary_key=True),
+    sa.Column("received_at", _Time, nullable=False),
 )
 
 targets = sa.Table(

@@ -390,14 +390,20 @@ async def _cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Red
     human = "\n".join(
         f"{d.database}: deleted {d.published} published row(s) older than "
         f"{_span(retention.published)}, {d.abandoned} abandoned row(s) older than "
-        f"{_span(retention.abandoned)}"
+        f"{_span(retention.abandoned)}, {d.inbox} inbox record(s) older than "
+        f"{_span(retention.inbox)}"
         for d in done
     )
     _emit(
         args,
         {
             "databases": [
-                {"database": d.database, "published": d.published, "abandoned": d.abandoned}
+                {
+                    "database": d.database,
+                    "published": d.published,
+                    "abandoned": d.abandoned,
+                    "inbox": d.inbox,
+                }
                 for d in done
             ]
         },

@@ -78,6 +78,11 @@ class RetentionSettings(BaseModel):
 
     published: Duration = Field(timedelta(days=7), description="Keep published rows this long.")
     abandoned: Duration = Field(timedelta(days=30), description="Keep abandoned rows this long.")
+    inbox: Duration = Field(
+        timedelta(days=14),
+        description="Keep consumers' dedup records this long; a duplicate arriving later is "
+        "applied again.",
+    )
     interval: Duration = Field(
         timedelta(minutes=10), description="How often router serve cleans up (0: never)."
     )

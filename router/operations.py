@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import DatabaseError
 from router._db import create_engine
-from router._schema import outbox, targets
+from router._schema import inbox, outbox, targets
 from router.config import RouterConfig
 
 __all__ = [
@@ -373,7 +373,8 @@ async def cleanup(
             abandoned = await _delete_older(
                 engine, "abandoned", outbox.c.last_attempt_at, now - retention.abandoned, size
             )
-        done.append(Cleanup(name, published, abandoned))
+            records = await _delete_inbox(engine, now - retention.inbox, size)
+        done.append(Cleanup(name, published, abandoned, records))
     return done
 
 
@@ -401,6 +402,31 @@ async def _delete_older(
         deleted = result.rowcount or 0
         total += deleted
         if deleted < size:
+            return total
+
+
+async def _delete_inbox(engine: AsyncEngine, cutoff: datetime, size: int) -> int:
+    """Dedup records older than the inbox window, in batches (through their time index)."""
+    total = 0
+    while True:
+        batch = (
+            sa.select(inbox.c.consumer, inbox.c.message_id)
+            .where(inbox.c.received_at < cutoff)
+            .order_by(inbox.c.received_at)
+            .limit(size)
+        )
+        async with engine.begin() as conn:
+            keys = (await conn.execute(batch)).all()
+            if keys:
+                await conn.execute(
+                    sa.delete(inbox).where(
+                        sa.tuple_(inbox.c.consumer, inbox.c.message_id).in_(
+                            [tuple(k) for k in keys]
+                        )
+                    )
+                )
+        total += len(keys)
+        if len(keys) < size:
             return total
 
 

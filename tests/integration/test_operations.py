@@ -233,7 +233,7 @@ async def test_cleanup_deletes_exactly_the_rows_past_retention(pg_url: str, tmp_
     out = run(tmp_path, "cleanup", "--json")
     # Defaults: published rows kept 7 days, abandoned rows 30 days.
     assert json.loads(out.stdout) == {
-        "databases": [{"database": "main", "published": 2, "abandoned": 1}]
+        "databases": [{"database": "main", "published": 2, "abandoned": 1, "inbox": 0}]
     }
     conn = await asyncpg.connect(pg_url)
     try:
