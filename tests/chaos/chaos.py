@@ -52,6 +52,8 @@ from nats.js.api import DeliverPolicy
 
 from brokers.nats import EmbeddedNats
 from router import Event, Outbox, load_config
+from tests.chaos.inbox_consumer import InboxConsumer
+from tests.chaos.proxy import DelayingProxy
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,14 +95,24 @@ class Report:
     database_restarts: int = 0
     producer_retries: int = 0
     seconds: float = 0.0
+    inbox: bool = False
+    consumer_deliveries: int = 0
+    duplicate_deliveries: int = 0
+    effects: int = 0
+    duplicate_effects: int = 0
     lost_ids: list[str] = field(default_factory=list)
     unexplained_duplicates: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        """0 lost, 0 order violations, every duplicate explained by a disruption."""
-        return self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
+        """0 lost, 0 order violations, every duplicate explained by a disruption; with the
+        inbox, one effect per committed event however often it was delivered."""
+        relay = self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
+        consumer = not self.inbox or (
+            self.duplicate_effects == 0 and self.effects == self.committed
+        )
+        return relay and consumer
 
     def table(self) -> str:
         """A readable summary."""
@@ -119,6 +131,13 @@ class Report:
             ("producer retries (unknown commit)", self.producer_retries),
             ("run time (s)", f"{self.seconds:.1f}"),
         ]
+        if self.inbox:
+            rows += [
+                ("inbox consumer: deliveries", self.consumer_deliveries),
+                ("  duplicate deliveries", self.duplicate_deliveries),
+                ("  events with an effect", self.effects),
+                ("  duplicate effects", self.duplicate_effects),
+            ]
         width = max(len(name) for name, _ in rows)
         lines = [f"chaos ({self.size}, {self.streams} streams)"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
@@ -147,6 +166,8 @@ class Chaos:
         kill_every: float,
         workers: int = 4,
         folder: Path,
+        inbox: bool = False,
+        ack_delay: float = 0.0,
     ) -> None:
         self.size = size
         self.events = events
@@ -163,6 +184,12 @@ class Chaos:
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
         self.router: subprocess.Popen[bytes] | None = None
         self._producing = True
+        self.report.inbox = inbox
+        self.proxy = DelayingProxy("127.0.0.1", int(self.nats_url.rsplit(":", 1)[1]), ack_delay)
+        self.ack_delay = ack_delay
+        self.consumer = (
+            InboxConsumer(self.nats_url, self.dsn, STREAM, SUBJECT + ".>") if inbox else None
+        )
 
     async def run(self) -> Report:
         """Set up, disrupt, drain, read the ledger back, clean up."""
@@ -178,8 +205,13 @@ class Chaos:
             await chaos
             await self._drain()
             await self._read_back()
+            if self.consumer is not None:
+                await self._await_effects()
         finally:
             self._stop_router()
+            if self.consumer is not None:
+                await self.consumer.stop()
+            await self.proxy.stop()
             await self.nats.stop()
             await self._drop_database()
         self.report.seconds = time.monotonic() - started
@@ -194,6 +226,9 @@ class Chaos:
         finally:
             await admin.close()
         await self.nats.start()
+        # The router reaches NATS through a proxy that can hold acks back (--ack-delay).
+        await self.proxy.start()
+        router_nats = f"nats://127.0.0.1:{self.proxy.port}" if self.ack_delay else self.nats_url
         config = {
             "service": "chaos",
             "databases": {"main": self.dsn},
@@ -201,7 +236,7 @@ class Chaos:
                 "events": {
                     "type": "nats",
                     "internal": True,
-                    "url": self.nats_url,
+                    "url": router_nats,
                     "destination": SUBJECT + ".{event_type}",
                     "connect_timeout": 2,
                     "publish_timeout": 5,
@@ -233,6 +268,9 @@ class Chaos:
         )
         if result.returncode != 0:
             raise RuntimeError(f"init-db failed: {result.stdout}{result.stderr}")
+        if self.consumer is not None:
+            await self._create_stream()
+            await self.consumer.start()
 
     def _start_router(self) -> None:
         log = (self.folder / "router.log").open("w")
@@ -275,6 +313,30 @@ class Chaos:
                 await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
             finally:
                 await admin.close()
+
+    async def _create_stream(self) -> None:
+        """Create the stream as the router would, so the consumer can attach first."""
+        client = await nats.connect(self.nats_url)
+        try:
+            await client.jetstream().add_stream(
+                name=STREAM, subjects=[SUBJECT + ".>"], duplicate_window=0.1
+            )
+        finally:
+            await client.close()
+
+    async def _await_effects(self, timeout: float = 90.0) -> None:
+        assert self.consumer is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            effects, duplicates = await self.consumer.effects()
+            if effects >= self.report.committed:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # late redeliveries, if any, land now
+        effects, duplicates = await self.consumer.effects()
+        self.report.effects, self.report.duplicate_effects = effects, duplicates
+        self.report.consumer_deliveries = self.consumer.deliveries
+        self.report.duplicate_deliveries = max(0, self.consumer.deliveries - effects)
 
     # -- producers ------------------------------------------------------------------------
 
@@ -534,6 +596,17 @@ def main() -> None:
     parser.add_argument("--rate", type=float, help="events per second, all producers together")
     parser.add_argument("--kill-every", type=float, help="seconds between worker kills")
     parser.add_argument(
+        "--inbox",
+        action="store_true",
+        help="also run an inbox-backed consumer and count duplicate effects",
+    )
+    parser.add_argument(
+        "--ack-delay",
+        type=float,
+        default=None,
+        help="hold the broker's acks back this long (default: 0.3 with --inbox)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -549,6 +622,8 @@ def main() -> None:
             streams=args.streams,
             rate=args.rate,
             kill_every=args.kill_every,
+            inbox=args.inbox,
+            ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
         )
     )
     if report.passed:
@@ -556,7 +631,8 @@ def main() -> None:
     else:
         print(f"kept {folder} (router.log, config.yaml) for a look")
     print(report.table())
-    target = args.json or ROOT / "bench" / "results" / f"chaos-{args.size}.json"
+    name = f"chaos-{args.size}" + ("-inbox" if args.inbox else "")
+    target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(
         json.dumps(

@@ -25,3 +25,21 @@ async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
     assert report.order_violations == 0, report.violations
     assert report.duplicates_not_in_flight == 0, report.unexplained_duplicates
     assert report.delivered == report.committed
+
+
+async def test_inbox_consumer_turns_duplicate_deliveries_into_single_effects(
+    tmp_path: Path,
+) -> None:
+    require("PostgreSQL", POSTGRES)
+    # Acks held back 0.3 s (a slow network): a worker killed mid-batch leaves messages the
+    # broker stored but the router never saw acknowledged; they are sent again. The stream's
+    # dedup window is too short to absorb them, so the consumer does receive them twice.
+    report = await run_chaos(
+        "small", tmp_path, events=1500, rate=60.0, kill_every=3.0, inbox=True, ack_delay=0.3
+    )
+    print(report.table())
+    assert report.lost == 0, report.lost_ids
+    assert report.order_violations == 0, report.violations
+    assert report.duplicate_deliveries > 0
+    assert report.duplicate_effects == 0
+    assert report.effects == report.committed
