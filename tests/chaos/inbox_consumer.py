@@ -55,7 +55,7 @@ class InboxConsumer:
             self.nats_url,
             logger=None,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.2,
+            reconnect_time_wait=1,
             middlewares=[Counting],
         )
 
