@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 PG_RESTART = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | head -1) main restart"
 STREAM, SUBJECT = "CHAOS", "chaos"
+LEASE_SECONDS = 5
 
 
 class Tick(Event, type="chaos.tick"):
@@ -184,6 +185,7 @@ class Chaos:
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
         self.router: subprocess.Popen[bytes] | None = None
         self._producing = True
+        self._watchers: list[asyncio.Task[None]] = []
         self.report.inbox = inbox
         self.proxy = DelayingProxy("127.0.0.1", int(self.nats_url.rsplit(":", 1)[1]), ack_delay)
         self.ack_delay = ack_delay
@@ -203,6 +205,7 @@ class Chaos:
             await producers
             self._producing = False
             await chaos
+            await asyncio.gather(*self._watchers)
             await self._drain()
             await self._read_back()
             if self.consumer is not None:
@@ -249,7 +252,7 @@ class Chaos:
             },
             "outbox": {
                 "batch_size": 200,
-                "lease_seconds": 5,
+                "lease_seconds": LEASE_SECONDS,
                 "poll_interval": 2,
                 "shutdown_grace_seconds": 3,
                 "retry": {"base_delay": 0.2, "max_delay": 2, "max_attempts": 1000},
@@ -467,6 +470,15 @@ class Chaos:
             raise RuntimeError(f"PostgreSQL restart failed: {result.stderr}")
         self.report.database_restarts += 1
         await self._note_in_flight("%", failed_too=True)
+        # Marks that could not be written while it was down leave rows leased until their
+        # lease ends, and they are published again after: keep noting until then.
+        self._watchers.append(asyncio.create_task(self._keep_noting(LEASE_SECONDS + 2)))
+
+    async def _keep_noting(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            await self._note_in_flight("%", failed_too=True)
+            await asyncio.sleep(0.25)
 
     async def _note_in_flight(self, holder: str, *, failed_too: bool = False) -> None:
         """Note the ids of rows in flight now (under ``holder``'s leases). After a broker or
