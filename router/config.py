@@ -112,7 +112,7 @@ class OutboxSettings(BaseModel):
         30.0, gt=0, description="How long a claim holds its rows before others may take them."
     )
     poll_interval: float = Field(
-        30.0, gt=0, description="Fallback poll when no wake-up arrives (NOTIFY covers PostgreSQL)."
+        60.0, gt=0, description="Fallback poll when no wake-up arrives (NOTIFY covers PostgreSQL)."
     )
     max_payload_bytes: int = Field(
         262_144, ge=1024, description="Largest stored envelope; stage() rejects bigger events."

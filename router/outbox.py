@@ -17,20 +17,22 @@ connection inside a transaction. For code without a transaction of its own::
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from envelopes import StagingError
 from router._db import create_engine
+from router._local import announce, database_key, listening
 from router._tracing import current_traceparent
 from router._yaml import load_config
 from router.config import RouterConfig
 from router.events import Event, current_correlation_id
-from router.staging import Stager, StagingOptions
+from router.staging import Row, Stager, StagingOptions
 
 __all__ = ["Outbox", "Transaction"]
 
@@ -42,6 +44,7 @@ class Outbox:
         self.config = config
         self._stager = Stager(config)
         self._engines: dict[str, AsyncEngine] = {}
+        self._keys: dict[str, str] = {}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str] | None = None) -> Outbox:
@@ -103,7 +106,13 @@ class Outbox:
             conn = await _sqlalchemy_connection(connection)
             self._expect(name, kind, conn.dialect.name)
             await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+            if isinstance(connection, AsyncSession):
+                self._announce_after_commit(connection, name, rows)
         return list(dict.fromkeys(row.message_id for row in rows))
+
+    def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
+        """The targets rows of these events go to."""
+        return {r.target for e in events for r in self._stager.routes(database, type(e))}
 
     def engine(self, database: str | None = None, **kwargs: Any) -> AsyncEngine:
         """A SQLAlchemy engine for a configured database (SQLite: WAL and a busy timeout)."""
@@ -119,7 +128,30 @@ class Outbox:
         """A unit of work: commits on success, rolls back (staging nothing) on error."""
         name = self._database(database)
         async with self.engine(name).begin() as conn:
-            yield Transaction(self, conn, name)
+            tx = Transaction(self, conn, name)
+            yield tx
+        if tx.targets:
+            announce(self._key(name), tx.targets)
+
+    def _key(self, database: str) -> str:
+        key = self._keys.get(database)
+        if key is None:
+            key = self._keys[database] = database_key(
+                self.config.databases[database], self.config.base_dir
+            )
+        return key
+
+    def _announce_after_commit(
+        self, session: AsyncSession, database: str, rows: Sequence[Row]
+    ) -> None:
+        """In-process fast path: wake local processors once the session commits."""
+        key = self._key(database)
+        if not listening(key):
+            return
+        targets = {row.target for row in rows}
+        event.listen(
+            session.sync_session, "after_commit", lambda _session: announce(key, targets), once=True
+        )
 
     async def close(self) -> None:
         """Dispose the engines this outbox created."""
@@ -150,17 +182,20 @@ class Outbox:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Transaction:
     """An open unit of work from ``Outbox.transaction()``."""
 
     outbox: Outbox
     connection: AsyncConnection
     database: str
+    targets: set[str] = field(default_factory=set)
 
     async def stage(self, *events: Event, **options: Any) -> list[str]:
         """Stage events in this transaction (same options as ``Outbox.stage``)."""
-        return await self.outbox.stage(self.connection, *events, database=self.database, **options)
+        ids = await self.outbox.stage(self.connection, *events, database=self.database, **options)
+        self.targets.update(self.outbox.targets_of(self.database, events))
+        return ids
 
 
 async def _sqlalchemy_connection(connection: Any) -> AsyncConnection:

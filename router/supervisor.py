@@ -22,6 +22,7 @@ from typing import Any
 from brokers import Broker, BrokerSettings, create_broker
 from envelopes import RouterError
 from router._embedded import embedded_brokers
+from router._local import database_key, register
 from router._store import OutboxStore, open_store
 from router.config import RouterConfig
 from router.http import HttpServer
@@ -72,6 +73,7 @@ class Supervisor:
         self._exit_stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         for name in databases or list(config.databases):
             store = open_store(name, config.databases[name], config.base_dir)
             self.stores[name] = store
@@ -104,11 +106,14 @@ class Supervisor:
 
     async def start(self) -> None:
         """Start embedded brokers, watchers, HTTP and processors; returns once they run."""
+        self._loop = asyncio.get_running_loop()
         if self._start_embedded:
             await self._exit_stack.enter_async_context(embedded_brokers(self.config))
         for name, store in self.stores.items():
             watch = store.watch(functools.partial(self.wake, name))
             self._background.append(asyncio.create_task(watch, name=f"watch:{name}"))
+            key = database_key(self.config.databases[name], self.config.base_dir)
+            self._exit_stack.callback(register(key, functools.partial(self._announced, name)))
         if self.config.http.enabled and self._serve_http:
             service = StatusService(self.config, self.metrics.registry, self._health)
             self.http = service.server()
@@ -135,6 +140,17 @@ class Supervisor:
                     log.error("processor.crashed", exc_info=task.exception())
         finally:
             await self.shutdown()
+
+    def _announced(self, database: str, targets: set[str]) -> None:
+        # Called after a COMMIT in this process, maybe from another thread's event loop.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is self._loop:
+            self.wake(database, targets)
+        elif self._loop is not None:
+            self._loop.call_soon_threadsafe(self.wake, database, targets)
 
     def _health(self) -> dict[str, Any]:
         return {
