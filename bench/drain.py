@@ -60,21 +60,17 @@ WHERE seq = ANY($1::bigint[])
 """
 
 
-async def stage_backlog(url: str, stream: Stream, events: int) -> None:
+async def stage_backlog(
+    url: str, stream: Stream, events: int, brokers: dict[str, Any] | None = None
+) -> None:
     """``events`` events through Outbox.stage, as an application would have written them."""
-    outbox = Outbox(
-        make_config(
-            {"main": url},
-            {
-                "events": {
-                    "type": "nats",
-                    "internal": True,
-                    "destination": stream.destination,
-                    "stream": {"name": stream.name, "subjects": [stream.subject + ".>"]},
-                }
-            },
-        )
-    )
+    internal = {
+        "type": "nats",
+        "internal": True,
+        "destination": stream.destination,
+        "stream": {"name": stream.name, "subjects": [stream.subject + ".>"]},
+    }
+    outbox = Outbox(make_config({"main": url}, brokers or {"events": internal}))
     conn = await asyncpg.connect(url)
     try:
         for start in range(0, events, PER_TRANSACTION):

@@ -193,6 +193,7 @@ class PostgresStore:
                 try:
                     self._pool = await asyncpg.create_pool(
                         self._dsn,
+                        reset=_keep_session,
                         min_size=1,
                         max_size=self._pool_size,
                         timeout=10,
@@ -201,6 +202,12 @@ class PostgresStore:
                 except _DB_ERRORS as exc:
                     raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
             return self._pool
+
+
+async def _keep_session(_connection: Any) -> None:
+    """asyncpg's default reset sends a statement on every release (unlock, UNLISTEN, RESET).
+    Pool connections here never change session state (the claim's locks end with its
+    transaction), so an idle router can stay silent."""
 
 
 def _targets(payload: str) -> set[str] | None:

@@ -1,11 +1,13 @@
-"""Envelope rendering per profile, and the message ids behind it."""
+"""Envelope rendering per profile (what a consumer receives), and the message ids behind it."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 import pytest
@@ -18,142 +20,258 @@ from envelopes import (
     ExternalEnvelope,
     InternalEnvelope,
     make_internal_envelope,
+    message_id_of,
     render,
     uuid7,
 )
 
+MESSAGE_ID = "01a203f9-08e9-7771-82c9-d8857af1413c"
 PAYLOAD = orjson.dumps({"order_id": "o-1", "note": None, "lines": [{"sku": "A", "qty": 2}]})
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+EVERYTHING: dict[str, Any] = {
+    "stream": "o-1",
+    "correlation_id": "corr",
+    "causation_id": "cause",
+    "expected_version": 6,
+    "asynchronous": False,
+    "priority": 5,
+    "positions": {"store": 41},
+    "traceparent": TRACEPARENT,
+    "tenant": "acme",
+    "headers": {"channel": "web"},
+    "extensions": {"region": "eu"},
+    "event_class": "shop.events.OrderPlaced",
+}
 
 
-def stored(**overrides: object) -> bytes:
-    fields: dict[str, object] = {
-        "message_id": "01a203f9-08e9-7771-82c9-d8857af1413c",
-        "event_type": "order_placed",
-        "version": 3,
-        "time": datetime(2026, 11, 22, 15, 0, 1, 250000, tzinfo=UTC),
-        "source": "shop",
-        "payload_json": PAYLOAD,
-        "stream": "o-1",
-        "correlation_id": "corr",
-        "causation_id": "cause",
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "tenant": "acme",
-        "headers": {"channel": "web"},
-        "extensions": {"region": "eu"},
-        "event_class": "shop.events.OrderPlaced",
-        **overrides,
-    }
-    return make_internal_envelope(**fields)  # type: ignore[arg-type]
+def stored(payload: bytes = PAYLOAD, **fields: Any) -> bytes:
+    """A stored internal envelope; ``fields`` are make_internal_envelope's optional ones."""
+    return make_internal_envelope(
+        message_id=MESSAGE_ID,
+        event_type="order_placed",
+        version=3,
+        time=datetime(2026, 11, 22, 15, 0, 1, 250000, tzinfo=UTC),
+        source="shop",
+        payload_json=payload,
+        **fields,
+    )
 
 
-def test_the_stored_envelope_is_the_full_internal_one_with_a_payload_checksum() -> None:
+def body(stored_envelope: bytes, profile: Any, **options: Any) -> dict[str, Any]:
+    document: dict[str, Any] = orjson.loads(render(stored_envelope, profile, **options).body)
+    return document
+
+
+def test_the_stored_envelope_carries_a_sha256_checksum_of_the_payload_bytes() -> None:
     document = orjson.loads(stored())
-    assert document["time"] == "2026-11-22T15:00:01.250000Z"
     assert document["checksum"] == "sha256:" + hashlib.sha256(PAYLOAD).hexdigest()
     assert document["payload"] == orjson.loads(PAYLOAD)
-    assert set(document) >= set(InternalEnvelope.model_fields) - {"sequence"}
+    assert document["time"] == "2026-11-22T15:00:01.250000Z"
+    other = orjson.loads(stored(payload=b'{"order_id":"o-2"}'))
+    assert other["checksum"] == "sha256:" + hashlib.sha256(b'{"order_id":"o-2"}').hexdigest()
 
 
-def test_internal_profile_keeps_everything_plus_the_sequence_but_no_top_level_nulls() -> None:
-    wire = render(stored(expected_version=None, priority=None), "internal", sequence=42)
-    body = orjson.loads(wire.body)
-    InternalEnvelope.model_validate(body)
-    assert body["sequence"] == 42
-    assert body["tenant"] == "acme"
-    assert body["event_class"] == "shop.events.OrderPlaced"
-    assert "expected_version" not in body
-    assert "priority" not in body
-    assert body["payload"]["note"] is None  # nulls inside the payload are the user's data
-    assert wire.content_type == "application/json"
+def test_internal_profile_keeps_every_field_plus_the_sequence() -> None:
+    document = body(stored(**EVERYTHING), "internal", sequence=42)
+    assert set(document) == set(InternalEnvelope.model_fields)
+    envelope = InternalEnvelope.model_validate(document)
+    assert envelope.sequence == 42
+    assert (envelope.expected_version, envelope.asynchronous, envelope.priority) == (6, False, 5)
+    assert envelope.positions == {"store": 41}
+    assert (envelope.tenant, envelope.event_class) == ("acme", "shop.events.OrderPlaced")
+    assert envelope.headers == {"channel": "web"}
+    assert envelope.extensions == {"region": "eu"}
+    assert envelope.traceparent == TRACEPARENT
 
 
-def test_external_profile_keeps_only_what_partners_need() -> None:
-    wire = render(stored(), "external", sequence=42)
-    body = orjson.loads(wire.body)
-    ExternalEnvelope.model_validate(body)
-    assert set(body) == set(EXTERNAL_FIELDS)
-    assert not set(body) & INTERNAL_ONLY_FIELDS
+def test_internal_profile_drops_nulls_and_empty_maps_but_not_nulls_in_the_payload() -> None:
+    document = body(stored(), "internal")
+    InternalEnvelope.model_validate(document)
+    assert None not in document.values()
+    for absent in ("stream", "sequence", "priority", "tenant", "positions", "headers"):
+        assert absent not in document
+    assert "extensions" not in document
+    assert document["payload"]["note"] is None  # the user's data, kept as it is
+    assert document["asynchronous"] is True
 
 
-def test_external_profile_drops_absent_fields_instead_of_sending_nulls() -> None:
-    wire = render(
-        stored(
-            stream=None, correlation_id=None, causation_id=None, traceparent=None, extensions=None
-        ),
-        "external",
-    )
-    body = orjson.loads(wire.body)
-    assert set(body) == {"id", "type", "version", "time", "source", "payload"}
-    assert None not in body.values()
+def test_external_profile_keeps_exactly_the_fields_partners_need() -> None:
+    document = body(stored(**EVERYTHING), "external", sequence=42)
+    assert list(document) == list(EXTERNAL_FIELDS)
+    assert not set(document) & INTERNAL_ONLY_FIELDS
+    envelope = ExternalEnvelope.model_validate(document)
+    assert (envelope.id, envelope.type, envelope.version) == (MESSAGE_ID, "order_placed", 3)
+    assert envelope.payload == orjson.loads(PAYLOAD)
 
 
-def test_omit_removes_fields_from_body_and_headers() -> None:
-    wire = render(stored(), "external", omit=["causation_id", "traceparent", "headers"])
-    body = orjson.loads(wire.body)
-    assert "causation_id" not in body
-    assert "traceparent" not in body
-    assert "causation-id" not in wire.headers
-    assert "traceparent" not in wire.headers
-    assert "channel" not in wire.headers
+def test_external_profile_leaves_absent_fields_out_instead_of_sending_nulls() -> None:
+    document = body(stored(), "external")
+    ExternalEnvelope.model_validate(document)
+    assert set(document) == set(EXTERNAL_FIELDS) - {
+        "stream",
+        "correlation_id",
+        "causation_id",
+        "traceparent",
+        "extensions",
+    }
+    assert None not in document.values()
+
+
+@pytest.mark.parametrize("profile", ["internal", "external"])
+def test_omit_removes_fields_from_the_body_and_the_headers(profile: str) -> None:
+    omit = ["stream", "causation_id", "traceparent", "headers", "extensions"]
+    wire = render(stored(**EVERYTHING), profile, omit=omit)  # type: ignore[arg-type]
+    document = orjson.loads(wire.body)
+    assert not set(document) & set(omit)
+    assert "correlation_id" in document
+    for header in ("stream-key", "causation-id", "traceparent", "channel"):
+        assert header not in wire.headers
+    assert wire.headers["correlation-id"] == "corr"
+
+
+def test_omit_can_drop_internal_only_fields_from_the_internal_profile() -> None:
+    document = body(stored(**EVERYTHING), "internal", omit=["tenant", "event_class"])
+    assert "tenant" not in document
+    assert "event_class" not in document
+    assert document["priority"] == 5
 
 
 def test_cloudevents_structured_mode() -> None:
-    wire = render(stored(), "cloudevents")
+    wire = render(stored(**EVERYTHING), "cloudevents")
     event = orjson.loads(wire.body)
     CloudEvent.model_validate(event)
     assert wire.content_type == "application/cloudevents+json"
-    assert event["specversion"] == "1.0"
-    assert event["id"] == "01a203f9-08e9-7771-82c9-d8857af1413c"
-    assert event["source"] == "shop"
-    assert event["type"] == "order_placed"
-    assert event["subject"] == "o-1"
-    assert event["time"] == "2026-11-22T15:00:01.250000Z"
+    assert {k: event[k] for k in ("specversion", "id", "source", "type", "time", "subject")} == {
+        "specversion": "1.0",
+        "id": MESSAGE_ID,
+        "source": "shop",
+        "type": "order_placed",
+        "time": "2026-11-22T15:00:01.250000Z",
+        "subject": "o-1",
+    }
     assert event["datacontenttype"] == "application/json"
-    assert event["correlationid"] == "corr"
-    assert event["causationid"] == "cause"
-    assert event["region"] == "eu"
-    assert event["eventversion"] == 3
     assert event["data"] == orjson.loads(PAYLOAD)
-    assert "tenant" not in event
+    assert (event["correlationid"], event["causationid"]) == ("corr", "cause")
+    assert event["traceparent"] == TRACEPARENT
+    assert event["eventversion"] == 3
+    assert event["region"] == "eu"  # an extension is a top-level attribute
+    assert not {"tenant", "priority", "checksum", "payload", "extensions"} & set(event)
 
 
-@pytest.mark.parametrize("name", ["Region", "region-code", "id", "x" * 21])
+def test_cloudevents_leaves_out_absent_and_omitted_attributes() -> None:
+    event = body(stored(**EVERYTHING), "cloudevents", omit=["stream", "extensions"])
+    CloudEvent.model_validate(event)
+    assert "subject" not in event
+    assert "region" not in event
+    bare = body(stored(), "cloudevents")
+    assert not {"subject", "correlationid", "causationid", "traceparent"} & set(bare)
+
+
+def test_cloudevents_binary_mode_sends_the_data_as_body_and_attributes_as_headers() -> None:
+    wire = render(stored(**EVERYTHING), "cloudevents", cloudevents_prefix="ce_")
+    assert orjson.loads(wire.body) == orjson.loads(PAYLOAD)
+    assert wire.content_type == "application/json"
+    assert wire.headers["ce_specversion"] == "1.0"
+    assert wire.headers["ce_id"] == MESSAGE_ID
+    assert wire.headers["ce_subject"] == "o-1"
+    assert wire.headers["ce_eventversion"] == "3"
+    assert wire.headers["ce_region"] == "eu"
+    assert "ce_data" not in wire.headers
+
+
+@pytest.mark.parametrize("name", ["Region", "region-code", "x" * 21, "", "id", "type", "subject"])
 def test_cloudevents_rejects_extension_names_it_cannot_carry(name: str) -> None:
-    with pytest.raises(EnvelopeError, match="CloudEvents attribute name"):
+    with pytest.raises(EnvelopeError, match="not a valid CloudEvents attribute name"):
+        render(stored(stream="o-1", extensions={name: "v"}), "cloudevents")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: envelopes/render.py _cloudevent() only refuses an extension named like an "
+    "attribute this event happens to set: 'subject' becomes the subject of an event "
+    "without stream key, and a 'data' extension is silently overwritten by the payload",
+)
+@pytest.mark.parametrize("name", ["subject", "data"])
+def test_cloudevents_rejects_reserved_names_even_when_the_event_lacks_them(name: str) -> None:
+    with pytest.raises(EnvelopeError, match="not a valid CloudEvents attribute name"):
         render(stored(extensions={name: "v"}), "cloudevents")
 
 
-def test_transport_headers_carry_identity_and_user_headers_cannot_override_them() -> None:
-    wire = render(stored(headers={"channel": "web", "message-id": "forged"}), "internal")
-    assert wire.headers["message-id"] == "01a203f9-08e9-7771-82c9-d8857af1413c"
+def test_headers_carry_the_identity_of_the_event() -> None:
+    wire = render(stored(**EVERYTHING), "external")
+    assert wire.headers == {
+        "channel": "web",
+        "message-id": MESSAGE_ID,
+        "event-type": "order_placed",
+        "event-version": "3",
+        "source": "shop",
+        "stream-key": "o-1",
+        "correlation-id": "corr",
+        "causation-id": "cause",
+        "traceparent": TRACEPARENT,
+        "content-type": "application/json",
+    }
+    assert (wire.message_id, wire.event_type) == (MESSAGE_ID, "order_placed")
+    assert (wire.stream_key, wire.correlation_id) == ("o-1", "corr")
+
+
+def test_user_headers_cannot_override_the_reserved_ones() -> None:
+    forged = {"message-id": "forged", "event-type": "forged", "content-type": "text/plain"}
+    wire = render(stored(headers={**forged, "channel": "web"}, stream="o-1"), "internal")
+    assert wire.headers["message-id"] == MESSAGE_ID
     assert wire.headers["event-type"] == "order_placed"
-    assert wire.headers["event-version"] == "3"
-    assert wire.headers["correlation-id"] == "corr"
-    assert wire.headers["stream-key"] == "o-1"
+    assert wire.headers["content-type"] == "application/json"
     assert wire.headers["channel"] == "web"
-    assert wire.message_id == "01a203f9-08e9-7771-82c9-d8857af1413c"
-    assert wire.stream_key == "o-1"
+
+
+@pytest.mark.parametrize(
+    ("profile", "prefix"),
+    [("internal", None), ("external", None), ("cloudevents", None), ("cloudevents", "ce-")],
+)
+def test_a_consumer_finds_the_message_id_in_the_body_or_the_headers(
+    profile: Any, prefix: str | None
+) -> None:
+    wire = render(stored(**EVERYTHING), profile, cloudevents_prefix=prefix)
+    assert message_id_of(wire.body, wire.headers) == MESSAGE_ID
+    if prefix is None:
+        assert message_id_of(wire.body) == MESSAGE_ID
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: envelopes/render.py render() drops every empty map at the top level, "
+    "so an event without fields loses its required 'payload' in the internal and "
+    "external profiles",
+)
+@pytest.mark.parametrize("profile", ["internal", "external"])
+def test_an_event_without_fields_keeps_its_empty_payload(profile: str) -> None:
+    document = body(stored(payload=b"{}"), profile)
+    assert document["payload"] == {}
+    model = InternalEnvelope if profile == "internal" else ExternalEnvelope
+    model.model_validate(document)
 
 
 def test_a_damaged_stored_envelope_is_an_envelope_error() -> None:
     with pytest.raises(EnvelopeError, match="not valid JSON"):
         render(b"{not json", "internal")
-    with pytest.raises(EnvelopeError, match="no 'id'"):
+    with pytest.raises(EnvelopeError, match="no 'id' or 'type'"):
         render(b'{"payload": {}}', "external")
 
 
 def test_unserialisable_extensions_are_an_envelope_error() -> None:
-    with pytest.raises(EnvelopeError, match="not JSON-serialisable"):
+    with pytest.raises(EnvelopeError, match="'order_placed': envelope is not JSON-serialisable"):
         stored(extensions={"when": object()})
 
 
-def test_uuid7_ids_are_version_7_time_ordered_and_strictly_increasing() -> None:
-    before = int(time.time() * 1000)
+def test_uuid7_is_version_7_rfc_4122_and_strictly_increasing() -> None:
+    before = time.time_ns() // 1_000_000
     ids = [uuid7() for _ in range(10_000)]
-    after = int(time.time() * 1000)
-    assert all(i.version == 7 for i in ids)
-    assert all(i.variant == uuid.RFC_4122 for i in ids)
-    assert ids == sorted(ids)
-    assert len(set(ids)) == len(ids)
-    stamp = ids[0].int >> 80
-    assert before <= stamp <= after + 5
+    after = time.time_ns() // 1_000_000
+    assert {i.version for i in ids} == {7}
+    assert {i.variant for i in ids} == {uuid.RFC_4122}
+    assert all(a < b for a, b in itertools.pairwise(ids))
+    assert all(str(a) < str(b) for a, b in itertools.pairwise(ids))  # text sorts the same
+    # The first 48 bits are Unix milliseconds; a burst may borrow a few from the future.
+    assert before <= ids[0].int >> 80 <= after
+    assert before <= ids[-1].int >> 80 <= after + 10

@@ -1,240 +1,297 @@
-"""The processor with the in-memory broker, on a real SQLite outbox."""
+"""The processor over the in-memory broker and a real SQLite outbox: what arrives, what the
+table says afterwards."""
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
-from collections.abc import AsyncIterator
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
-import orjson
 import pytest
 
-from brokers import MemoryBroker, OutgoingMessage, PublishResult
-from router import Event, Outbox, Processor, RouterConfig
-from router._store.sqlite import SqliteStore
-from router.config import DatabaseSettings
-from router.migrate import upgrade
-from tests.conftest import make_config
+from router._store import Marks
+from tests.unit.conftest import (
+    EVENTS_BROKER,
+    OpenOutbox,
+    OutboxFile,
+    numbers,
+    read_time,
+    refusing,
+)
+
+MICROSECOND = timedelta(microseconds=1)
 
 
-class Placed(Event, type="placed", published=True):
-    n: int
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
-class Harness:
-    """An outbox file, an Outbox to stage with, and processors over a memory broker."""
-
-    def __init__(self, folder: Path, **outbox: Any) -> None:
-        self.folder = folder
-        self.config: RouterConfig = make_config(
-            {"main": "sqlite:///outbox.db"},
-            {
-                "events": {
-                    "type": "memory",
-                    "internal": True,
-                    "connect_timeout": 0.2,
-                    "publish_timeout": 0.2,
-                }
-            },
-            base_dir=folder,
-            outbox={
-                "retry": {"base_delay": 1.0, "max_delay": 10, "jitter": 0.2, "max_attempts": 3},
-                **outbox,
-            },
-        )
-        self.outbox = Outbox(self.config)
-        self.store = SqliteStore("main", folder / "outbox.db", watch_interval=0.01)
-        self.broker = MemoryBroker("events")
-
-    def processor(self, worker: str = "w1", rand: float = 0.5) -> Processor:
-        return Processor(
-            database="main",
-            target="events",
-            settings=self.config.brokers["events"],
-            broker=self.broker,
-            store=self.store,
-            outbox=self.config.outbox,
-            worker_id=worker,
-            rand=lambda: rand,
-        )
-
-    async def stage(self, *numbers: int, stream_key: str | None = None) -> list[str]:
-        async with self.outbox.transaction() as tx:
-            return await tx.stage(*(Placed(n=n) for n in numbers), stream_key=stream_key)
-
-    def rows(self) -> list[dict[str, Any]]:
-        with sqlite3.connect(self.folder / "outbox.db") as db:
-            db.row_factory = sqlite3.Row
-            return [dict(r) for r in db.execute("SELECT * FROM router_outbox ORDER BY seq")]
-
-    def statuses(self) -> list[str]:
-        return [row["status"] for row in self.rows()]
-
-
-@pytest.fixture
-async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
-    await upgrade("main", DatabaseSettings.model_validate({"url": "sqlite:///outbox.db"}), tmp_path)
-    h = Harness(tmp_path)
-    yield h
-    await h.outbox.close()
-    await h.store.close()
-
-
-def numbers(broker: MemoryBroker) -> list[int]:
-    return [orjson.loads(m.wire.body)["payload"]["n"] for m in broker.messages]
-
-
-def failing(*values: int, retryable: bool = True) -> Any:
-    def handler(message: OutgoingMessage) -> PublishResult | None:
-        if orjson.loads(message.wire.body)["payload"]["n"] in values:
-            return PublishResult.failed(f"refused {values}", retryable=retryable)
-        return None
-
-    return handler
-
-
-async def test_drain_publishes_every_row_in_order_and_marks_it(harness: Harness) -> None:
-    await harness.stage(1, 2, 3)
-    await harness.stage(4, 5)
-    assert await harness.processor().drain() == 5
-    assert numbers(harness.broker) == [1, 2, 3, 4, 5]
-    assert harness.statuses() == ["published"] * 5
-    assert all(row["published_at"] and row["locked_by"] is None for row in harness.rows())
-
-
-async def test_a_full_batch_is_followed_at_once_by_the_next(tmp_path: Path) -> None:
-    await upgrade("main", DatabaseSettings.model_validate({"url": "sqlite:///outbox.db"}), tmp_path)
-    h = Harness(tmp_path, batch_size=2)
-    await h.stage(*range(5))
-    processor = h.processor()
-    assert await processor.drain() == 5
-    assert processor.stats.batches == 3
-    await h.outbox.close()
-    await h.store.close()
-
-
-async def test_a_retryable_failure_waits_its_backoff_while_the_rest_is_published(
-    harness: Harness,
+async def test_drain_publishes_every_row_in_seq_order_and_marks_it_published(
+    outbox_file: OutboxFile,
 ) -> None:
-    harness.broker.handler = failing(2)
-    await harness.stage(1, 2, 3)
+    first = await outbox_file.stage(1, 2, 3)
+    second = await outbox_file.stage(4, 5)
+    processor = outbox_file.processor()
+
+    assert await processor.drain() == 5
+
+    assert numbers(outbox_file.broker) == [1, 2, 3, 4, 5]
+    assert outbox_file.broker.ids() == first + second
+    rows = outbox_file.rows()
+    assert [r["message_id"] for r in rows] == first + second
+    assert [r["status"] for r in rows] == ["published"] * 5
+    assert all(r["published_at"] is not None for r in rows)
+    assert all((r["attempts"], r["locked_by"], r["last_error"]) == (1, None, None) for r in rows)
+    assert await processor.drain() == 0  # nothing is sent twice
+    assert len(outbox_file.broker.attempts) == 5
+
+
+@pytest.mark.parametrize(("rand", "delay"), [(0.0, 0.8), (0.5, 1.0), (1.0, 1.2)])
+async def test_a_retryable_failure_waits_its_backoff_while_the_rest_is_published(
+    outbox_file: OutboxFile, rand: float, delay: float
+) -> None:
+    """base_delay 1 s with 20 % jitter: the first retry is due 0.8 to 1.2 s later."""
+    outbox_file.broker.handler = refusing(2)
+    await outbox_file.stage(1, 2, 3)
     before = datetime.now(UTC)
-    await harness.processor(rand=0.0).run_once()
-    rows = harness.rows()
+    assert await outbox_file.processor(rand=rand).run_once() == 3
+    after = datetime.now(UTC)
+
+    rows = outbox_file.rows()
     assert [r["status"] for r in rows] == ["published", "failed", "published"]
     failed = rows[1]
-    assert failed["attempts"] == 1
-    assert failed["last_error"] == "refused (2,)"
-    due = datetime.strptime(failed["available_at"], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
-    waited = (due - before).total_seconds()
-    assert 0.8 <= waited <= 0.9  # base_delay 1.0, jitter 0.2, rand 0.0: the low bound
+    assert (failed["attempts"], failed["locked_by"]) == (1, None)
+    assert failed["last_error"] == "refused 2"
+    wait = timedelta(seconds=delay)
+    assert before + wait - MICROSECOND <= read_time(failed["available_at"]) <= after + wait + MICROSECOND
+    assert numbers(outbox_file.broker) == [1, 3]
 
 
-async def test_a_non_retryable_failure_abandons_the_row_at_once(harness: Harness) -> None:
-    harness.broker.handler = failing(1, retryable=False)
-    await harness.stage(1, 2)
-    await harness.processor().drain()
-    rows = harness.rows()
-    assert [r["status"] for r in rows] == ["abandoned", "published"]
-    assert rows[0]["last_error"] == "not retryable: refused (1,)"
-
-
-async def test_rows_are_abandoned_after_max_attempts(tmp_path: Path) -> None:
-    await upgrade("main", DatabaseSettings.model_validate({"url": "sqlite:///outbox.db"}), tmp_path)
-    h = Harness(tmp_path, retry={"base_delay": 0.01, "max_delay": 0.01, "max_attempts": 3})
-    h.broker.handler = failing(1)
-    await h.stage(1)
-    processor = h.processor()
-    for _ in range(20):
-        await processor.run_once()
-        await asyncio.sleep(0.02)
-    [row] = h.rows()
-    assert (row["status"], row["attempts"]) == ("abandoned", 3)
-    assert row["last_error"].startswith("gave up after 3 attempts")
-    await h.outbox.close()
-    await h.store.close()
-
-
-async def test_a_down_broker_fails_the_batch_with_its_reason(harness: Harness) -> None:
-    harness.broker.down = True
-    await harness.stage(1, 2)
-    await harness.processor().run_once()
-    rows = harness.rows()
-    assert [r["status"] for r in rows] == ["failed", "failed"]
-    assert all(r["last_error"] == "events: broker is down" for r in rows)
-
-
-async def test_a_hanging_broker_is_cut_off_by_the_timeouts(harness: Harness) -> None:
-    harness.broker.hang = True
-    await harness.stage(1)
-    started = asyncio.get_running_loop().time()
-    await harness.processor().run_once()
-    assert asyncio.get_running_loop().time() - started < 2.0
-    [row] = harness.rows()
-    assert row["status"] == "failed"
-    assert "did not answer" in row["last_error"]
-
-
-async def test_a_failed_row_holds_back_its_stream_but_not_others(harness: Harness) -> None:
-    harness.broker.handler = failing(2)
-    await harness.stage(1, 2, 3, stream_key="A")
-    await harness.stage(10, 11, stream_key="B")
-    await harness.processor().drain()
-    assert harness.statuses() == ["published", "failed", "pending", "published", "published"]
-    assert numbers(harness.broker) == [1, 10, 11]
-    untried = harness.rows()[2]
-    assert (untried["attempts"], untried["locked_by"]) == (0, None)
-
-
-async def test_run_wakes_on_new_rows_and_stops_cleanly(harness: Harness) -> None:
-    processor = harness.processor()
-    task = asyncio.create_task(processor.run())
-    await harness.stage(1)
-    processor.wake()
-    await harness.broker.wait_for(1)
-    await harness.stage(2)
-    processor.wake()
-    await harness.broker.wait_for(2)
-    processor.stop()
-    await asyncio.wait_for(task, 5)
-    assert harness.statuses() == ["published", "published"]
-
-
-async def test_a_cancelled_batch_is_given_back_with_its_attempt_uncounted(
-    harness: Harness,
+async def test_a_failed_row_is_not_retried_early_and_is_published_once_due(
+    open_outbox: OpenOutbox,
 ) -> None:
-    harness.broker.hang = True
-    await harness.stage(1, 2)
-    processor = harness.processor()
-    task = asyncio.create_task(processor.run())
-    for _ in range(100):
-        if harness.statuses() == ["processing", "processing"]:
+    outbox_file = await open_outbox(retry={"base_delay": 0.2, "max_delay": 1, "jitter": 0})
+    outbox_file.broker.handler = refusing(1, times=1)
+    await outbox_file.stage(1)
+    processor = outbox_file.processor()
+
+    assert await processor.drain() == 1
+    assert await processor.drain() == 0  # not due yet
+    assert outbox_file.statuses() == ["failed"]
+    await asyncio.sleep(0.25)
+    assert await processor.drain() == 1
+
+    [row] = outbox_file.rows()
+    assert (row["status"], row["attempts"], row["last_error"]) == ("published", 2, None)
+    assert numbers(outbox_file.broker) == [1]
+
+
+async def test_a_non_retryable_failure_abandons_the_row_at_once(outbox_file: OutboxFile) -> None:
+    outbox_file.broker.handler = refusing(1, retryable=False)
+    await outbox_file.stage(1, 2)
+    processor = outbox_file.processor()
+
+    await processor.drain()
+
+    rows = outbox_file.rows()
+    assert [(r["status"], r["attempts"]) for r in rows] == [("abandoned", 1), ("published", 1)]
+    assert rows[0]["last_error"] == "not retryable: refused 1"
+    assert await processor.drain() == 0
+    assert len(outbox_file.broker.attempts) == 2  # the abandoned row was tried once
+
+
+async def test_a_row_is_abandoned_after_max_attempts(open_outbox: OpenOutbox) -> None:
+    outbox_file = await open_outbox(
+        retry={"base_delay": 0.01, "max_delay": 0.01, "jitter": 0, "max_attempts": 3}
+    )
+    outbox_file.broker.handler = refusing(1)
+    await outbox_file.stage(1)
+    processor = outbox_file.processor()
+
+    for _ in range(50):
+        await processor.drain()
+        if outbox_file.statuses() == ["abandoned"]:
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
+
+    [row] = outbox_file.rows()
+    assert (row["status"], row["attempts"]) == ("abandoned", 3)
+    assert row["last_error"] == "gave up after 3 attempts: refused 1"
+    assert len(outbox_file.broker.attempts) == 3
+    assert outbox_file.broker.messages == []
+
+
+async def test_a_down_broker_fails_every_row_with_its_error_until_it_is_back(
+    open_outbox: OpenOutbox,
+) -> None:
+    outbox_file = await open_outbox(retry={"base_delay": 0.05, "max_delay": 1, "jitter": 0})
+    outbox_file.broker.down = True
+    await outbox_file.stage(1, 2, 3)
+    processor = outbox_file.processor()
+
+    assert await processor.drain() == 3
+    rows = outbox_file.rows()
+    assert [(r["status"], r["attempts"]) for r in rows] == [("failed", 1)] * 3
+    assert {r["last_error"] for r in rows} == {"events: broker is down"}
+    assert outbox_file.broker.messages == []
+
+    outbox_file.broker.down = False
+    await asyncio.sleep(0.1)
+    assert await processor.drain() == 3
+    assert outbox_file.statuses() == ["published"] * 3
+    assert numbers(outbox_file.broker) == [1, 2, 3]
+
+
+async def test_a_hanging_broker_is_cut_off_by_the_timeouts(outbox_file: OutboxFile) -> None:
+    outbox_file.broker.hang = True
+    await outbox_file.stage(1, 2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    assert await outbox_file.processor().drain() == 2
+
+    # connect_timeout 0.2 + publish_timeout 0.2 + 1 s of slack bound one publish
+    assert loop.time() - started < 3.0
+    rows = outbox_file.rows()
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert {r["last_error"] for r in rows} == {
+        "events: broker did not answer within the timeout"
+    }
+
+
+async def test_a_hanging_partner_does_not_hold_up_the_internal_broker(
+    open_outbox: OpenOutbox,
+) -> None:
+    partner = {**EVENTS_BROKER, "internal": False}
+    outbox_file = await open_outbox(brokers={"events": EVENTS_BROKER, "partner": partner})
+    outbox_file.brokers["partner"].hang = True
+    await outbox_file.stage(1, 2)
+    partner_task = asyncio.create_task(outbox_file.processor(target="partner").drain())
+    await wait_until(lambda: outbox_file.statuses("partner") == ["processing", "processing"])
+
+    assert await outbox_file.processor(target="events").drain() == 2
+
+    assert not partner_task.done()
+    assert outbox_file.statuses("events") == ["published", "published"]
+    assert numbers(outbox_file.broker) == [1, 2]
+    await partner_task
+    assert outbox_file.statuses("partner") == ["failed", "failed"]
+
+
+async def test_a_full_batch_is_followed_at_once_by_the_next_claim(
+    open_outbox: OpenOutbox,
+) -> None:
+    outbox_file = await open_outbox(batch_size=2)
+    await outbox_file.stage(1, 2, 3, 4, 5)
+    processor = outbox_file.processor()
+
+    assert await processor.drain() == 5
+
+    assert numbers(outbox_file.broker) == [1, 2, 3, 4, 5]
+    assert outbox_file.statuses() == ["published"] * 5
+    assert processor.stats.batches == 3
+
+
+async def test_run_once_handles_one_batch(open_outbox: OpenOutbox) -> None:
+    outbox_file = await open_outbox(batch_size=2)
+    await outbox_file.stage(1, 2, 3)
+
+    assert await outbox_file.processor().run_once() == 2
+
+    assert outbox_file.statuses() == ["published", "published", "pending"]
+
+
+async def test_a_failed_row_holds_back_its_stream_but_not_others(
+    outbox_file: OutboxFile,
+) -> None:
+    outbox_file.broker.handler = refusing(2)
+    await outbox_file.stage(1, 2, 3, stream_key="A")
+    await outbox_file.stage(10, 11, stream_key="B")
+
+    await outbox_file.processor().drain()
+
+    assert outbox_file.statuses() == ["published", "failed", "pending", "published", "published"]
+    assert numbers(outbox_file.broker) == [1, 10, 11]
+    held = outbox_file.rows()[2]
+    assert (held["attempts"], held["locked_by"]) == (0, None)
+
+
+async def test_run_sleeps_until_woken_and_returns_on_stop(outbox_file: OutboxFile) -> None:
+    """The poll interval is 60 s and nothing watches the file: only wake() brings news."""
+    processor = outbox_file.processor()
+    task = asyncio.create_task(processor.run())
+    try:
+        await outbox_file.stage(1)
+        processor.wake()
+        await outbox_file.broker.wait_for(1, timeout=2)
+
+        await outbox_file.stage(2)
+        await asyncio.sleep(0.3)
+        assert numbers(outbox_file.broker) == [1]  # not woken: still asleep
+        processor.wake()
+        await outbox_file.broker.wait_for(2, timeout=2)
+
+        processor.stop()
+        await asyncio.wait_for(task, 2)
+    finally:
+        task.cancel()
+    assert outbox_file.statuses() == ["published", "published"]
+
+
+async def test_a_processor_cancelled_mid_publish_gives_its_rows_back(
+    outbox_file: OutboxFile,
+) -> None:
+    outbox_file.broker.hang = True
+    await outbox_file.stage(1, 2)
+    task = asyncio.create_task(outbox_file.processor().run())
+    await wait_until(lambda: outbox_file.statuses() == ["processing", "processing"])
+
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert [(r["status"], r["attempts"], r["locked_by"]) for r in harness.rows()] == [
+
+    assert [(r["status"], r["attempts"], r["locked_by"]) for r in outbox_file.rows()] == [
         ("pending", 0, None),
         ("pending", 0, None),
     ]
+    outbox_file.broker.hang = False
+    assert await outbox_file.processor(worker="w2").drain() == 2
+    assert numbers(outbox_file.broker) == [1, 2]
 
 
-async def test_an_expired_lease_is_claimed_again_and_the_old_holder_cannot_mark_it(
-    harness: Harness,
+async def test_a_row_whose_lease_expired_is_claimed_by_another_worker(
+    outbox_file: OutboxFile,
 ) -> None:
-    from router._store import Marks
+    store = outbox_file.store
+    await outbox_file.stage(1)
+    first = await store.claim("events", 10, "w1", lease_seconds=0.05)
+    assert len(first) == 1
+    assert len(await store.claim("events", 10, "w2", lease_seconds=30)) == 0  # still leased
 
-    await harness.stage(1)
-    first = await harness.store.claim("events", 10, "w1", lease_seconds=0.01)
-    await asyncio.sleep(0.05)
-    second = await harness.store.claim("events", 10, "w2", lease_seconds=30)
+    await asyncio.sleep(0.1)  # w1 died without marking
+    second = await store.claim("events", 10, "w2", lease_seconds=30)
+
     assert [r.seq for r in second.rows] == [r.seq for r in first.rows]
-    await harness.store.mark("events", first.token, Marks(published=[first.rows[0].seq]))
-    [row] = harness.rows()
+    [row] = outbox_file.rows()
     assert (row["status"], row["locked_by"], row["attempts"]) == ("processing", "w2", 2)
-    await harness.store.mark("events", second.token, Marks(published=[second.rows[0].seq]))
-    assert harness.statuses() == ["published"]
+    # The late first holder's mark is fenced off; the new holder's counts.
+    await store.mark("events", first.token, Marks(published=[first.rows[0].seq]))
+    assert outbox_file.statuses() == ["processing"]
+    await store.mark("events", second.token, Marks(published=[second.rows[0].seq]))
+    assert outbox_file.statuses() == ["published"]
+
+
+async def test_a_processor_delivers_rows_a_dead_worker_left_behind(
+    outbox_file: OutboxFile,
+) -> None:
+    await outbox_file.stage(1, 2)
+    await outbox_file.store.claim("events", 10, "dead", lease_seconds=0.05)
+    await asyncio.sleep(0.1)
+
+    assert await outbox_file.processor(worker="w2").drain() == 2
+
+    assert numbers(outbox_file.broker) == [1, 2]
+    assert outbox_file.statuses() == ["published", "published"]

@@ -1,14 +1,16 @@
-"""Turning events into rows: targets, destinations, and rejections before anything is written."""
+"""Turning events into outbox rows: targets, destinations, and rejections before anything is
+written (``Stager.build_rows`` contacts no database and no broker)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 import pytest
+from pydantic import ConfigDict
 
+from envelopes import InternalEnvelope
 from router import Event, RouterConfig, StagingError
-from router.staging import Stager, StagingOptions
+from router.staging import Row, Stager, StagingOptions
 from tests.conftest import make_config
 
 
@@ -16,109 +18,206 @@ class Placed(Event, type="orders.placed", published=True):
     order_id: str
 
 
-class Internal(Event, type="orders.reserved"):
+class Reserved(Event, type="orders.reserved"):
     order_id: str
 
 
-class Routed(Event, type="billing.charged", version=4, published=True, destination="money"):
+class Charged(Event, type="billing.charged", version=4, published=True, destination="money"):
     amount: int
 
 
 class Opaque(Event, type="orders.opaque", published=True):
-    model_config = {"arbitrary_types_allowed": True, "frozen": True}
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
     thing: Any
 
 
-def config(**brokers: dict[str, Any]) -> RouterConfig:
-    default: dict[str, Any] = {
-        "events": {"type": "memory", "internal": True, "destination": "{service}.{event_type}"},
-        "analytics": {"type": "memory", "destination": "a.{destination}.v{version}"},
-        "billing": {"type": "memory", "events": {"include": ["billing.*"]}},
-        "audit": {"type": "memory", "events": {"include": ["*"], "exclude": ["billing.*"]}},
-    }
+BROKERS: dict[str, Any] = {
+    "events": {"type": "memory", "internal": True, "destination": "{service}.{event_type}"},
+    "analytics": {"type": "memory", "destination": "a.{destination}.v{version}"},
+    "billing": {"type": "memory", "events": {"include": ["billing.*"]}},
+    "audit": {"type": "memory", "events": {"include": ["*"], "exclude": ["billing.*"]}},
+}
+
+NATS_EVENTS: dict[str, Any] = {
+    "type": "nats",
+    "internal": True,
+    "destination": "shop.{event_type}",
+    "stream": {"name": "SHOP", "subjects": ["shop.>"]},
+}
+
+
+def config(
+    brokers: dict[str, Any] | None = None, *, database: Any = "sqlite:///x.db", limit: int = 2048
+) -> RouterConfig:
     return make_config(
-        {"main": "sqlite:///x.db"}, brokers or default, outbox={"max_payload_bytes": 2048}
+        {"main": database}, brokers or BROKERS, outbox={"max_payload_bytes": limit}
     )
 
 
-def rows(cfg: RouterConfig, *events: Event, **options: Any) -> list[tuple[str, str]]:
-    built = Stager(cfg).build_rows("main", events, StagingOptions(**options))
-    return [(row.target, row.destination) for row in built]
+def build(cfg: RouterConfig, *events: Event, **options: Any) -> list[Row]:
+    return Stager(cfg).build_rows("main", events, StagingOptions(**options))
 
 
-def test_an_internal_only_event_goes_to_the_internal_broker_only() -> None:
-    assert rows(config(), Internal(order_id="o")) == [("events", "shop.orders.reserved")]
+def targets(cfg: RouterConfig, *events: Event) -> list[tuple[str, str]]:
+    return [(row.target, row.destination) for row in build(cfg, *events)]
 
 
-def test_a_published_event_goes_to_every_external_broker_whose_filter_takes_it() -> None:
-    assert rows(config(), Placed(order_id="o")) == [
+def test_an_internal_only_event_gets_one_row_for_the_internal_broker() -> None:
+    assert targets(config(), Reserved(order_id="o")) == [("events", "shop.orders.reserved")]
+
+
+def test_a_published_event_also_goes_to_every_external_broker_whose_filter_takes_it() -> None:
+    # billing includes only billing.*; audit includes everything but billing.*
+    assert targets(config(), Placed(order_id="o")) == [
         ("events", "shop.orders.placed"),
         ("analytics", "a.orders.placed.v1"),
         ("audit", "orders.placed"),
     ]
-    assert rows(config(), Routed(amount=3)) == [
+    assert targets(config(), Charged(amount=3)) == [
         ("events", "shop.billing.charged"),
         ("analytics", "a.money.v4"),
         ("billing", "money"),
     ]
 
 
-def test_every_row_of_one_event_shares_its_id_and_envelope() -> None:
-    built = Stager(config()).build_rows(
-        "main",
-        [Placed(order_id="o"), Internal(order_id="o")],
-        StagingOptions(stream_key="o", headers={"k": "v"}),
+def test_a_database_publishes_only_to_the_brokers_it_lists() -> None:
+    cfg = config(database={"url": "sqlite:///x.db", "brokers": ["events", "billing"]})
+    assert targets(cfg, Placed(order_id="o")) == [("events", "shop.orders.placed")]
+    assert targets(cfg, Charged(amount=1)) == [
+        ("events", "shop.billing.charged"),
+        ("billing", "money"),
+    ]
+
+
+def test_one_event_is_one_id_and_one_envelope_on_all_its_rows() -> None:
+    rows = build(
+        config(),
+        Placed(order_id="o-1"),
+        Reserved(order_id="o-1"),
+        stream_key="o-1",
+        correlation_id="corr",
+        headers={"channel": "web"},
     )
-    placed = [r for r in built if r.event_type == "orders.placed"]
+    assert [(r.target, r.event_type) for r in rows] == [
+        ("events", "orders.placed"),
+        ("analytics", "orders.placed"),
+        ("audit", "orders.placed"),
+        ("events", "orders.reserved"),
+    ]
+    placed, reserved = rows[:3], rows[3]
     assert len({r.message_id for r in placed}) == 1
     assert len({r.envelope for r in placed}) == 1
-    assert built[-1].message_id != placed[0].message_id
-    assert {r.stream_key for r in built} == {"o"}
-    assert orjson.loads(placed[0].envelope)["headers"] == {"k": "v"}
+    assert reserved.message_id != placed[0].message_id
+    assert {r.stream_key for r in rows} == {"o-1"}
+
+    envelope = InternalEnvelope.model_validate_json(placed[0].envelope)
+    assert envelope.id == placed[0].message_id
+    assert (envelope.type, envelope.version, envelope.source) == ("orders.placed", 1, "shop")
+    assert (envelope.stream, envelope.correlation_id) == ("o-1", "corr")
+    assert envelope.headers == {"channel": "web"}
+    assert envelope.payload == {"order_id": "o-1"}
+    assert envelope.event_class == f"{__name__}.Placed"
+
+
+@pytest.mark.parametrize(
+    ("template", "destination"),
+    [
+        ("{event_type}", "billing.charged"),
+        ("{destination}", "money"),
+        ("{service}.{destination}", "shop.money"),
+        ("v{version}/{event_type}", "v4/billing.charged"),
+        ("fixed", "fixed"),
+    ],
+)
+def test_destination_templates_are_filled_in_per_event(template: str, destination: str) -> None:
+    cfg = config({"events": {"type": "memory", "internal": True, "destination": template}})
+    assert targets(cfg, Charged(amount=1)) == [("events", destination)]
+
+
+def test_destination_defaults_to_the_event_type() -> None:
+    cfg = config({"events": {"type": "memory", "internal": True}})
+    assert targets(cfg, Placed(order_id="o"), Charged(amount=1)) == [
+        ("events", "orders.placed"),
+        ("events", "money"),
+    ]
 
 
 def test_an_event_no_broker_takes_is_rejected() -> None:
-    only_billing = config(partner={"type": "memory", "events": {"include": ["billing.*"]}})
-    with pytest.raises(StagingError, match="'orders.placed' has no target"):
-        rows(only_billing, Placed(order_id="o"))
+    only_billing = config({"partner": {"type": "memory", "events": {"include": ["billing.*"]}}})
+    with pytest.raises(StagingError, match="'orders.placed' has no target: no broker"):
+        build(only_billing, Placed(order_id="o"))
     with pytest.raises(StagingError, match="not published and this database has no internal"):
-        rows(only_billing, Internal(order_id="o"))
+        build(only_billing, Reserved(order_id="o"))
 
 
-def test_an_envelope_over_the_limit_is_rejected_with_its_size() -> None:
-    with pytest.raises(StagingError, match=r"bytes as an envelope; the limit .* is 2,048"):
-        rows(config(), Placed(order_id="x" * 3000))
+def test_one_rejected_event_rejects_the_whole_call() -> None:
+    only_billing = config({"partner": {"type": "memory", "events": {"include": ["billing.*"]}}})
+    with pytest.raises(StagingError, match="'orders.placed' has no target"):
+        build(only_billing, Charged(amount=1), Placed(order_id="o"))
 
 
 def test_a_payload_that_cannot_be_serialised_is_rejected() -> None:
-    with pytest.raises(StagingError, match="'orders.opaque' cannot be serialised"):
-        rows(config(), Opaque(thing=object()))
+    with pytest.raises(StagingError, match="event 'orders.opaque' cannot be serialised"):
+        build(config(), Opaque(thing=object()))
 
 
-def test_a_nats_subject_no_stream_captures_is_rejected() -> None:
-    nats = config(
-        events={
-            "type": "nats",
-            "internal": True,
-            "destination": "elsewhere.{event_type}",
-            "stream": {"name": "SHOP", "subjects": ["shop.>"]},
+def test_an_envelope_over_max_payload_bytes_is_rejected_and_one_at_the_limit_is_not() -> None:
+    # The envelope's size grows by one byte per character of order_id, and nothing else in
+    # it changes size from one call to the next (ids and times have a fixed width).
+    probe = len(build(config(), Placed(order_id=""))[0].envelope)
+    fits = Placed(order_id="x" * (2048 - probe))
+    assert len(build(config(), fits)[0].envelope) == 2048
+    with pytest.raises(StagingError, match=r"is 2,049 bytes as an envelope; the limit .* 2,048"):
+        build(config(), Placed(order_id="x" * (2049 - probe)))
+
+
+def test_a_nats_subject_the_stream_does_not_capture_is_rejected() -> None:
+    outside = {**NATS_EVENTS, "destination": "elsewhere.{event_type}"}
+    with pytest.raises(StagingError, match="broker 'events'.*not captured by stream 'SHOP'"):
+        build(config({"events": outside}), Reserved(order_id="o"))
+    assert targets(config({"events": NATS_EVENTS}), Reserved(order_id="o")) == [
+        ("events", "shop.orders.reserved")
+    ]
+
+
+def test_an_event_whose_destination_is_no_valid_nats_subject_is_rejected() -> None:
+    class Spaced(Event, type="orders placed"):
+        pass
+
+    with pytest.raises(StagingError, match="'shop.orders placed' is not a valid NATS subject"):
+        build(config({"events": NATS_EVENTS}), Spaced())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: router/staging.py Stager.build_rows never checks extension names against "
+    "brokers with envelope: cloudevents; the row is stored and later abandoned by the "
+    "processor ('cannot render envelope') instead of being refused in the caller's transaction",
+)
+def test_an_extension_a_cloudevents_broker_cannot_carry_is_rejected() -> None:
+    cfg = config(
+        {
+            "events": {"type": "memory", "internal": True},
+            "partner": {"type": "memory", "envelope": "cloudevents"},
         }
     )
-    with pytest.raises(StagingError, match="not captured by stream 'SHOP'"):
-        rows(nats, Internal(order_id="o"))
+    with pytest.raises(StagingError, match="Region"):
+        build(cfg, Placed(order_id="o"), extensions={"Region": "eu"})
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"headers": {"n": 1}}, "header names and values must be strings"),
-        ({"stream_key": 7}, "stream_key must be a string"),
-        ({"correlation_id": 7}, "correlation_id must be a string"),
+        ({"headers": {"attempt": 1}}, "header 'attempt': header names and values must be strings"),
+        ({"headers": {1: "one"}}, "header 1: header names and values must be strings"),
+        ({"stream_key": 7}, "stream_key must be a string, got int"),
+        ({"correlation_id": 7}, "correlation_id must be a string, got int"),
+        ({"causation_id": b"x"}, "causation_id must be a string, got bytes"),
     ],
 )
 def test_malformed_options_are_rejected(options: dict[str, Any], message: str) -> None:
     with pytest.raises(StagingError, match=message):
-        rows(config(), Internal(order_id="o"), **options)
+        build(config(), Reserved(order_id="o"), **options)
 
 
 def test_only_events_can_be_staged() -> None:

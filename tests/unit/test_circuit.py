@@ -1,4 +1,4 @@
-"""The retry schedule and the circuit breaker's states."""
+"""The per-target circuit breaker: when it opens, how it probes, when it closes."""
 
 from __future__ import annotations
 
@@ -6,30 +6,13 @@ import pytest
 
 from router.circuit import Circuit
 from router.config import CircuitSettings, RetrySettings
-from router.retry import delay_bounds, retry_delay
 
 RETRY = RetrySettings(max_attempts=10, base_delay=1.0, max_delay=30.0, jitter=0.2)
 
 
-@pytest.mark.parametrize(
-    ("attempt", "expected"), [(1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (40, 30.0)]
-)
-def test_delays_double_from_the_base_and_stop_at_the_cap(attempt: int, expected: float) -> None:
-    assert retry_delay(attempt, RETRY, lambda: 0.5) == pytest.approx(expected)
-
-
-def test_jitter_spreads_each_delay_within_its_bounds() -> None:
-    low, high = delay_bounds(3, RETRY)
-    assert (low, high) == pytest.approx((3.2, 4.8))
-    assert retry_delay(3, RETRY, lambda: 0.0) == pytest.approx(low)
-    assert retry_delay(3, RETRY, lambda: 1.0) == pytest.approx(high)
-
-
-def test_enormous_attempt_numbers_stay_capped() -> None:
-    assert retry_delay(10**6, RETRY, lambda: 0.5) == pytest.approx(30.0)
-
-
 class Clock:
+    """A monotonic clock the test moves by hand."""
+
     def __init__(self) -> None:
         self.now = 100.0
 
