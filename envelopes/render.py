@@ -30,6 +30,7 @@ __all__ = [
     "HeaderName",
     "Profile",
     "WireMessage",
+    "check_cloudevents_extensions",
     "format_time",
     "make_internal_envelope",
     "render",
@@ -41,6 +42,37 @@ PROFILES: tuple[Profile, ...] = ("internal", "external", "cloudevents")
 JSON = "application/json"
 CLOUDEVENTS_JSON = "application/cloudevents+json"
 _CE_EXTENSION = re.compile(r"^[a-z0-9]{1,20}$")
+# Context attributes of CloudEvents 1.0, and the ones this renderer sets itself: an extension
+# may take none of these names, whether or not the event at hand uses them.
+_CE_RESERVED = frozenset(
+    {
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "time",
+        "subject",
+        "datacontenttype",
+        "dataschema",
+        "data",
+        "data_base64",
+        "eventversion",
+        "correlationid",
+        "causationid",
+        "traceparent",
+        "tracestate",
+    }
+)
+
+
+def check_cloudevents_extensions(extensions: Mapping[str, Any]) -> None:
+    """Raise EnvelopeError unless every name can be a CloudEvents extension attribute."""
+    for name in extensions:
+        if not _CE_EXTENSION.match(name) or name in _CE_RESERVED:
+            raise EnvelopeError(
+                f"extension {name!r} is not a valid CloudEvents attribute name "
+                "(1-20 lowercase letters or digits, and not a context attribute)"
+            )
 
 
 class HeaderName:
@@ -151,13 +183,13 @@ def render(
     omitted = frozenset(omit)
     if profile == "internal":
         envelope["sequence"] = sequence
-        body_fields = {k: v for k, v in envelope.items() if _present(v) and k not in omitted}
+        body_fields = {k: v for k, v in envelope.items() if _kept(k, v) and k not in omitted}
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "external":
         body_fields = {
             k: envelope[k]
             for k in EXTERNAL_FIELDS
-            if _present(envelope.get(k)) and k not in omitted
+            if _kept(k, envelope.get(k)) and k not in omitted
         }
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "cloudevents" and cloudevents_prefix is not None:
@@ -200,6 +232,11 @@ def _attribute(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+def _kept(name: str, value: Any) -> bool:
+    """No nulls and no empty maps at the top level; but the payload always, even ``{}``."""
+    return name == "payload" or _present(value)
+
+
 def _present(value: Any) -> bool:
     return value is not None and value != {}
 
@@ -225,13 +262,9 @@ def _cloudevent(envelope: dict[str, Any], omitted: frozenset[str]) -> dict[str, 
         if value is not None and names.get(attribute, attribute) not in omitted:
             event[attribute] = value
     if "extensions" not in omitted:
-        for name, value in (envelope.get("extensions") or {}).items():
-            if not _CE_EXTENSION.match(name) or name in event:
-                raise EnvelopeError(
-                    f"extension {name!r} is not a valid CloudEvents attribute name "
-                    "(1-20 lowercase letters or digits, not a context attribute)"
-                )
-            event[name] = value
+        extensions = envelope.get("extensions") or {}
+        check_cloudevents_extensions(extensions)
+        event.update(extensions)
     event["data"] = envelope["payload"]
     return event
 

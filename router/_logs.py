@@ -33,8 +33,11 @@ class TextFormatter(logging.Formatter):
         line = f"{stamp} {record.levelname:<7} {record.getMessage()}"
         if extras:
             line += f" {extras}"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+        exception = record.exc_text or (
+            self.formatException(record.exc_info) if record.exc_info else None
+        )
+        if exception:
+            line += "\n" + exception
         return line
 
 
@@ -50,8 +53,11 @@ class JsonFormatter(logging.Formatter):
             "event": record.getMessage(),
             **_extras(record),
         }
-        if record.exc_info:
-            document["exception"] = self.formatException(record.exc_info)
+        exception = record.exc_text or (
+            self.formatException(record.exc_info) if record.exc_info else None
+        )
+        if exception:
+            document["exception"] = exception
         return json.dumps(document, default=str)
 
 

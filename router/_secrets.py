@@ -8,6 +8,7 @@ config, and the password inside each URL, is replaced by ``***``.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -46,7 +47,7 @@ def _secret_parts(secret: str) -> set[str]:
     A URL is shown without its password, and a ``Key=Value;...`` connection string without
     its keys, so that output still says *where* it connects; anything else is secret whole.
     """
-    if "://" in secret and "=" not in secret.partition("?")[0]:
+    if _URL.match(secret):
         parts: set[str] = set()
         for url in secret.split(","):
             parts.update(_url_secrets(url.strip()))
@@ -57,6 +58,7 @@ def _secret_parts(secret: str) -> set[str]:
     return {secret}
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _SECRET_KEYS = ("key", "password", "secret", "token", "signature", "sig", "pwd")
 
 
@@ -64,7 +66,9 @@ def _query_secrets(query: str) -> set[str]:
     found = set()
     for pair in query.split("&"):
         name, _, value = pair.partition("=")
-        if value and any(word in name.lower() for word in _SECRET_KEYS):
+        lowered = name.strip().lower()
+        # SharedAccessKeyName=send names a key; it is not one.
+        if value and not lowered.endswith("name") and any(w in lowered for w in _SECRET_KEYS):
             found.update({value, unquote(value)})
     return found
 
@@ -93,6 +97,9 @@ class Redactor:
         return text
 
 
+_formatter = logging.Formatter()
+
+
 class RedactingFilter(logging.Filter):
     """A logging filter that redacts the message, its arguments and string extras."""
 
@@ -108,6 +115,13 @@ class RedactingFilter(logging.Filter):
             return True
         record.msg = self.redactor(record.getMessage())
         record.args = None
+        if record.exc_info:
+            # A driver's exception may quote a URL with its password: render it now, redacted.
+            text = _formatter.formatException(record.exc_info)
+            record.exc_text = self.redactor(text)
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = self.redactor(record.exc_text)
         for key, value in list(record.__dict__.items()):
             if key not in self._STANDARD and isinstance(value, str):
                 setattr(record, key, self.redactor(value))

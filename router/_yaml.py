@@ -80,13 +80,9 @@ def _interpolate(
         problems.append(f"{_dotted(path)}: environment variable {name} is not set")
         return ""
 
-    value = _VAR.sub(substitute, node)
-    # A whole-value reference keeps YAML's scalar typing: "${PORT:-4222}" becomes an int.
-    if _VAR.fullmatch(node) and node != "$$":
-        typed = yaml.safe_load(value) if value else value
-        if isinstance(typed, (bool, int, float)):
-            return typed
-    return value
+    # Always text: a password of digits must stay a string; numeric and boolean settings
+    # accept their text form ("4222", "true") when the model validates them.
+    return _VAR.sub(substitute, node)
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> list[str]:

@@ -46,7 +46,9 @@ class RetrySettings(BaseModel):
 
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is abandoned.")
     base_delay: float = Field(1.0, gt=0, description="Seconds before the first retry.")
-    max_delay: float = Field(300.0, gt=0, description="Longest wait between two attempts.")
+    max_delay: float = Field(
+        300.0, gt=0, description="Cap of the doubling delay (jitter then spreads it by ±jitter)."
+    )
     jitter: float = Field(0.2, ge=0, le=1, description="Spread of each delay, as a fraction.")
 
     @model_validator(mode="after")
@@ -63,6 +65,8 @@ def _duration(value: Any) -> Any:
     """Accept 7d, 12h, 30m, 45s, 1w (or seconds, or ISO 8601) for durations."""
     if isinstance(value, str):
         text = value.strip().lower()
+        if text.replace(".", "", 1).isdigit():
+            return timedelta(seconds=float(text))
         if text and text[-1] in _UNITS and text[:-1].replace(".", "", 1).isdigit():
             return timedelta(seconds=float(text[:-1]) * _UNITS[text[-1]])
     return value
@@ -207,6 +211,14 @@ class RouterConfig(BaseModel):
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
+    @field_validator("brokers")
+    @classmethod
+    def _one_internal(cls, brokers: dict[str, Any]) -> dict[str, Any]:
+        internal = [name for name, b in brokers.items() if b.internal]
+        if len(internal) > 1:
+            raise ValueError(f"only one broker may be internal; found {internal}")
+        return brokers
+
     @field_validator("databases", "brokers")
     @classmethod
     def _names(cls, named: dict[str, Any]) -> dict[str, Any]:
@@ -219,9 +231,6 @@ class RouterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_internal_and_known_brokers(self) -> RouterConfig:
-        internal = [name for name, b in self.brokers.items() if b.internal]
-        if len(internal) > 1:
-            raise ValueError(f"only one broker may be internal; found {internal}")
         for db_name, db in self.databases.items():
             unknown = sorted(set(db.brokers or ()) - set(self.brokers))
             if unknown:

@@ -19,7 +19,13 @@ from pydantic_core import PydanticSerializationError
 from sqlalchemy import TextClause, text
 
 from brokers import EventRoute
-from envelopes import EnvelopeError, StagingError, make_internal_envelope, uuid7
+from envelopes import (
+    EnvelopeError,
+    StagingError,
+    check_cloudevents_extensions,
+    make_internal_envelope,
+    uuid7,
+)
 from router._db import sqlite_time
 from router.config import RouterConfig
 from router.events import Event, EventSpec
@@ -113,6 +119,14 @@ class Stager:
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, TextClause] = {}
 
+    def _cloudevents_targets(self, database: str) -> frozenset[str]:
+        """Brokers that carry extensions as CloudEvents attributes."""
+        return frozenset(
+            name
+            for name, broker in self.config.brokers_of(database).items()
+            if broker.profile == "cloudevents" and "extensions" not in broker.omit
+        )
+
     def routes(self, database: str, event_class: type[Event]) -> list[Route]:
         """The targets and destinations of an event class in one database."""
         key = (database, event_class)
@@ -127,6 +141,7 @@ class Stager:
         """Validate events and turn each into one row per target (raises StagingError)."""
         _check_options(options)
         limit = self.config.outbox.max_payload_bytes
+        cloudevents = self._cloudevents_targets(database)
         now = datetime.now(UTC)
         rows: list[Row] = []
         for event in events:
@@ -134,6 +149,11 @@ class Stager:
                 raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
             spec = type(event).__event__
             routes = self.routes(database, type(event))
+            if options.extensions and any(r.target in cloudevents for r in routes):
+                try:
+                    check_cloudevents_extensions(options.extensions)
+                except EnvelopeError as exc:
+                    raise StagingError(f"event {spec.type!r}: {exc}") from None
             message_id = str(uuid7())
             envelope = self._envelope(event, spec, message_id, now, options)
             if len(envelope) > limit:

@@ -42,7 +42,7 @@ WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused
               AND p.status IN ('processing', 'failed')
               AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
                   > ?))
-    ORDER BY o.seq
+    ORDER BY o.target, o.seq
     LIMIT ?
 )
 RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at

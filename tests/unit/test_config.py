@@ -1,4 +1,5 @@
-"""config.yaml: interpolation, validation, and errors that name the path but never a secret."""
+"""config.yaml: interpolation, validation, and errors that name the YAML path but never a
+secret."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from router import ConfigError, load_config, parse_config
+from brokers import EventRoute
+from brokers.settings import KafkaSettings, NatsSettings
+from router import ConfigError, RouterConfig, RouterError, load_config, parse_config
 from router._db import sqlite_path
 
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-XYZ"
 
 VALID = """
@@ -33,139 +37,328 @@ outbox:
   retry: {max_attempts: 5, base_delay: 0.5, max_delay: 10, jitter: 0.1}
 """
 
+MINIMAL = """
+databases: {main: "sqlite:///x.db"}
+brokers: {events: {type: memory, internal: true}}
+"""
+
 
 def problems(text: str, env: dict[str, str] | None = None) -> str:
+    """The message of the ConfigError that ``text`` raises."""
     with pytest.raises(ConfigError) as caught:
         parse_config(text, env=env or {})
     return str(caught.value)
+
+
+def changed(old: str, new: str) -> str:
+    """VALID with one edit (which must apply)."""
+    assert old in VALID
+    return VALID.replace(old, new, 1)
 
 
 def test_a_valid_config_parses_with_defaults_filled_in() -> None:
     config = parse_config(VALID, env={})
     assert config.service == "shop"
     assert config.databases["main"].kind == "sqlite"
-    events = config.brokers["events"]
-    assert events.internal
-    assert events.profile == "internal"
-    assert config.brokers["partner"].profile == "external"
+    events, partner = config.brokers["events"], config.brokers["partner"]
+    assert (events.internal, events.profile) == (True, "internal")
+    assert (partner.internal, partner.profile) == (False, "external")
+    assert partner.wants("order_placed", published=True)
+    assert not partner.wants("order_internal_note", published=True)
+    assert not partner.wants("order_placed", published=False)
     assert config.outbox.batch_size == 100
     assert config.outbox.lease_seconds == 30
-    assert config.outbox.retry.max_attempts == 5
-    assert config.http.bind == "127.0.0.1:8642"
+    assert config.outbox.retry == config.outbox.retry.model_copy(
+        update={"max_attempts": 5, "base_delay": 0.5, "max_delay": 10, "jitter": 0.1}
+    )
+    assert (config.http.host, config.http.port) == ("127.0.0.1", 8642)
 
 
-def test_environment_values_and_defaults_are_interpolated() -> None:
+def test_the_shipped_config_yaml_loads_without_any_environment() -> None:
+    config = load_config(ROOT / "config.yaml", env={})
+    assert config.base_dir == ROOT
+    assert [name for name, broker in config.brokers.items() if broker.internal] == ["events"]
+
+
+def test_environment_values_replace_references_and_defaults_fill_the_gaps() -> None:
     config = parse_config(
         VALID, env={"DATABASE_URL": "postgresql://app@db/shop", "PARTNER_PASSWORD": SECRET}
     )
     assert config.databases["main"].kind == "postgresql"
-    assert SECRET in config.brokers["partner"].url.get_secret_value()  # type: ignore[union-attr]
+    partner = config.brokers["partner"]
+    assert isinstance(partner, NatsSettings)
+    assert partner.url.get_secret_value() == f"nats://partner:{SECRET}@10.0.0.7:4222"
     assert SECRET not in repr(config)
 
+    defaults = parse_config(VALID, env={})
+    events = defaults.brokers["events"]
+    assert isinstance(events, NatsSettings)
+    assert events.servers() == ["nats://127.0.0.1:4222"]
 
-def test_a_whole_value_reference_keeps_its_yaml_type_and_dollar_dollar_escapes() -> None:
-    text = VALID.replace("batch_size: 100", "batch_size: ${BATCH:-250}").replace(
-        "service: shop", "service: shop$$x"
+
+def test_a_double_dollar_is_a_literal_dollar() -> None:
+    text = MINIMAL.replace("sqlite:///x.db", "sqlite:///price$$list-$${NAME}.db")
+    config = parse_config(text, env={"NAME": "unused"})
+    assert config.databases["main"].url.get_secret_value() == "sqlite:///price$list-${NAME}.db"
+
+
+def test_values_from_the_environment_are_not_interpolated_again() -> None:
+    text = MINIMAL.replace("sqlite:///x.db", "${DB}")
+    config = parse_config(text, env={"DB": "sqlite:///a$$b-${NAME}.db", "NAME": "unused"})
+    assert config.databases["main"].url.get_secret_value() == "sqlite:///a$$b-${NAME}.db"
+
+
+def test_a_whole_value_reference_takes_the_yaml_type_of_its_value() -> None:
+    text = MINIMAL + (
+        "outbox:\n"
+        "  batch_size: ${BATCH:-4222}\n"
+        "  retention: {interval: '${EVERY:-3600}'}\n"
+        "  retry: {jitter: '${JITTER}'}\n"
+        "http: {enabled: '${HTTP:-false}', bind: '127.0.0.1:${PORT:-9000}'}\n"
     )
-    with pytest.raises(ConfigError, match=r"service: String should match pattern"):
-        parse_config(text, env={})
-    config = parse_config(text.replace("shop$$x", "shop"), env={"BATCH": "42"})
-    assert config.outbox.batch_size == 42
+    config = parse_config(text, env={"JITTER": "0.25"})
+    assert config.outbox.batch_size == 4222
+    assert config.outbox.retention.interval.total_seconds() == 3600
+    assert config.outbox.retry.jitter == 0.25
+    assert config.http.enabled is False
+    assert config.http.port == 9000  # part of a longer value: interpolated as text
 
 
-def test_a_missing_variable_names_the_yaml_path() -> None:
-    text = VALID.replace("${PARTNER_PASSWORD:-none}", "${PARTNER_PASSWORD}")
-    assert "brokers.partner.url: environment variable PARTNER_PASSWORD is not set" in problems(text)
+@pytest.mark.parametrize("password", ["20240517", "yes", "0777"])
+def test_a_string_setting_takes_any_environment_value_as_text(password: str) -> None:
+    text = MINIMAL.replace(
+        "brokers: {events: {type: memory, internal: true}}",
+        "brokers:\n"
+        "  events: {type: memory, internal: true}\n"
+        "  analytics:\n"
+        "    type: kafka\n"
+        "    sasl: {username: shop, password: '${KAFKA_PASSWORD}'}\n",
+    )
+    analytics = parse_config(text, env={"KAFKA_PASSWORD": password}).brokers["analytics"]
+    assert isinstance(analytics, KafkaSettings)
+    assert analytics.sasl is not None
+    assert analytics.sasl.password.get_secret_value() == password
+
+
+def test_a_missing_variable_names_its_yaml_path() -> None:
+    message = problems(changed("${PARTNER_PASSWORD:-none}", "${PARTNER_PASSWORD}"))
+    assert "brokers.partner.url: environment variable PARTNER_PASSWORD is not set" in message
+
+
+def test_every_missing_variable_is_reported_at_once_with_list_positions() -> None:
+    text = changed('subjects: ["shop.>"]', 'subjects: ["shop.>", "${EXTRA}"]').replace(
+        "service: shop", "service: ${SERVICE}"
+    )
+    message = problems(text)
+    assert message.startswith("config.yaml: 2 problems:")
+    assert "  - service: environment variable SERVICE is not set" in message
+    assert "  - brokers.events.stream.subjects[1]: environment variable EXTRA is not set" in message
 
 
 @pytest.mark.parametrize(
-    ("change", "expected"),
+    ("old", "new", "expected"),
     [
-        (("name: SHOP", "name: 'S H'"), "brokers.events.stream.name: String should match"),
+        ("name: SHOP", "name: 'S H'", "brokers.events.stream.name: String should match pattern"),
+        ("internal: true", "internal: true\n    colour: red", "brokers.events.colour: unknown key"),
+        ("batch_size: 100", "batch_size: 100\n  batch: 1", "outbox.batch: unknown key"),
+        ("service: shop", "service: shop\nservise: shop", "servise: unknown key"),
         (
-            ("internal: true", "internal: true\n    colour: red"),
-            "brokers.events.colour: unknown key",
-        ),
-        (
-            ("type: nats\n    internal", "type: kafak\n    internal"),
+            "type: nats\n    internal",
+            "type: kafak\n    internal",
             "brokers.events: unknown type 'kafak'; expected one of",
         ),
-        (("shop.{event_type}", "shop.{evt}"), "brokers.events.destination: unknown placeholder"),
         (
-            ('subjects: ["shop.>"]', 'subjects: ["shop.>.x"]'),
+            "    type: nats\n    internal: true\n",
+            "    internal: true\n",
+            "brokers.events: 'type' is missing (which kind of broker is this?)",
+        ),
+        (
+            "shop.{event_type}",
+            "shop.{evt}",
+            "brokers.events.destination: unknown placeholder(s) ['evt']; use {destination}, "
+            "{event_type}, {service}, {version}",
+        ),
+        (
+            "shop.{event_type}",
+            "shop.{event_type",
+            "brokers.events.destination: invalid template",
+        ),
+        (
+            'subjects: ["shop.>"]',
+            'subjects: ["shop.>.x"]',
             "brokers.events.stream.subjects: 'shop.>.x': '>' must be the last token",
         ),
         (
-            ("max_delay: 10", "max_delay: 0.1"),
+            'subjects: ["shop.>"]',
+            'subjects: ["shop.ord*"]',
+            "brokers.events.stream.subjects: 'shop.ord*': wildcards must be whole tokens",
+        ),
+        (
+            'subjects: ["shop.>"]',
+            'subjects: ["shop..x"]',
+            "brokers.events.stream.subjects: 'shop..x' is not a valid NATS subject",
+        ),
+        (
+            "max_delay: 10",
+            "max_delay: 0.1",
             "outbox.retry: max_delay must be at least base_delay",
         ),
-        (("batch_size: 100", "batch_size: 0"), "outbox.batch_size: Input should be greater"),
-        (("service: shop", "service: shop\nhttp: {bind: nowhere}"), "http.bind: must be host:port"),
+        ("batch_size: 100", "batch_size: 0", "outbox.batch_size: Input should be greater"),
+        ("service: shop", "service: shop\nhttp: {bind: nowhere}", "http.bind: must be host:port"),
+        ("service: shop", "service: shop\nhttp: {bind: 'h:99999'}", "http.bind: must be host:port"),
         (
-            ('events: {include: ["order_*"], exclude: ["order_internal*"]}', "internal: true"),
-            "only one broker may be internal; found ['events', 'partner']",
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: {url: 'sqlite:///x.db', brokers: [events, nope]}",
+            "databases.main.brokers: unknown broker(s) ['nope']",
         ),
         (
-            ("main: ${DATABASE_URL:-sqlite:///./var/shop.db}", "main: mysql://x/y"),
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: {url: 'sqlite:///x.db', brokers: [7]}",
+            "databases.main.brokers[0]: Input should be a valid string",
+        ),
+        (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: mysql://x/y",
             "databases.main.url: only postgresql:// and sqlite:/// databases are supported",
+        ),
+        (
+            "internal: true",
+            "internal: true\n    events: {include: ['*']}",
+            "brokers.events: 'events' filters external brokers; the internal broker gets all",
+        ),
+        (
+            "  partner:",
+            "  2nd:\n    type: memory\n  partner:",
+            "brokers: name '2nd' must start with a letter",
         ),
     ],
 )
-def test_each_problem_names_its_yaml_path(change: tuple[str, str], expected: str) -> None:
-    old, new = change
-    assert old in VALID
-    assert expected in problems(VALID.replace(old, new, 1))
+def test_each_problem_names_its_yaml_path(old: str, new: str, expected: str) -> None:
+    assert expected in problems(changed(old, new))
 
 
-def test_a_broker_without_type_says_so() -> None:
-    text = VALID.replace("    type: nats\n    internal: true\n", "    internal: true\n")
-    assert "brokers.events: 'type' is missing" in problems(text)
+def test_two_internal_brokers_are_refused() -> None:
+    text = changed('events: {include: ["order_*"], exclude: ["order_internal*"]}', "internal: true")
+    assert "only one broker may be internal; found ['events', 'partner']" in problems(text)
 
 
-def test_a_database_naming_an_unknown_broker_is_rejected() -> None:
-    text = VALID.replace(
-        "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
-        "main: {url: 'sqlite:///x.db', brokers: [events, nope]}",
-    )
-    assert "databases.main.brokers: unknown broker(s) ['nope']" in problems(text)
+def test_two_internal_brokers_are_reported_under_brokers() -> None:
+    text = changed('events: {include: ["order_*"], exclude: ["order_internal*"]}', "internal: true")
+    [line] = [line for line in problems(text).splitlines() if "internal" in line]
+    assert line.removeprefix("  - ").startswith("brokers")
 
 
-def test_external_filters_on_the_internal_broker_are_rejected() -> None:
-    text = VALID.replace("internal: true", "internal: true\n    events: {include: ['*']}")
-    assert "the internal broker gets all" in problems(text)
-
-
-def test_errors_never_repeat_secret_values() -> None:
-    text = VALID.replace("${PARTNER_PASSWORD:-none}", SECRET).replace(
-        "url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: 12345\n    password: {SECRET}"
-    )
-    message = problems(text)
-    assert "brokers.events.password: unknown key" in message
-    assert SECRET not in message
+def test_a_broker_destination_outside_its_stream_is_refused_with_the_stream_named() -> None:
+    events = parse_config(VALID, env={}).brokers["events"]
+    assert events.destination_for(EventRoute("order_placed", 1, "shop")) == "shop.order_placed"
+    outside = parse_config(changed('subjects: ["shop.>"]', 'subjects: ["shop.orders.*"]'), env={})
+    with pytest.raises(ValueError, match="'shop.order_placed' is not captured by stream 'SHOP'"):
+        outside.brokers["events"].destination_for(EventRoute("order_placed", 1, "shop"))
 
 
 def test_several_problems_are_reported_together() -> None:
-    text = VALID.replace("name: SHOP", "name: ''").replace("batch_size: 100", "batch_size: -1")
+    text = changed("name: SHOP", "name: ''").replace("batch_size: 100", "batch_size: -1")
     message = problems(text)
-    assert message.startswith("config.yaml: 2 problems:")
+    assert message.startswith("config.yaml: 2 problems:\n")
+    assert "  - brokers.events.stream.name:" in message
+    assert "  - outbox.batch_size:" in message
 
 
-def test_load_config_reports_a_missing_file_and_broken_yaml(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="config file not found"):
-        load_config(tmp_path / "nope.yaml")
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # a secret next to the mistake
+        ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: nats://u:{SECRET}@h:4222\n    pw: 1"),
+        # a secret that is itself the mistake
+        ("main: ${DATABASE_URL:-sqlite:///./var/shop.db}", f"main: mysql://app:{SECRET}@db/x"),
+        ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: [{SECRET}]"),
+        ("batch_size: 100", f"batch_size: {SECRET}"),
+        ("service: shop", f"service: shop\nhttp: {{bind: '{SECRET}', token: [{SECRET}]}}"),
+        ("name: SHOP", f"name: {SECRET}!"),
+        ("jitter: 0.1", f"jitter: {SECRET}"),
+    ],
+)
+def test_errors_never_repeat_a_secret(old: str, new: str) -> None:
+    message = problems(changed(old, new))
+    assert "config.yaml: 1 problem" in message or "config.yaml: 2 problems" in message
+    assert SECRET not in message
+
+
+def test_errors_never_repeat_a_secret_taken_from_the_environment() -> None:
+    text = changed("batch_size: 100", "batch_size: ${PARTNER_PASSWORD}").replace(
+        "main: ${DATABASE_URL:-sqlite:///./var/shop.db}", "main: ${DATABASE_URL}"
+    )
+    message = problems(
+        text, env={"PARTNER_PASSWORD": SECRET, "DATABASE_URL": f"mysql://app:{SECRET}@db/x"}
+    )
+    assert "outbox.batch_size:" in message
+    assert "databases.main.url:" in message
+    assert SECRET not in message
+
+
+def test_config_errors_are_router_errors() -> None:
+    with pytest.raises(RouterError):
+        parse_config("databases: {}\n", env={})
+
+
+def test_load_config_reports_a_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="config file not found") as caught:
+        load_config(missing)
+    assert str(missing) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("databases:\n  main: [unclosed\n", "line 3, column 1"),
+        ("service: shop\nbrokers:\n  events: {type: memory\n  x: 1\n", "line 4, column 4"),
+        ("service: shop\n\tdatabases: {}\n", "line 2, column 1"),
+    ],
+)
+def test_load_config_reports_where_the_yaml_is_broken(
+    tmp_path: Path, text: str, where: str
+) -> None:
     broken = tmp_path / "config.yaml"
-    broken.write_text("databases:\n  main: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"config.yaml: invalid YAML at line 3, column 1"):
+    broken.write_text(text)
+    with pytest.raises(ConfigError, match=f"config.yaml: invalid YAML at {where}: "):
         load_config(broken)
-    broken.write_text("- just a list\n")
+
+
+def test_load_config_wants_a_mapping_at_the_top(tmp_path: Path) -> None:
+    listed = tmp_path / "config.yaml"
+    listed.write_text("- just a list\n")
     with pytest.raises(ConfigError, match="the top level must be a mapping"):
-        load_config(broken)
+        load_config(listed)
 
 
-def test_relative_sqlite_paths_start_at_the_config_folder(tmp_path: Path) -> None:
+def test_relative_sqlite_paths_start_at_the_config_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "app"
     folder.mkdir()
     (folder / "config.yaml").write_text(VALID)
-    config = load_config(folder / "config.yaml", env={})
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+
+    config = load_config(Path("app") / "config.yaml", env={})
+
     assert config.base_dir == folder.resolve()
-    assert sqlite_path(config.databases["main"], config.base_dir) == folder / "var" / "shop.db"
+    main = config.databases["main"]
+    assert sqlite_path(main, config.base_dir) == folder.resolve() / "var" / "shop.db"
+    assert config.resolve_path("data/x") == folder.resolve() / "data" / "x"
+
+
+def test_parsed_text_anchors_relative_paths_at_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(VALID, env={})
+    assert sqlite_path(config.databases["main"], config.base_dir) == tmp_path / "var" / "shop.db"
+
+
+def test_absolute_sqlite_paths_stay_where_they_are(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(VALID)
+    config: RouterConfig = load_config(
+        tmp_path / "config.yaml", env={"DATABASE_URL": "sqlite:////srv/data/shop.db"}
+    )
+    assert sqlite_path(config.databases["main"], config.base_dir) == Path("/srv/data/shop.db")

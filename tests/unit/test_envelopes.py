@@ -186,12 +186,6 @@ def test_cloudevents_rejects_extension_names_it_cannot_carry(name: str) -> None:
         render(stored(stream="o-1", extensions={name: "v"}), "cloudevents")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: envelopes/render.py _cloudevent() only refuses an extension named like an "
-    "attribute this event happens to set: 'subject' becomes the subject of an event "
-    "without stream key, and a 'data' extension is silently overwritten by the payload",
-)
 @pytest.mark.parametrize("name", ["subject", "data"])
 def test_cloudevents_rejects_reserved_names_even_when_the_event_lacks_them(name: str) -> None:
     with pytest.raises(EnvelopeError, match="not a valid CloudEvents attribute name"):
@@ -238,12 +232,6 @@ def test_a_consumer_finds_the_message_id_in_the_body_or_the_headers(
         assert message_id_of(wire.body) == MESSAGE_ID
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: envelopes/render.py render() drops every empty map at the top level, "
-    "so an event without fields loses its required 'payload' in the internal and "
-    "external profiles",
-)
 @pytest.mark.parametrize("profile", ["internal", "external"])
 def test_an_event_without_fields_keeps_its_empty_payload(profile: str) -> None:
     document = body(stored(payload=b"{}"), profile)

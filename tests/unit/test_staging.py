@@ -49,9 +49,7 @@ NATS_EVENTS: dict[str, Any] = {
 def config(
     brokers: dict[str, Any] | None = None, *, database: Any = "sqlite:///x.db", limit: int = 2048
 ) -> RouterConfig:
-    return make_config(
-        {"main": database}, brokers or BROKERS, outbox={"max_payload_bytes": limit}
-    )
+    return make_config({"main": database}, brokers or BROKERS, outbox={"max_payload_bytes": limit})
 
 
 def build(cfg: RouterConfig, *events: Event, **options: Any) -> list[Row]:
@@ -188,12 +186,6 @@ def test_an_event_whose_destination_is_no_valid_nats_subject_is_rejected() -> No
         build(config({"events": NATS_EVENTS}), Spaced())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: router/staging.py Stager.build_rows never checks extension names against "
-    "brokers with envelope: cloudevents; the row is stored and later abandoned by the "
-    "processor ('cannot render envelope') instead of being refused in the caller's transaction",
-)
 def test_an_extension_a_cloudevents_broker_cannot_carry_is_rejected() -> None:
     cfg = config(
         {
