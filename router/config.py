@@ -121,6 +121,12 @@ class OutboxSettings(BaseModel):
     max_payload_bytes: int = Field(
         262_144, ge=1024, description="Largest stored envelope; stage() rejects bigger events."
     )
+    vacuum_after_rows: int = Field(
+        50_000,
+        ge=0,
+        description="PostgreSQL: VACUUM the outbox after this many rows were "
+        "marked, as well as autovacuum (0: leave it to autovacuum).",
+    )
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="How long a stopping router waits for in-flight publishes."
     )

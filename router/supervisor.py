@@ -75,7 +75,12 @@ class Supervisor:
         self._background: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         for name in databases or list(config.databases):
-            store = open_store(name, config.databases[name], config.base_dir)
+            store = open_store(
+                name,
+                config.databases[name],
+                config.base_dir,
+                vacuum_after=config.outbox.vacuum_after_rows,
+            )
             self.stores[name] = store
             for target, settings in config.brokers_of(name).items():
                 self.processors.append(

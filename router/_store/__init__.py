@@ -28,7 +28,9 @@ __all__ = [
 ]
 
 
-def open_store(name: str, database: DatabaseSettings, base_dir: Path) -> OutboxStore:
+def open_store(
+    name: str, database: DatabaseSettings, base_dir: Path, *, vacuum_after: int = 50_000
+) -> OutboxStore:
     """The store for one configured database; connections open on first use."""
     if database.kind == "sqlite":
         from router._store.sqlite import SqliteStore
@@ -36,4 +38,6 @@ def open_store(name: str, database: DatabaseSettings, base_dir: Path) -> OutboxS
         return SqliteStore(name, sqlite_path(database, base_dir))
     from router._store.postgres import PostgresStore
 
-    return PostgresStore(name, asyncpg_dsn(database), pool_size=database.pool_size)
+    return PostgresStore(
+        name, asyncpg_dsn(database), pool_size=database.pool_size, vacuum_after=vacuum_after
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -82,12 +83,17 @@ class PostgresStore:
 
     kind = "postgresql"
 
-    def __init__(self, name: str, dsn: str, *, pool_size: int = 4) -> None:
+    def __init__(
+        self, name: str, dsn: str, *, pool_size: int = 4, vacuum_after: int = 50_000
+    ) -> None:
         self.name = name
         self._dsn = dsn
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
+        self._vacuum_after = vacuum_after
+        self._marked = 0
+        self._vacuum: asyncio.Task[None] | None = None
 
     async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
@@ -100,6 +106,7 @@ class PostgresStore:
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
         """One UPDATE per kind of outcome, each fenced by the claim's token."""
+        self._count_for_vacuum(len(marks))
         async with self._connection() as conn:
             if marks.published:
                 await conn.execute(MARK_PUBLISHED, marks.published, token)
@@ -165,8 +172,42 @@ class PostgresStore:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)
 
+    def _count_for_vacuum(self, rows: int) -> None:
+        """Every marked row leaves dead versions in the claim index, which each claim walks
+        past until VACUUM removes them. Autovacuum does that too, when it is on and gets
+        there; a steady router does it itself, in the background, every so many rows."""
+        if not self._vacuum_after:
+            return
+        self._marked += rows
+        if self._marked >= self._vacuum_after and (self._vacuum is None or self._vacuum.done()):
+            self._marked = 0
+            self._vacuum = asyncio.create_task(self._vacuum_now())
+
+    async def _vacuum_now(self) -> None:
+        started = time.monotonic()
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=10)
+            try:
+                await conn.execute("VACUUM (ANALYZE, SKIP_LOCKED) router_outbox")
+            finally:
+                await conn.close()
+        except asyncpg.InsufficientPrivilegeError:
+            log.warning("db.vacuum_refused", extra={"database": self.name})
+            self._vacuum_after = 0  # not the table's owner: leave it to autovacuum
+        except _DB_ERRORS as exc:
+            log.warning("db.vacuum_failed", extra={"database": self.name, "error": _safe(exc)})
+        else:
+            log.info(
+                "db.vacuumed",
+                extra={"database": self.name, "seconds": round(time.monotonic() - started, 3)},
+            )
+
     async def close(self) -> None:
         """Close the pool."""
+        if self._vacuum is not None and not self._vacuum.done():
+            self._vacuum.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._vacuum
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):
