@@ -93,6 +93,7 @@ class PostgresStore:
         self._opening = asyncio.Lock()
         self._vacuum_after = vacuum_after
         self._marked = 0
+        self._vacuumed_at = time.monotonic()
         self._vacuum: asyncio.Task[None] | None = None
 
     async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
@@ -179,8 +180,13 @@ class PostgresStore:
         if not self._vacuum_after:
             return
         self._marked += rows
-        if self._marked >= self._vacuum_after and (self._vacuum is None or self._vacuum.done()):
+        # Also on a slow trickle: a minute's worth of changes is enough to be worth it.
+        due = self._marked >= self._vacuum_after or (
+            self._marked >= 1000 and time.monotonic() - self._vacuumed_at > 60
+        )
+        if due and (self._vacuum is None or self._vacuum.done()):
             self._marked = 0
+            self._vacuumed_at = time.monotonic()
             self._vacuum = asyncio.create_task(self._vacuum_now())
 
     async def _vacuum_now(self) -> None:
