@@ -17,6 +17,7 @@ from typing import Any
 import aiokafka.errors as kafka_errors
 from faststream.kafka import KafkaBroker as FastStreamKafka
 
+from brokers._describe import describe
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.kafka._settings import KafkaSettings
@@ -78,7 +79,7 @@ class KafkaBroker:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise BrokerUnavailable(
-                f"{self.name}: cannot connect to Kafka: {_describe(exc)}"
+                f"{self.name}: cannot connect to Kafka: {describe(exc)}"
             ) from exc
         self._broker = broker
         log.info("kafka.connected", extra={"broker": self.name})
@@ -100,9 +101,7 @@ class KafkaBroker:
                     correlation_id=wire.correlation_id or wire.message_id,
                 )
             except _UNAVAILABLE as exc:
-                raise BrokerUnavailable(
-                    f"{self.name}: Kafka unreachable: {_describe(exc)}"
-                ) from exc
+                raise BrokerUnavailable(f"{self.name}: Kafka unreachable: {describe(exc)}") from exc
 
         return await publish_in_order(
             batch, send, _classify, concurrency=self.settings.max_in_flight
@@ -125,9 +124,9 @@ class KafkaBroker:
 
 def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, _PERMANENT):
-        return PublishResult.failed(f"rejected by Kafka: {_describe(exc)}", retryable=False)
+        return PublishResult.failed(f"rejected by Kafka: {describe(exc)}", retryable=False)
     retriable = getattr(exc, "retriable", True)
-    return PublishResult.failed(f"Kafka error: {_describe(exc)}", retryable=bool(retriable))
+    return PublishResult.failed(f"Kafka error: {describe(exc)}", retryable=bool(retriable))
 
 
 def _security(settings: KafkaSettings) -> Any:
@@ -152,9 +151,3 @@ def _security(settings: KafkaSettings) -> Any:
         password=settings.sasl.password.get_secret_value(),
         ssl_context=ssl,
     )
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    name = type(exc).__name__
-    return f"{name}: {text}" if text and text != name else name

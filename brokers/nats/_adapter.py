@@ -30,6 +30,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import StorageType, StreamConfig
 
+from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
@@ -99,7 +100,7 @@ class NatsBroker:
                 self.settings.connect_timeout + 1,
             )
         except _ANSWER_ERRORS as exc:
-            reason = _describe(errors[-1]) if errors else _describe(exc)
+            reason = describe(errors[-1]) if errors else describe(exc)
             raise BrokerUnavailable(f"{self.name}: cannot connect to NATS: {reason}") from exc
         self._client, self._closed = client, closed
         self._js = client.jetstream(
@@ -137,13 +138,11 @@ class NatsBroker:
         except _CONNECTION_ERRORS as exc:
             _cancel(futures)
             await self.close()
-            raise BrokerUnavailable(f"{self.name}: NATS connection lost: {_describe(exc)}") from exc
+            raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
         except nats.errors.MaxPayloadError as exc:
             # One message over the server's max_payload: the ones before it are in flight.
             sent = await self._collect(futures)
-            too_large = PublishResult.failed(
-                f"message too large: {_describe(exc)}", retryable=False
-            )
+            too_large = PublishResult.failed(f"message too large: {describe(exc)}", retryable=False)
             rest = [
                 PublishResult.failed("not sent: an earlier message was too large", retryable=True)
                 for _ in batch[len(futures) + 1 :]
@@ -157,7 +156,7 @@ class NatsBroker:
         try:
             await asyncio.wait_for(self._js.account_info(), self.settings.connect_timeout)
         except _ANSWER_ERRORS as exc:
-            raise BrokerUnavailable(f"{self.name}: NATS does not answer: {_describe(exc)}") from exc
+            raise BrokerUnavailable(f"{self.name}: NATS does not answer: {describe(exc)}") from exc
 
     async def close(self) -> None:
         """Close the connection."""
@@ -221,7 +220,7 @@ class NatsBroker:
             return
         except _ANSWER_ERRORS as exc:
             raise BrokerUnavailable(
-                f"{self.name}: cannot read stream {wanted.name!r}: {_describe(exc)}"
+                f"{self.name}: cannot read stream {wanted.name!r}: {describe(exc)}"
             ) from exc
         have = list(info.config.subjects or [])
         missing = [s for s in wanted.subjects if not any(subject_matches(h, s) for h in have)]
@@ -241,18 +240,12 @@ def _result(future: asyncio.Future[Any], unanswered: str) -> PublishResult:
     if isinstance(exc, nats.js.errors.NoStreamResponseError):
         return PublishResult.failed("no stream captures the subject", retryable=False)
     if isinstance(exc, nats.js.errors.BadRequestError):
-        return PublishResult.failed(f"rejected by JetStream: {_describe(exc)}", retryable=False)
+        return PublishResult.failed(f"rejected by JetStream: {describe(exc)}", retryable=False)
     if isinstance(exc, nats.js.errors.APIError):
-        return PublishResult.failed(f"JetStream error: {_describe(exc)}", retryable=True)
-    return PublishResult.failed(_describe(exc), retryable=True)
+        return PublishResult.failed(f"JetStream error: {describe(exc)}", retryable=True)
+    return PublishResult.failed(describe(exc), retryable=True)
 
 
 def _cancel(futures: list[asyncio.Future[Any]]) -> None:
     for future in futures:
         future.cancel()
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    name = type(exc).__name__
-    return f"{name}: {text}" if text and text != name else name

@@ -19,6 +19,7 @@ import aiormq.exceptions
 from faststream.rabbit import Channel, ExchangeType, RabbitExchange
 from faststream.rabbit import RabbitBroker as FastStreamRabbit
 
+from brokers._describe import describe
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.rabbitmq._settings import RabbitSettings
@@ -78,7 +79,7 @@ class RabbitBroker:
                     "(and exchange.declare is off)"
                 ) from exc
             raise BrokerUnavailable(
-                f"{self.name}: cannot connect to RabbitMQ: {_describe(exc)}"
+                f"{self.name}: cannot connect to RabbitMQ: {describe(exc)}"
             ) from exc
         self._broker = broker
         log.info("rabbitmq.connected", extra={"broker": self.name})
@@ -108,7 +109,7 @@ class RabbitBroker:
                 )
             except _UNAVAILABLE as exc:
                 raise BrokerUnavailable(
-                    f"{self.name}: RabbitMQ unreachable: {_describe(exc)}"
+                    f"{self.name}: RabbitMQ unreachable: {describe(exc)}"
                 ) from exc
 
         results = await publish_in_order(batch, send, _classify, concurrency=settings.max_in_flight)
@@ -141,21 +142,15 @@ def _classify(exc: Exception) -> PublishResult:
             retryable=False,
         )
     if isinstance(exc, aio_pika.exceptions.DeliveryError):
-        return PublishResult.failed(f"RabbitMQ refused it (nack): {_describe(exc)}", retryable=True)
+        return PublishResult.failed(f"RabbitMQ refused it (nack): {describe(exc)}", retryable=True)
     if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
-        return PublishResult.failed(f"entity missing: {_describe(exc)}", retryable=False)
+        return PublishResult.failed(f"entity missing: {describe(exc)}", retryable=False)
     if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
-        return PublishResult.failed(f"access refused: {_describe(exc)}", retryable=False)
+        return PublishResult.failed(f"access refused: {describe(exc)}", retryable=False)
     if isinstance(exc, TimeoutError):
         return PublishResult.failed("no confirm within publish_timeout", retryable=True)
-    return PublishResult.failed(f"RabbitMQ error: {_describe(exc)}", retryable=True)
+    return PublishResult.failed(f"RabbitMQ error: {describe(exc)}", retryable=True)
 
 
 def _closes_channel(result: PublishResult) -> bool:
     return not result.ok and (result.error or "").startswith(("entity missing", "access refused"))
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    name = type(exc).__name__
-    return f"{name}: {text}" if text and text != name else name

@@ -17,6 +17,7 @@ from typing import Any
 import redis.exceptions
 from faststream.redis import RedisBroker as FastStreamRedis
 
+from brokers._describe import describe
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.redis._settings import RedisSettings
@@ -62,7 +63,7 @@ class RedisBroker:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise BrokerUnavailable(
-                f"{self.name}: cannot connect to Redis: {_describe(exc)}"
+                f"{self.name}: cannot connect to Redis: {describe(exc)}"
             ) from exc
         self._broker = broker
         log.info("redis.connected", extra={"broker": self.name})
@@ -85,9 +86,7 @@ class RedisBroker:
                     correlation_id=wire.correlation_id or wire.message_id,
                 )
             except _UNAVAILABLE as exc:
-                raise BrokerUnavailable(
-                    f"{self.name}: Redis unreachable: {_describe(exc)}"
-                ) from exc
+                raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
 
         results = await publish_in_order(
             batch, send, _classify, concurrency=self.settings.max_in_flight
@@ -113,13 +112,7 @@ class RedisBroker:
 
 def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, redis.exceptions.ResponseError):
-        return PublishResult.failed(f"rejected by Redis: {_describe(exc)}", retryable=False)
+        return PublishResult.failed(f"rejected by Redis: {describe(exc)}", retryable=False)
     if isinstance(exc, redis.exceptions.AuthenticationError):
-        return PublishResult.failed(f"authentication refused: {_describe(exc)}", retryable=False)
-    return PublishResult.failed(f"Redis error: {_describe(exc)}", retryable=True)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    name = type(exc).__name__
-    return f"{name}: {text}" if text and text != name else name
+        return PublishResult.failed(f"authentication refused: {describe(exc)}", retryable=False)
+    return PublishResult.failed(f"Redis error: {describe(exc)}", retryable=True)

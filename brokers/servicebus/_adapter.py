@@ -29,6 +29,7 @@ from azure.servicebus.exceptions import (
     ServiceBusError,
 )
 
+from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.servicebus._settings import ServiceBusSettings
 from envelopes import BrokerError, BrokerUnavailable
@@ -80,7 +81,7 @@ class ServiceBusBroker:
                 for index in indexes:
                     if results[index] is None:
                         results[index] = PublishResult.failed(
-                            f"rejected by Service Bus: {_describe(rejected.__cause__ or rejected)}",
+                            f"rejected by Service Bus: {describe(rejected.__cause__ or rejected)}",
                             retryable=False,
                         )
         return [r or PublishResult.failed("not sent", retryable=True) for r in results]
@@ -129,17 +130,17 @@ class ServiceBusBroker:
             if not any(r is not None and r.ok for r in results):
                 await self.close()
                 raise BrokerUnavailable(
-                    f"{self.name}: Service Bus unreachable: {_describe(exc)}"
+                    f"{self.name}: Service Bus unreachable: {describe(exc)}"
                 ) from exc
             outcome = PublishResult.failed(
-                f"Service Bus unreachable: {_describe(exc)}", retryable=True
+                f"Service Bus unreachable: {describe(exc)}", retryable=True
             )
         except _PERMANENT as exc:
             outcome = PublishResult.failed(
-                f"rejected by Service Bus: {_describe(exc)}", retryable=False
+                f"rejected by Service Bus: {describe(exc)}", retryable=False
             )
         except (ServiceBusError, TimeoutError) as exc:
-            outcome = PublishResult.failed(f"Service Bus error: {_describe(exc)}", retryable=True)
+            outcome = PublishResult.failed(f"Service Bus error: {describe(exc)}", retryable=True)
         else:
             outcome = PublishResult.acked()
         for index in indexes:
@@ -164,7 +165,7 @@ class ServiceBusBroker:
         except (*_UNAVAILABLE, TimeoutError) as exc:
             await self.close()
             raise BrokerUnavailable(
-                f"{self.name}: cannot reach Service Bus: {_describe(exc)}"
+                f"{self.name}: cannot reach Service Bus: {describe(exc)}"
             ) from exc
         except _PERMANENT as exc:
             raise _Rejected(exc) from exc
@@ -196,12 +197,12 @@ class ServiceBusBroker:
         except (ServiceBusAuthenticationError, ServiceBusAuthorizationError) as exc:
             await self.close()
             raise BrokerError(
-                f"{self.name}: Service Bus refused the credentials: {_describe(exc)}"
+                f"{self.name}: Service Bus refused the credentials: {describe(exc)}"
             ) from exc
         except (*_UNAVAILABLE, ServiceBusError, TimeoutError) as exc:
             await self.close()
             raise BrokerUnavailable(
-                f"{self.name}: Service Bus does not answer: {_describe(exc)}"
+                f"{self.name}: Service Bus does not answer: {describe(exc)}"
             ) from exc
 
     async def close(self) -> None:
@@ -227,9 +228,3 @@ class _Rejected(Exception):
 def _probe_entity(settings: ServiceBusSettings) -> str:
     """The entity a ping attaches to: the destination when it is a fixed name."""
     return settings.destination if "{" not in settings.destination else "outbox-router-ping"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    name = type(exc).__name__
-    return f"{name}: {text}" if text and text != name else name
