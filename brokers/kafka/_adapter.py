@@ -8,8 +8,6 @@ once the record is acknowledged; messages of different streams are in flight tog
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +16,7 @@ import aiokafka.errors as kafka_errors
 from faststream.kafka import KafkaBroker as FastStreamKafka
 
 from brokers._describe import describe
+from brokers._faststream import FastStreamAdapter
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.kafka._settings import KafkaSettings
@@ -45,18 +44,16 @@ _PERMANENT: tuple[type[BaseException], ...] = (
 )
 
 
-class KafkaBroker:
+class KafkaBroker(FastStreamAdapter):
     """Publishes to Kafka topics; see ``brokers._protocol`` for the contract."""
 
-    def __init__(self, name: str, settings: KafkaSettings) -> None:
-        self.name = name
-        self.settings = settings
-        self._broker: FastStreamKafka | None = None
+    kind = "Kafka"
+    settings: KafkaSettings
 
-    async def connect(self) -> None:
-        """Start the producer (it fetches cluster metadata)."""
-        if self._broker is not None:
-            return
+    def __init__(self, name: str, settings: KafkaSettings) -> None:
+        super().__init__(name, settings)
+
+    def _make(self) -> Any:
         settings = self.settings
         options: dict[str, Any] = {
             "acks": "all",
@@ -70,25 +67,11 @@ class KafkaBroker:
         security = _security(settings)
         if security is not None:
             options["security"] = security
-        broker = FastStreamKafka(settings.servers(), **options)
-        try:
-            await asyncio.wait_for(broker.connect(), settings.connect_timeout + 1)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await broker.stop()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise BrokerUnavailable(
-                f"{self.name}: cannot connect to Kafka: {describe(exc)}"
-            ) from exc
-        self._broker = broker
-        log.info("kafka.connected", extra={"broker": self.name})
+        return FastStreamKafka(settings.servers(), **options)
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Send every message and wait for its acknowledgement; streams in order."""
-        await self.connect()
-        broker = self._broker
-        assert broker is not None
+        broker = await self._connected()
 
         async def send(message: OutgoingMessage) -> None:
             wire = message.wire
@@ -106,20 +89,6 @@ class KafkaBroker:
         return await publish_in_order(
             batch, send, _classify, concurrency=self.settings.max_in_flight
         )
-
-    async def ping(self) -> None:
-        """Ask the cluster for metadata."""
-        await self.connect()
-        assert self._broker is not None
-        if not await self._broker.ping(timeout=self.settings.connect_timeout):
-            raise BrokerUnavailable(f"{self.name}: Kafka does not answer")
-
-    async def close(self) -> None:
-        """Flush and stop the producer."""
-        broker, self._broker = self._broker, None
-        if broker is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(broker.stop(), 10)
 
 
 def _classify(exc: Exception) -> PublishResult:

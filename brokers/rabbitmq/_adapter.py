@@ -8,8 +8,6 @@ message no queue would receive is an error rather than lost. ``message_id`` and
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +18,7 @@ from faststream.rabbit import Channel, ExchangeType, RabbitExchange
 from faststream.rabbit import RabbitBroker as FastStreamRabbit
 
 from brokers._describe import describe
+from brokers._faststream import FastStreamAdapter
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.rabbitmq._settings import RabbitSettings
@@ -38,13 +37,14 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
-class RabbitBroker:
+class RabbitBroker(FastStreamAdapter):
     """Publishes to one exchange; see ``brokers._protocol`` for the contract."""
 
+    kind = "RabbitMQ"
+    settings: RabbitSettings
+
     def __init__(self, name: str, settings: RabbitSettings) -> None:
-        self.name = name
-        self.settings = settings
-        self._broker: FastStreamRabbit | None = None
+        super().__init__(name, settings)
         self._exchange = RabbitExchange(
             settings.exchange.name,
             type=ExchangeType(settings.exchange.type),
@@ -52,43 +52,29 @@ class RabbitBroker:
             declare=settings.exchange.declare,
         )
 
-    async def connect(self) -> None:
-        """Connect and declare (or check) the exchange."""
-        if self._broker is not None:
-            return
-        broker = FastStreamRabbit(
+    def _make(self) -> Any:
+        return FastStreamRabbit(
             self.settings.url.get_secret_value(),
             default_channel=Channel(publisher_confirms=True, on_return_raises=True),
             timeout=self.settings.connect_timeout,
             fail_fast=True,
             logger=None,
         )
-        try:
-            await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
-            await asyncio.wait_for(
-                broker.declare_exchange(self._exchange), self.settings.connect_timeout
+
+    async def _prepare(self, broker: Any) -> None:
+        await broker.declare_exchange(self._exchange)
+
+    def _connect_error(self, exc: BaseException) -> BrokerError:
+        if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
+            return BrokerError(
+                f"{self.name}: exchange {self.settings.exchange.name!r} does not exist "
+                "(and exchange.declare is off)"
             )
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await broker.stop()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
-                raise BrokerError(
-                    f"{self.name}: exchange {self.settings.exchange.name!r} does not exist "
-                    "(and exchange.declare is off)"
-                ) from exc
-            raise BrokerUnavailable(
-                f"{self.name}: cannot connect to RabbitMQ: {describe(exc)}"
-            ) from exc
-        self._broker = broker
-        log.info("rabbitmq.connected", extra={"broker": self.name})
+        return super()._connect_error(exc)
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Publish every message and wait for its confirm; streams in order."""
-        await self.connect()
-        broker = self._broker
-        assert broker is not None
+        broker = await self._connected()
         settings = self.settings
 
         async def send(message: OutgoingMessage) -> None:
@@ -116,20 +102,6 @@ class RabbitBroker:
         if any(_closes_channel(r) for r in results):
             await self.close()  # the channel is gone; the next batch opens a fresh one
         return results
-
-    async def ping(self) -> None:
-        """Check the connection is open."""
-        await self.connect()
-        assert self._broker is not None
-        if not await self._broker.ping(timeout=self.settings.connect_timeout):
-            raise BrokerUnavailable(f"{self.name}: RabbitMQ does not answer")
-
-    async def close(self) -> None:
-        """Close the connection."""
-        broker, self._broker = self._broker, None
-        if broker is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(broker.stop(), 10)
 
 
 def _classify(exc: Exception) -> PublishResult:

@@ -8,8 +8,6 @@ is in the stream.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +16,7 @@ import redis.exceptions
 from faststream.redis import RedisBroker as FastStreamRedis
 
 from brokers._describe import describe
+from brokers._faststream import FastStreamAdapter
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.redis._settings import RedisSettings
@@ -35,44 +34,30 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
-class RedisBroker:
+class RedisBroker(FastStreamAdapter):
     """Appends to Redis streams; see ``brokers._protocol`` for the contract."""
 
-    def __init__(self, name: str, settings: RedisSettings) -> None:
-        self.name = name
-        self.settings = settings
-        self._broker: FastStreamRedis | None = None
+    kind = "Redis"
+    settings: RedisSettings
 
-    async def connect(self) -> None:
-        """Connect and check the server answers."""
-        if self._broker is not None:
-            return
+    def __init__(self, name: str, settings: RedisSettings) -> None:
+        super().__init__(name, settings)
+
+    def _make(self) -> Any:
         options: dict[str, Any] = {
             "socket_timeout": self.settings.publish_timeout,
             "socket_connect_timeout": self.settings.connect_timeout,
             "logger": None,  # library code logs through its own loggers only
         }
-        broker = FastStreamRedis(self.settings.url.get_secret_value(), **options)
-        try:
-            await asyncio.wait_for(broker.connect(), self.settings.connect_timeout + 1)
-            if not await broker.ping(timeout=self.settings.connect_timeout):
-                raise BrokerUnavailable("no answer to PING")
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await broker.stop()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise BrokerUnavailable(
-                f"{self.name}: cannot connect to Redis: {describe(exc)}"
-            ) from exc
-        self._broker = broker
-        log.info("redis.connected", extra={"broker": self.name})
+        return FastStreamRedis(self.settings.url.get_secret_value(), **options)
+
+    async def _prepare(self, broker: Any) -> None:
+        if not await broker.ping(timeout=self.settings.connect_timeout):
+            raise BrokerUnavailable("no answer to PING")
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """XADD every message; streams in order."""
-        await self.connect()
-        broker = self._broker
-        assert broker is not None
+        broker = await self._connected()
         maxlen = self.settings.maxlen
 
         async def send(message: OutgoingMessage) -> None:
@@ -94,20 +79,6 @@ class RedisBroker:
         if any(not r.ok and r.retryable for r in results):
             await self.close()
         return results
-
-    async def ping(self) -> None:
-        """PING."""
-        await self.connect()
-        assert self._broker is not None
-        if not await self._broker.ping(timeout=self.settings.connect_timeout):
-            raise BrokerUnavailable(f"{self.name}: Redis does not answer")
-
-    async def close(self) -> None:
-        """Close the connection pool."""
-        broker, self._broker = self._broker, None
-        if broker is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(broker.stop(), 10)
 
 
 def _classify(exc: Exception) -> PublishResult:
