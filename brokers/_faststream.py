@@ -26,6 +26,8 @@ class FastStreamAdapter:
         self.name = name
         self.settings = settings
         self._broker: Any = None
+        # Two batches may publish at once: one connect, which the other waits for.
+        self._connecting = asyncio.Lock()
 
     def _make(self) -> Any:
         """A new, unconnected FastStream broker."""
@@ -41,6 +43,11 @@ class FastStreamAdapter:
         """Connect and prepare, within connect_timeout."""
         if self._broker is not None:
             return
+        async with self._connecting:
+            if self._broker is None:
+                await self._connect()
+
+    async def _connect(self) -> None:
         broker = self._make()
         limit = self.settings.connect_timeout + 1
         try:

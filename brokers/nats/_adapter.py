@@ -69,11 +69,22 @@ class NatsBroker:
         self._client: Any = None
         self._js: Any = None
         self._closed = asyncio.Event()
+        # The processor publishes two batches at once: the second must wait for the first's
+        # connect to finish (stream created or checked), not publish on a half-made client.
+        self._connecting = asyncio.Lock()
 
     async def connect(self) -> None:
         """Connect and create (or check) the stream."""
-        if self._client is not None and not self._client.is_closed:
+        if self._connected():
             return
+        async with self._connecting:
+            if not self._connected():
+                await self._connect()
+
+    def _connected(self) -> bool:
+        return self._client is not None and not self._client.is_closed
+
+    async def _connect(self) -> None:
         errors: list[BaseException] = []
         closed = asyncio.Event()
 
@@ -102,17 +113,19 @@ class NatsBroker:
         except _ANSWER_ERRORS as exc:
             reason = describe(errors[-1]) if errors else describe(exc)
             raise BrokerUnavailable(f"{self.name}: cannot connect to NATS: {reason}") from exc
-        self._client, self._closed = client, closed
-        self._js = client.jetstream(
+        js = client.jetstream(
             timeout=self.settings.publish_timeout,
             publish_async_max_pending=self.settings.max_in_flight,
         )
-        log.info("nats.connected", extra={"broker": self.name})
         try:
-            await self._ensure_stream()
+            await self._ensure_stream(js)
         except BaseException:
-            await self.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5)
             raise
+        # Usable only now: publish() sees a client only once its stream is there.
+        self._client, self._js, self._closed = client, js, closed
+        log.info("nats.connected", extra={"broker": self.name})
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Publish all messages with acks in flight; one result per message, in order."""
@@ -192,17 +205,17 @@ class NatsBroker:
             raise BrokerUnavailable(f"{self.name}: {reason}")
         return results
 
-    async def _ensure_stream(self) -> None:
+    async def _ensure_stream(self, js: Any) -> None:
         wanted = self.settings.stream
         try:
-            info = await self._js.stream_info(wanted.name)
+            info = await js.stream_info(wanted.name)
         except nats.js.errors.NotFoundError:
             if not wanted.create:
                 raise BrokerError(
                     f"{self.name}: stream {wanted.name!r} does not exist and stream.create is off"
                 ) from None
             try:
-                await self._js.add_stream(
+                await js.add_stream(
                     StreamConfig(
                         name=wanted.name,
                         subjects=list(wanted.subjects),

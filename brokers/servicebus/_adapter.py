@@ -56,6 +56,9 @@ class ServiceBusBroker:
         self.settings = settings
         self._client: ServiceBusClient | None = None
         self._senders: dict[str, ServiceBusSender] = {}
+        # The SDK's senders are not safe to open or use from two tasks at once, and the
+        # processor publishes the next batch while the current one is in flight: one at a time.
+        self._sending = asyncio.Lock()
 
     async def connect(self) -> None:
         """Create the client (connections open with the first sender)."""
@@ -69,6 +72,10 @@ class ServiceBusBroker:
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Send the batch in size-limited SDK batches, per destination, in order."""
+        async with self._sending:
+            return await self._publish(batch)
+
+    async def _publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         await self.connect()
         results: list[PublishResult | None] = [None] * len(batch)
         by_destination: dict[str, list[int]] = {}
@@ -188,6 +195,10 @@ class ServiceBusBroker:
         An entity that does not exist still proves the namespace answered; refused
         credentials do not.
         """
+        async with self._sending:
+            await self._ping()
+
+    async def _ping(self) -> None:
         await self.connect()
         try:
             probe = await self._sender(_probe_entity(self.settings))

@@ -4,6 +4,7 @@ peer driven by the unchanged azure-servicebus SDK)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -121,6 +122,32 @@ async def test_stream_order_holds_inside_a_batch(harness: Harness) -> None:
     assert all(r.ok for r in results)
     arrived = await harness.arrived(destination, 25)
     assert [json.loads(a.body)["payload"]["n"] for a in arrived] == list(range(25))
+
+
+async def test_two_batches_published_at_once_on_a_new_adapter_all_arrive(
+    harness: Harness,
+) -> None:
+    # The processor publishes the next batch while the current one is still in flight, so
+    # the first two publishes of a fresh adapter race through connect() (and, for NATS,
+    # through creating the stream): neither may go out before the adapter is ready.
+    settings = harness.settings()
+    destination = harness.destination("together")
+    await harness.prepare(destination)
+    broker = create_broker("partner", settings)
+    batches = [
+        [message(settings, destination, n * 4 + i, stream=None) for i in range(4)]
+        for n in range(10)
+    ]
+    publishes = []
+    try:
+        for batch in batches:  # staggered, so that some start in the middle of connect()
+            publishes.append(asyncio.create_task(broker.publish(batch)))
+            await asyncio.sleep(0.002)
+        results = await asyncio.gather(*publishes)
+    finally:
+        await broker.close()
+    assert [r.error for batch in results for r in batch if not r.ok] == []
+    assert len(await harness.arrived(destination, 40)) == 40
 
 
 async def test_an_unreachable_broker_is_a_retryable_failure(harness: Harness) -> None:
