@@ -1,8 +1,9 @@
 """NATS JetStream adapter, on nats-py.
 
-Every message of a batch is written at once with ``publish_async`` and the PubAcks are awaited
-together: acks in flight, in batch order on one connection, so JetStream stores them in that
-order. Two choices keep that order true when things break:
+Every message of a batch is written at once (up to ``max_in_flight``) with a reply subject of
+this connection's ``AckInbox``, and the PubAcks are awaited together: acks in flight, in batch
+order on one connection, so JetStream stores them in that order. Two choices keep that order
+true when things break:
 
 - The client never reconnects by itself (``allow_reconnect=False``). nats-py would otherwise
   buffer publishes made during a reconnect and flush them on the new connection, where they
@@ -11,10 +12,17 @@ order. Two choices keep that order true when things break:
   connects again.
 - Messages leave in order on one TCP connection, so what the server stored of a batch is
   always a prefix of it; retrying the unacknowledged rest keeps first deliveries in order.
+  A batch longer than ``max_in_flight`` goes out in windows on the same connection; once it
+  is lost, the rest of the batch is not sent on another.
+
+The stream was checked at connect (it exists and captures the configured subjects), so
+messages carry no ``Nats-Expected-Stream`` header: it would cost the client and the server
+work on every message to repeat that check.
 
 This adapter talks to nats-py directly rather than through FastStream: FastStream's connect
 retries and reconnects on its own, and its ``publish`` awaits each ack in turn (about twice
-the CPU per message, and no acks in flight).
+the CPU per message, and no acks in flight). Acks are matched by ``AckInbox`` rather than
+nats-py's ``publish_async`` (see ``brokers.nats._acks`` for why).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.nats._acks import AckInbox
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
 
@@ -68,6 +77,7 @@ class NatsBroker:
         self.settings = settings
         self._client: Any = None
         self._js: Any = None
+        self._acks = AckInbox()
         self._closed = asyncio.Event()
         # The processor publishes two batches at once: the second must wait for the first's
         # connect to finish (stream created or checked), not publish on a half-made client.
@@ -113,55 +123,71 @@ class NatsBroker:
         except _ANSWER_ERRORS as exc:
             reason = describe(errors[-1]) if errors else describe(exc)
             raise BrokerUnavailable(f"{self.name}: cannot connect to NATS: {reason}") from exc
-        js = client.jetstream(
-            timeout=self.settings.publish_timeout,
-            publish_async_max_pending=self.settings.max_in_flight,
-        )
+        js = client.jetstream(timeout=self.settings.publish_timeout)
+        acks = AckInbox()
         try:
+            await acks.start(client)
             await self._ensure_stream(js)
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
             raise
         # Usable only now: publish() sees a client only once its stream is there.
-        self._client, self._js, self._closed = client, js, closed
+        self._client, self._js, self._acks, self._closed = client, js, acks, closed
         log.info("nats.connected", extra={"broker": self.name})
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """Publish all messages with acks in flight; one result per message, in order."""
         await self.connect()
-        js = self._js
-        stream = self.settings.stream.name
-        futures: list[asyncio.Future[Any]] = []
+        client = self._client
+        step = self.settings.max_in_flight
+        results: list[PublishResult] = []
+        for start in range(0, len(batch), step):
+            if self._client is not client:  # lost in an earlier window: not on another one
+                lost = PublishResult.failed("NATS connection lost before sending", retryable=True)
+                results.extend(lost for _ in batch[start:])
+                break
+            try:
+                results.extend(await self._publish_window(batch[start : start + step]))
+            except BrokerUnavailable as exc:
+                if not any(r.ok for r in results):
+                    raise
+                results.extend(
+                    PublishResult.failed(str(exc), retryable=True) for _ in batch[start:]
+                )
+                break
+        return results
+
+    async def _publish_window(self, window: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        client, acks = self._client, self._acks
+        replies: list[str] = []
+        futures: list[asyncio.Future[PublishResult]] = []
         try:
-            for message in batch:
+            for message in window:
                 headers = dict(message.wire.headers)
                 headers[MSG_ID_HEADER] = message.wire.message_id
-                futures.append(
-                    await js.publish_async(
-                        message.destination,
-                        message.wire.body,
-                        # No wait_stall: a timeout there costs a task per message (half
-                        # the throughput); max_in_flight and publish_timeout bound the wait.
-                        wait_stall=None,
-                        stream=stream,
-                        headers=headers,
-                    )
+                reply, future = acks.expect()
+                replies.append(reply)
+                futures.append(future)
+                await client.publish(
+                    message.destination, message.wire.body, reply=reply, headers=headers
                 )
         except _CONNECTION_ERRORS as exc:
-            _cancel(futures)
+            acks.forget(replies)
             await self.close()
             raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
         except nats.errors.MaxPayloadError as exc:
-            # One message over the server's max_payload: the ones before it are in flight.
-            sent = await self._collect(futures)
+            # One message over the server's max_payload (not sent): the ones before it are
+            # in flight, the ones after it are not sent, so their stream stays in order.
+            acks.forget(replies[-1:])
+            sent = await self._collect(futures[:-1], replies[:-1])
             too_large = PublishResult.failed(f"message too large: {describe(exc)}", retryable=False)
             rest = [
                 PublishResult.failed("not sent: an earlier message was too large", retryable=True)
-                for _ in batch[len(futures) + 1 :]
+                for _ in window[len(futures) :]
             ]
             return [*sent, too_large, *rest]
-        return await self._collect(futures)
+        return await self._collect(futures, replies)
 
     async def ping(self) -> None:
         """Round-trip to the server (JetStream account info)."""
@@ -178,7 +204,9 @@ class NatsBroker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
 
-    async def _collect(self, futures: list[asyncio.Future[Any]]) -> list[PublishResult]:
+    async def _collect(
+        self, futures: list[asyncio.Future[PublishResult]], replies: list[str]
+    ) -> list[PublishResult]:
         """Wait for every ack, the connection to close, or publish_timeout: whichever first."""
         if not futures:
             return []
@@ -195,12 +223,12 @@ class NatsBroker:
         lost = self._closed.is_set()
         if lost:
             await self.close()
-        pending = [f for f in futures if not f.done()]
-        _cancel(pending)
+        self._acks.forget([r for r, f in zip(replies, futures, strict=True) if not f.done()])
         with contextlib.suppress(asyncio.CancelledError):
             await acks
         reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
-        results = [_result(f, reason) for f in futures]
+        unanswered = PublishResult.failed(reason, retryable=True)
+        results = [unanswered if f.cancelled() else f.result() for f in futures]
         if lost and not any(r.ok for r in results):
             raise BrokerUnavailable(f"{self.name}: {reason}")
         return results
@@ -242,23 +270,3 @@ class NatsBroker:
                 f"{self.name}: stream {wanted.name!r} exists with subjects {have}, "
                 f"which do not cover {missing}"
             )
-
-
-def _result(future: asyncio.Future[Any], unanswered: str) -> PublishResult:
-    if future.cancelled():
-        return PublishResult.failed(unanswered, retryable=True)
-    exc = future.exception()
-    if exc is None:
-        return PublishResult.acked()
-    if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return PublishResult.failed("no stream captures the subject", retryable=False)
-    if isinstance(exc, nats.js.errors.BadRequestError):
-        return PublishResult.failed(f"rejected by JetStream: {describe(exc)}", retryable=False)
-    if isinstance(exc, nats.js.errors.APIError):
-        return PublishResult.failed(f"JetStream error: {describe(exc)}", retryable=True)
-    return PublishResult.failed(describe(exc), retryable=True)
-
-
-def _cancel(futures: list[asyncio.Future[Any]]) -> None:
-    for future in futures:
-        future.cancel()

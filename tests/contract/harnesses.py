@@ -19,6 +19,7 @@ import nats
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from faststream.redis.parser import BinaryMessageFormatV1
+from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from brokers import BrokerSettings
@@ -112,8 +113,28 @@ class NatsHarness(Harness):
     def destination(self, label: str = "orders") -> str:
         return f"c{self.tag}.{label}"
 
+    @property
+    def small_stream(self) -> str:
+        return f"CONTRACT_SMALL_{self.tag}".upper()
+
     def rejected_destination(self) -> str:
-        return f"elsewhere{self.tag}.orders"  # no stream captures it
+        return f"small{self.tag}.orders"  # captured by a stream that takes 64 bytes at most
+
+    async def prepare(self, destination: str) -> None:
+        if destination != self.rejected_destination():
+            return  # the adapter creates its own stream
+        client = await nats.connect(NATS_URL)
+        try:
+            await client.jetstream().add_stream(
+                StreamConfig(
+                    name=self.small_stream,
+                    subjects=[f"small{self.tag}.>"],
+                    storage=StorageType.MEMORY,
+                    max_msg_size=64,
+                )
+            )
+        finally:
+            await client.close()
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
         client = await nats.connect(NATS_URL)
@@ -140,8 +161,9 @@ class NatsHarness(Harness):
 
     async def cleanup(self) -> None:
         client = await nats.connect(NATS_URL)
-        with contextlib.suppress(NotFoundError):
-            await client.jetstream().delete_stream(self.stream)
+        for stream in (self.stream, self.small_stream):
+            with contextlib.suppress(NotFoundError):
+                await client.jetstream().delete_stream(stream)
         await client.close()
 
 
