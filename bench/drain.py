@@ -1,6 +1,7 @@
 """drain: how fast a backlog in PostgreSQL is drained into NATS JetStream.
 
-    python bench/drain.py [--events 20000] [--repeat 3] [--workers 1 2]
+    python -m bench.drain [--events 20000] [--repeat 3] [--workers 1 2]
+                          [--brokers nats kafka rabbitmq redis servicebus]
 
 Each measurement stages a fresh backlog with the real write path (transactions of 100
 events, 4 events per order id as stream key), then starts the relay and times the stream
@@ -11,6 +12,9 @@ from its first message to its last. It runs:
   ``FOR UPDATE SKIP LOCKED``, publish them with acks in flight, mark them with one UPDATE.
 
 Figures are medians over ``--repeat`` runs; each is also given as a ratio to the baseline.
+
+Then the same backlog is drained into every broker of ``--brokers`` (see ``bench._brokers``),
+once per worker count, timed by the database's clock and counted at the broker.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import asyncpg
 import nats
 
+from bench._brokers import KINDS, NOTES, drain_into, harnesses
 from bench._common import (
     NATS_URL,
     RouterProcess,
@@ -126,12 +131,51 @@ async def baseline_relay(url: str, batch: int) -> None:
         await conn.close()
 
 
+async def drain_per_broker(
+    events: int, workers: list[int], kinds: list[str], baseline: float
+) -> dict[str, Any]:
+    """Drain the backlog into each broker kind; print a table; return the figures."""
+    if not kinds:
+        return {}
+
+    async def stage(url: str, brokers: dict[str, Any], count: int) -> None:
+        await stage_backlog(url, Stream("unused", "unused"), count, brokers)
+
+    figures: dict[str, Any] = {}
+    rows = []
+    async with harnesses(kinds) as makers:
+        for kind, make in makers.items():
+            figures[kind] = {"broker": NOTES[kind]}
+            for count in workers:
+                result = await drain_into(make(), events, count, stage)
+                result["ratio_to_baseline"] = round(result["events_per_second"] / baseline, 3)
+                figures[kind][f"workers {count}"] = result
+                rows.append(
+                    (
+                        kind,
+                        count,
+                        f"{result['events_per_second']:,}",
+                        f"{result['ratio_to_baseline']:.2f}x",
+                        f"{result['arrived']:,}",
+                        NOTES[kind],
+                    )
+                )
+                print(f"{kind} --workers {count}: {result['events_per_second']:,}/s", flush=True)
+    print_table(
+        f"drain per broker: {events:,} events, first claim to last mark (database clock)",
+        ["broker", "workers", "events/s", "vs baseline", "arrived", "peer"],
+        rows,
+    )
+    return figures
+
+
 async def main() -> None:
     """Run every variant ``--repeat`` times; print and save the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--brokers", nargs="*", choices=KINDS, default=list(KINDS))
     args = parser.parse_args()
 
     runs: dict[str, list[float]] = {"baseline": []}
@@ -165,6 +209,7 @@ async def main() -> None:
         ["relay", "events/s", "vs baseline", "runs"],
         rows,
     )
+    per_broker = await drain_per_broker(args.events, args.workers, args.brokers, baseline)
     path = write_results(
         "drain",
         {
@@ -174,7 +219,7 @@ async def main() -> None:
             "events_per_transaction": PER_TRANSACTION,
             "batch_size": 500,
         },
-        figures,
+        {**figures, "per_broker": per_broker},
     )
     print(f"written to {path.relative_to(path.parents[2])}")
 

@@ -1,25 +1,31 @@
-"""Publishing a batch message by message, with acks in flight but each stream in order.
+"""Keeping each stream in order while messages are in flight together.
 
-For brokers whose client confirms one message at a time (RabbitMQ, Redis, Kafka through
-FastStream): messages of one stream key are sent one after the other, in batch order, and a
-stream stops at its first failure; other streams and keyless messages go concurrently, at
-most ``concurrency`` at once.
+- ``publish_in_order``: for brokers whose client confirms one message at a time (RabbitMQ,
+  Kafka through FastStream): messages of one stream key are sent one after the other, in batch
+  order, and a stream stops at its first failure; other streams and keyless messages go
+  concurrently, at most ``concurrency`` at once.
+- ``waves``: for brokers that take many messages in one round trip (a Redis pipeline, the
+  processor's waves): the n-th message of every stream goes in wave n, so no wave holds two
+  messages of one stream, and a stream can stop at a failed message before its next wave.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TypeVar
 
 from brokers._protocol import OutgoingMessage, PublishResult
 from envelopes import BrokerUnavailable
 
-__all__ = ["publish_in_order"]
+__all__ = ["NOT_SENT", "publish_in_order", "waves"]
+
+T = TypeVar("T")
 
 Send = Callable[[OutgoingMessage], Awaitable[None]]
 Classify = Callable[[Exception], PublishResult]
 
-_NOT_SENT = "not sent: an earlier message of its stream failed"
+NOT_SENT = "not sent: an earlier message of its stream failed"
 
 
 async def publish_in_order(
@@ -57,14 +63,31 @@ async def publish_in_order(
         for position, index in enumerate(indexes):
             if not await one(index):
                 for later in indexes[position + 1 :]:
-                    results[later] = PublishResult.failed(_NOT_SENT, retryable=True)
+                    results[later] = PublishResult.failed(NOT_SENT, retryable=True)
                 return
 
     keyless = chains.pop(None, [])
     await asyncio.gather(*(one(i) for i in keyless), *(chain(c) for c in chains.values()))
     final = [
-        r if r is not None else PublishResult.failed(_NOT_SENT, retryable=True) for r in results
+        r if r is not None else PublishResult.failed(NOT_SENT, retryable=True) for r in results
     ]
     if unavailable and not any(r.ok for r in final):
         raise unavailable[0]
     return final
+
+
+def waves(items: Sequence[T], key: Callable[[T], Hashable | None]) -> list[list[T]]:
+    """Split ``items`` so that no wave holds two of one key (``None``: no key); order is kept
+    within each wave, and the n-th item of a key is in wave n."""
+    result: list[list[T]] = []
+    depth: dict[Hashable, int] = {}
+    for item in items:
+        level = 0
+        k = key(item)
+        if k is not None:
+            level = depth.get(k, 0)
+            depth[k] = level + 1
+        if level == len(result):
+            result.append([])
+        result[level].append(item)
+    return result

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
+from brokers._ordered import waves as _waves
 from envelopes import BrokerError, EnvelopeError, render
 from router._store import ClaimedRow, Marks
 from router.circuit import Circuit
@@ -214,14 +215,8 @@ class Delivery:
 
 def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
     """Split a batch so that no wave holds two rows of one stream (order kept in each)."""
-    result: list[list[ClaimedRow]] = []
-    depth: dict[str, int] = {}
-    for row in rows:
-        level = 0
-        if row.stream_key is not None:
-            level = depth.get(row.stream_key, 0)
-            depth[row.stream_key] = level + 1
-        if level == len(result):
-            result.append([])
-        result[level].append(row)
-    return result
+    return _waves(rows, _stream_of)
+
+
+def _stream_of(row: ClaimedRow) -> str | None:
+    return row.stream_key

@@ -4,10 +4,16 @@ One ``XADD`` per message to the destination stream, in FastStream's message form
 FastStream subscribers read it as they read their own), with the message id, type and
 correlation id among its headers. Redis answers each XADD with the entry id once the entry
 is in the stream.
+
+A batch goes out in waves (no two messages of one stream key in a wave), each wave as one
+pipeline: one round trip and one pooled connection for up to ``max_in_flight`` XADDs, which
+Redis runs in order. A message that fails holds back the later messages of its stream. (One
+connection per XADD in flight ran the client's pool dry under load.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +23,7 @@ from faststream.redis import RedisBroker as FastStreamRedis
 
 from brokers._describe import describe
 from brokers._faststream import FastStreamAdapter
-from brokers._ordered import publish_in_order
+from brokers._ordered import NOT_SENT, waves
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.redis._settings import RedisSettings
 from envelopes import BrokerUnavailable
@@ -32,6 +38,7 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
+_NO_ANSWER: tuple[type[BaseException], ...] = (*_UNAVAILABLE, TimeoutError)
 
 
 class RedisBroker(FastStreamAdapter):
@@ -56,32 +63,70 @@ class RedisBroker(FastStreamAdapter):
             raise BrokerUnavailable("no answer to PING")
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
-        """XADD every message; streams in order."""
+        """XADD every message, a pipeline per wave; streams in order."""
         broker = await self._connected()
-        maxlen = self.settings.maxlen
+        client = await broker.connect()  # the connected redis client; no new connection
+        results: list[PublishResult | None] = [None] * len(batch)
+        held: set[str] = set()
+        step = self.settings.max_in_flight
+        for wave in waves(range(len(batch)), lambda i: batch[i].wire.stream_key):
+            for start in range(0, len(wave), step):
+                chunk = [i for i in wave[start : start + step] if not self._held(batch[i], held)]
+                try:
+                    await self._pipeline(broker, client, batch, chunk, results)
+                except BrokerUnavailable as exc:
+                    await self.close()
+                    if not any(r is not None and r.ok for r in results):
+                        raise
+                    return _fill(results, PublishResult.failed(str(exc), retryable=True))
+                for i in chunk:
+                    result, key = results[i], batch[i].wire.stream_key
+                    if result is not None and not result.ok and result.retryable and key:
+                        held.add(key)
+        return _fill(results, PublishResult.failed(NOT_SENT, retryable=True))
 
-        async def send(message: OutgoingMessage) -> None:
-            wire = message.wire
-            try:
-                await broker.publish(
-                    wire.body,
-                    stream=message.destination,
-                    maxlen=maxlen,
-                    headers=dict(wire.headers),
-                    correlation_id=wire.correlation_id or wire.message_id,
-                )
-            except _UNAVAILABLE as exc:
-                raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
+    @staticmethod
+    def _held(message: OutgoingMessage, held: set[str]) -> bool:
+        return message.wire.stream_key is not None and message.wire.stream_key in held
 
-        results = await publish_in_order(
-            batch, send, _classify, concurrency=self.settings.max_in_flight
-        )
-        if any(not r.ok and r.retryable for r in results):
-            await self.close()
-        return results
+    async def _pipeline(
+        self,
+        broker: Any,
+        client: Any,
+        batch: Sequence[OutgoingMessage],
+        chunk: list[int],
+        results: list[PublishResult | None],
+    ) -> None:
+        if not chunk:
+            return
+        pipe = client.pipeline(transaction=False)
+        for i in chunk:
+            wire = batch[i].wire
+            await broker.publish(
+                wire.body,
+                stream=batch[i].destination,
+                maxlen=self.settings.maxlen,
+                headers=dict(wire.headers),
+                correlation_id=wire.correlation_id or wire.message_id,
+                pipeline=pipe,
+            )
+        try:
+            replies = await asyncio.wait_for(
+                pipe.execute(raise_on_error=False), self.settings.publish_timeout
+            )
+        except _NO_ANSWER as exc:
+            raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
+        for i, reply in zip(chunk, replies, strict=True):
+            results[i] = _classify(reply) if isinstance(reply, Exception) else PublishResult.acked()
+
+
+def _fill(results: list[PublishResult | None], missing: PublishResult) -> list[PublishResult]:
+    return [r if r is not None else missing for r in results]
 
 
 def _classify(exc: Exception) -> PublishResult:
+    if isinstance(exc, _UNAVAILABLE):
+        return PublishResult.failed(f"Redis unreachable: {describe(exc)}", retryable=True)
     if isinstance(exc, redis.exceptions.ResponseError):
         return PublishResult.failed(f"rejected by Redis: {describe(exc)}", retryable=False)
     if isinstance(exc, redis.exceptions.AuthenticationError):

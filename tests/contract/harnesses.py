@@ -65,6 +65,16 @@ class Harness:
         """Settings that point at a port nothing listens on."""
         raise NotImplementedError
 
+    def config(self, **overrides: Any) -> dict[str, Any]:
+        """``settings(**overrides)`` as config.yaml holds them, secrets included."""
+        settings = self.settings(**overrides)
+        data: dict[str, Any] = settings.model_dump(mode="json", exclude_none=True)
+        for field in ("url", "connection_string"):  # model_dump masks secrets
+            value = getattr(settings, field, None)
+            if value is not None:
+                data[field] = value.get_secret_value()
+        return data
+
     def destination(self, label: str = "orders") -> str:
         """A destination no other test uses."""
         raise NotImplementedError

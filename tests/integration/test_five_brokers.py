@@ -52,25 +52,11 @@ async def partners(kafka_peer: str) -> AsyncIterator[dict[str, Harness]]:
 def config_for(url: str, harnesses: dict[str, Harness]) -> Any:
     brokers: dict[str, Any] = {}
     for name, harness in harnesses.items():
-        settings = harness.settings(internal=(name == "events"))
-        brokers[name] = {
-            **settings.model_dump(mode="json", exclude_none=True),
-            **_secrets(settings),
-            "connect_timeout": 2,
-            "publish_timeout": 5,
-        }
+        brokers[name] = harness.config(
+            internal=(name == "events"), connect_timeout=2, publish_timeout=5
+        )
     retry = {"base_delay": 0.2, "max_delay": 0.5, "jitter": 0.1, "max_attempts": 1000}
     return make_config({"main": url}, brokers, outbox={"retry": retry})
-
-
-def _secrets(settings: Any) -> dict[str, str]:
-    """model_dump masks SecretStr fields; put the real values back."""
-    found = {}
-    for field in ("url", "connection_string"):
-        value = getattr(settings, field, None)
-        if value is not None:
-            found[field] = value.get_secret_value()
-    return found
 
 
 async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local(
