@@ -17,7 +17,9 @@ true when things break:
 
 The stream was checked at connect (it exists and captures the configured subjects), so
 messages carry no ``Nats-Expected-Stream`` header: it would cost the client and the server
-work on every message to repeat that check.
+work on every message to repeat that check. A message NATS cannot carry as it is (a header
+name outside the token characters, or over the server's ``max_payload``) is refused on its
+own, not retried; the rest of the batch still goes (see ``brokers.nats._frames``).
 
 This adapter talks to nats-py directly rather than through FastStream: FastStream's connect
 retries and reconnects on its own, and its ``publish`` awaits each ack in turn (about twice
@@ -40,6 +42,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.nats import _frames
 from brokers.nats._acks import AckInbox
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
@@ -160,34 +163,43 @@ class NatsBroker:
 
     async def _publish_window(self, window: Sequence[OutgoingMessage]) -> list[PublishResult]:
         client, acks = self._client, self._acks
+        refused: dict[int, PublishResult] = {}
+        frames: list[bytes] = []
         replies: list[str] = []
         futures: list[asyncio.Future[PublishResult]] = []
-        try:
-            for message in window:
-                headers = dict(message.wire.headers)
-                headers[MSG_ID_HEADER] = message.wire.message_id
-                reply, future = acks.expect()
-                replies.append(reply)
-                futures.append(future)
-                await client.publish(
-                    message.destination, message.wire.body, reply=reply, headers=headers
+        sent: list[OutgoingMessage] = []
+        for index, message in enumerate(window):
+            headers = dict(message.wire.headers)
+            headers[MSG_ID_HEADER] = message.wire.message_id
+            reply, future = acks.expect()
+            try:
+                data = _frames.frame(
+                    message.destination, reply, headers, message.wire.body, client.max_payload
                 )
+            except _frames.Refused as exc:
+                # Refused for good, so it does not hold back its stream: the rest still go.
+                acks.forget([reply])
+                refused[index] = PublishResult.failed(str(exc), retryable=False)
+                continue
+            frames.append(data)
+            replies.append(reply)
+            futures.append(future)
+            sent.append(message)
+        try:
+            if _frames.FRAMES:
+                await _frames.send(client, frames)
+            else:
+                for message, reply in zip(sent, replies, strict=True):
+                    headers = {**message.wire.headers, MSG_ID_HEADER: message.wire.message_id}
+                    await client.publish(
+                        message.destination, message.wire.body, reply=reply, headers=headers
+                    )
         except _CONNECTION_ERRORS as exc:
             acks.forget(replies)
             await self.close()
             raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
-        except nats.errors.MaxPayloadError as exc:
-            # One message over the server's max_payload (not sent): the ones before it are
-            # in flight, the ones after it are not sent, so their stream stays in order.
-            acks.forget(replies[-1:])
-            sent = await self._collect(futures[:-1], replies[:-1])
-            too_large = PublishResult.failed(f"message too large: {describe(exc)}", retryable=False)
-            rest = [
-                PublishResult.failed("not sent: an earlier message was too large", retryable=True)
-                for _ in window[len(futures) :]
-            ]
-            return [*sent, too_large, *rest]
-        return await self._collect(futures, replies)
+        answers = iter(await self._collect(futures, replies))
+        return [refused[i] if i in refused else next(answers) for i in range(len(window))]
 
     async def ping(self) -> None:
         """Round-trip to the server (JetStream account info)."""

@@ -29,27 +29,8 @@ CHANNEL = "router_outbox"
 # One round trip; see migration 0002 for why the claim lives in a function.
 CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5)"
 
-MARK_PUBLISHED = """
-UPDATE router_outbox
-SET status = 'published', published_at = now(), last_error = NULL,
-    locked_by = NULL, locked_until = NULL
-WHERE seq = ANY($1::bigint[]) AND lease_token = $2 AND status = 'processing'
-"""
-
-MARK_FAILED = """
-UPDATE router_outbox AS o
-SET status = 'failed', available_at = now() + make_interval(secs => t.delay),
-    last_error = t.error, locked_by = NULL, locked_until = NULL
-FROM unnest($1::bigint[], $2::float8[], $3::text[]) AS t(seq, delay, error)
-WHERE o.seq = t.seq AND o.lease_token = $4 AND o.status = 'processing'
-"""
-
-MARK_ABANDONED = """
-UPDATE router_outbox AS o
-SET status = 'abandoned', last_error = t.error, locked_by = NULL, locked_until = NULL
-FROM unnest($1::bigint[], $2::text[]) AS t(seq, error)
-WHERE o.seq = t.seq AND o.lease_token = $3 AND o.status = 'processing'
-"""
+# All outcomes of one batch in one round trip; see migration 0006.
+MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8)"
 
 RELEASE = """
 UPDATE router_outbox
@@ -106,19 +87,25 @@ class PostgresStore:
         return Claim(token, rows)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
-        """One UPDATE per kind of outcome, each fenced by the claim's token."""
+        """One call: an UPDATE per kind of outcome, each fenced by the claim's token."""
         self._count_for_vacuum(len(marks))
+        failed = [s for s, _, _ in marks.failed]
+        delays = [d for _, d, _ in marks.failed]
+        failed_errors = [e for _, _, e in marks.failed]
+        abandoned = [s for s, _ in marks.abandoned]
+        abandoned_errors = [e for _, e in marks.abandoned]
         async with self._connection() as conn:
-            if marks.published:
-                await conn.execute(MARK_PUBLISHED, marks.published, token)
-            if marks.failed:
-                seqs, delays, errors = zip(*marks.failed, strict=True)
-                await conn.execute(MARK_FAILED, seqs, delays, errors, token)
-            if marks.abandoned:
-                seqs, errors = zip(*marks.abandoned, strict=True)
-                await conn.execute(MARK_ABANDONED, seqs, errors, token)
-            if marks.untried:
-                await conn.execute(RELEASE, marks.untried, token)
+            await conn.execute(
+                MARK,
+                token,
+                marks.published,
+                failed,
+                delays,
+                failed_errors,
+                abandoned,
+                abandoned_errors,
+                marks.untried,
+            )
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""

@@ -3,12 +3,15 @@ turned into a result at once (none waits for publish_timeout), and each is class
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from brokers import create_broker
+from brokers import OutgoingMessage, create_broker
+from brokers.nats import _frames
 from tests.contract.harnesses import NatsHarness
 from tests.contract.test_contract import message
 from tests.services import NATS, require
@@ -74,3 +77,46 @@ async def test_a_repeated_message_id_is_acknowledged_and_stored_once(
         await broker.close()
     assert first[0].ok and again[0].ok
     assert len(await harness.arrived(destination, 1, timeout=1)) == 1
+
+
+def _with_header(message: OutgoingMessage, name: str) -> OutgoingMessage:
+    wire = dataclasses.replace(message.wire, headers={**message.wire.headers, name: "x"})
+    return OutgoingMessage(message.destination, wire)
+
+
+async def test_a_message_nats_cannot_carry_is_refused_alone(harness: NatsHarness) -> None:
+    settings = harness.settings()
+    destination = harness.destination("refused")
+    bad_name = _with_header(message(settings, destination, 1, stream="s"), "two words")
+    too_large = message(settings, destination, 2, stream="s", size=2_000_000)
+    fine = message(settings, destination, 3, stream="s")
+    broker = create_broker("partner", settings)
+    try:
+        results = await broker.publish([bad_name, too_large, fine])
+    finally:
+        await broker.close()
+    assert [(r.ok, r.retryable) for r in results] == [(False, False), (False, False), (True, True)]
+    assert "header name 'two words'" in (results[0].error or "")
+    assert "message too large" in (results[1].error or "")
+    arrived = await harness.arrived(destination, 1)
+    assert [json.loads(a.body)["payload"]["n"] for a in arrived] == [3]
+
+
+async def test_without_the_frame_writer_messages_go_through_client_publish(
+    harness: NatsHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The frame writer uses nats-py's write queue, which is not public API; a nats-py
+    # without it must still deliver, in order, through Client.publish.
+    monkeypatch.setattr(_frames, "FRAMES", False)
+    settings = harness.settings()
+    destination = harness.destination("plain")
+    batch = [message(settings, destination, n, stream="s") for n in range(30)]
+    broker = create_broker("partner", settings)
+    try:
+        results = await broker.publish(batch)
+    finally:
+        await broker.close()
+    assert all(r.ok for r in results)
+    arrived = await harness.arrived(destination, 30)
+    assert [json.loads(a.body)["payload"]["n"] for a in arrived] == list(range(30))
+    assert {a.native_id for a in arrived} == {m.wire.message_id for m in batch}

@@ -226,3 +226,31 @@ async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: s
     finally:
         await paused.close()
         await healthy.close()
+
+
+async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_only(
+    pg_url: str,
+) -> None:
+    # The router's bookkeeping may commit asynchronously (a lost claim or mark only means a
+    # delivery again); the setting must end with the transaction, or a pooled session
+    # (PgBouncer) could hand it on to an application's commits.
+    config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
+    outbox = Outbox(config)
+    async with outbox.transaction() as tx:
+        await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+    await outbox.close()
+    conn = await asyncpg.connect(pg_url)
+    try:
+        async with conn.transaction():
+            [row] = await conn.fetch("SELECT * FROM router_claim('events', 10, 'w', 30, 7)")
+            assert await conn.fetchval("SHOW synchronous_commit") == "off"
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+        async with conn.transaction():
+            await conn.execute(
+                "SELECT router_mark(7, $1, '{}', '{}', '{}', '{}', '{}', '{}')", [row["seq"]]
+            )
+            assert await conn.fetchval("SHOW synchronous_commit") == "off"
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+        assert await conn.fetchval("SELECT status FROM router_outbox") == "published"
+    finally:
+        await conn.close()
