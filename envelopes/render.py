@@ -180,10 +180,15 @@ def render(
         raise EnvelopeError(f"stored envelope is not valid JSON: {exc}") from exc
     if not isinstance(envelope, dict) or "id" not in envelope or "type" not in envelope:
         raise EnvelopeError("stored envelope has no 'id' or 'type'")
-    omitted = frozenset(omit)
+    omitted = omit if isinstance(omit, frozenset) else frozenset(omit)
     if profile == "internal":
         envelope["sequence"] = sequence
-        body_fields = {k: v for k, v in envelope.items() if _kept(k, v) and k not in omitted}
+        # _kept inlined: this runs once per message on the processor's hot path.
+        body_fields = {
+            k: v
+            for k, v in envelope.items()
+            if ((v is not None and v != {}) or k == "payload") and k not in omitted
+        }
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "external":
         body_fields = {
@@ -275,20 +280,20 @@ def _headers(
     headers: dict[str, str] = {}
     if "headers" not in omitted:
         headers.update(envelope.get("headers") or {})
-    own = {
-        HeaderName.MESSAGE_ID: envelope["id"],
-        HeaderName.EVENT_TYPE: envelope["type"],
-        HeaderName.EVENT_VERSION: str(envelope.get("version", 1)),
-        HeaderName.SOURCE: envelope.get("source"),
-        HeaderName.STREAM: None if "stream" in omitted else envelope.get("stream"),
-        HeaderName.CORRELATION_ID: None
-        if "correlation_id" in omitted
-        else envelope.get("correlation_id"),
-        HeaderName.CAUSATION_ID: None
-        if "causation_id" in omitted
-        else envelope.get("causation_id"),
-        HeaderName.TRACEPARENT: None if "traceparent" in omitted else envelope.get("traceparent"),
-        HeaderName.CONTENT_TYPE: content_type,
-    }
-    headers.update({name: value for name, value in own.items() if value is not None})
+    get = envelope.get
+    headers[HeaderName.MESSAGE_ID] = envelope["id"]
+    headers[HeaderName.EVENT_TYPE] = envelope["type"]
+    headers[HeaderName.EVENT_VERSION] = str(get("version", 1))
+    optional = (
+        (HeaderName.SOURCE, "source"),
+        (HeaderName.STREAM, "stream"),
+        (HeaderName.CORRELATION_ID, "correlation_id"),
+        (HeaderName.CAUSATION_ID, "causation_id"),
+        (HeaderName.TRACEPARENT, "traceparent"),
+    )
+    for name, field_name in optional:
+        value = get(field_name)
+        if value is not None and (field_name == "source" or field_name not in omitted):
+            headers[name] = value
+    headers[HeaderName.CONTENT_TYPE] = content_type
     return headers

@@ -51,6 +51,7 @@ class Delivery:
         self._rand = rand
         self._log = labels
         self._metrics = metrics
+        self._omit = frozenset(settings.omit)  # render() takes a frozenset as it is
 
     async def deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
@@ -72,7 +73,7 @@ class Delivery:
                         row.envelope,
                         self.settings.profile,
                         sequence=row.seq,
-                        omit=self.settings.omit,
+                        omit=self._omit,
                         cloudevents_prefix=self.settings.binary_prefix,
                     )
                 except EnvelopeError as exc:
