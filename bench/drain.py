@@ -5,7 +5,7 @@
 
 Each measurement stages a fresh backlog with the real write path (transactions of 100
 events, 4 events per order id as stream key), then starts the relay and times the stream
-from its first message to its last. It runs:
+from its first message to its last, as JetStream stamped them. It runs:
 
 - ``router serve`` (one process, and ``--workers 2``), a subprocess with a generated config;
 - a hand-written batched relay for comparison: raw asyncpg + nats-py, claim 500 rows with
@@ -162,7 +162,8 @@ async def drain_per_broker(
                 )
                 print(f"{kind} --workers {count}: {result['events_per_second']:,}/s", flush=True)
     print_table(
-        f"drain per broker: {events:,} events, first claim to last mark (database clock)",
+        f"drain per broker: {events:,} events, first claim to last mark (database clock, "
+        "connecting to the broker included)",
         ["broker", "workers", "events/s", "vs baseline", "arrived", "peer"],
         rows,
     )

@@ -30,6 +30,7 @@ FRAMES = callable(getattr(Client, "_send_command", None)) and callable(
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NO_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _checked: set[str] = set()
+_CHECKED_AT_MOST = 1024  # names an application makes up per message are checked every time
 
 
 class Refused(ValueError):
@@ -45,7 +46,8 @@ def frame(
         if name not in _checked:
             if not _NAME.fullmatch(name):
                 raise Refused(f"header name {name!r} is not allowed by NATS")
-            _checked.add(name)
+            if len(_checked) < _CHECKED_AT_MOST:
+                _checked.add(name)
         if "\r" in value or "\n" in value:
             value = value.translate(_NO_NEWLINES)
         lines.append(f"{name}: {value}\r\n")

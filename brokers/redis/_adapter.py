@@ -39,6 +39,15 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
 )
 _NO_ANSWER: tuple[type[BaseException], ...] = (*_UNAVAILABLE, TimeoutError)
+# Error replies that pass: memory freed, a failover or a load finished, a slot moved.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.AskError,
+)
+_TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "OOM")
 
 
 class RedisBroker(FastStreamAdapter):
@@ -127,6 +136,8 @@ def _fill(results: list[PublishResult | None], missing: PublishResult) -> list[P
 def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, _UNAVAILABLE):
         return PublishResult.failed(f"Redis unreachable: {describe(exc)}", retryable=True)
+    if isinstance(exc, _TRANSIENT) or str(exc).startswith(_TRANSIENT_PREFIXES):
+        return PublishResult.failed(f"Redis is busy: {describe(exc)}", retryable=True)
     if isinstance(exc, redis.exceptions.ResponseError):
         return PublishResult.failed(f"rejected by Redis: {describe(exc)}", retryable=False)
     if isinstance(exc, redis.exceptions.AuthenticationError):

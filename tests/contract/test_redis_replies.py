@@ -1,0 +1,47 @@
+"""Redis-only: error replies that pass (out of memory, a failover, a load) are retried, not
+abandoned; only a reply about the message itself (a key of the wrong type) is final."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from brokers import create_broker
+from tests.contract.harnesses import REDIS_URL, RedisHarness
+from tests.contract.test_contract import message
+from tests.services import REDIS, require
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[RedisHarness]:
+    require("Redis", REDIS)
+    harness = RedisHarness()
+    yield harness
+    await harness.cleanup()
+
+
+async def test_an_out_of_memory_reply_is_retryable_and_holds_back_its_stream(
+    harness: RedisHarness,
+) -> None:
+    settings = harness.settings()
+    destination = harness.destination("oom")
+    batch = [message(settings, destination, n, stream="s") for n in range(2)]
+    admin = aioredis.Redis.from_url(REDIS_URL)
+    before: str = (await admin.config_get("maxmemory"))["maxmemory"] or "0"
+    broker = create_broker("partner", settings)
+    try:
+        await broker.connect()
+        await admin.config_set("maxmemory", 1)  # every write is refused: OOM
+        try:
+            results = await broker.publish(batch)
+        finally:
+            await admin.config_set("maxmemory", before)
+    finally:
+        await broker.close()
+        await admin.aclose()
+    assert not results[0].ok and results[0].retryable
+    assert "maxmemory" in (results[0].error or "")
+    assert not results[1].ok and results[1].retryable  # not sent behind its predecessor
+    assert "not sent" in (results[1].error or "")
