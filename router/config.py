@@ -127,6 +127,12 @@ class OutboxSettings(BaseModel):
         description="PostgreSQL: VACUUM the outbox after this many rows were "
         "marked, as well as autovacuum (0: leave it to autovacuum).",
     )
+    durable_bookkeeping: bool = Field(
+        False,
+        description="PostgreSQL: the router's claims and marks wait for the WAL flush. Off: a "
+        "server crash may deliver again what was published in its last moments (well under a "
+        "second); on: an fsync per claim and per mark.",
+    )
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="How long a stopping router waits for in-flight publishes."
     )

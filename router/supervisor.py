@@ -80,6 +80,7 @@ class Supervisor:
                 config.databases[name],
                 config.base_dir,
                 vacuum_after=config.outbox.vacuum_after_rows,
+                durable=config.outbox.durable_bookkeeping,
             )
             self.stores[name] = store
             for target, settings in config.brokers_of(name).items():

@@ -29,7 +29,12 @@ __all__ = [
 
 
 def open_store(
-    name: str, database: DatabaseSettings, base_dir: Path, *, vacuum_after: int = 50_000
+    name: str,
+    database: DatabaseSettings,
+    base_dir: Path,
+    *,
+    vacuum_after: int = 50_000,
+    durable: bool = False,
 ) -> OutboxStore:
     """The store for one configured database; connections open on first use."""
     if database.kind == "sqlite":
@@ -39,5 +44,9 @@ def open_store(
     from router._store.postgres import PostgresStore
 
     return PostgresStore(
-        name, asyncpg_dsn(database), pool_size=database.pool_size, vacuum_after=vacuum_after
+        name,
+        asyncpg_dsn(database),
+        pool_size=database.pool_size,
+        vacuum_after=vacuum_after,
+        durable=durable,
     )

@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 CHANNEL = "router_outbox"
 
 # One round trip; see migration 0002 for why the claim lives in a function.
-CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5)"
+CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip; see migration 0006.
-MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8)"
+MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
 RELEASE = """
 UPDATE router_outbox
@@ -65,9 +65,16 @@ class PostgresStore:
     kind = "postgresql"
 
     def __init__(
-        self, name: str, dsn: str, *, pool_size: int = 4, vacuum_after: int = 50_000
+        self,
+        name: str,
+        dsn: str,
+        *,
+        pool_size: int = 4,
+        vacuum_after: int = 50_000,
+        durable: bool = False,
     ) -> None:
         self.name = name
+        self._async_commit = not durable  # see migration 0006
         self._dsn = dsn
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
@@ -81,7 +88,9 @@ class PostgresStore:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
         token = new_token()
         async with self._connection() as conn:
-            records = await conn.fetch(CLAIM, target, limit, worker, lease_seconds, token)
+            records = await conn.fetch(
+                CLAIM, target, limit, worker, lease_seconds, token, self._async_commit
+            )
         rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
         rows.sort(key=lambda r: r.seq)  # RETURNING does not promise an order
         return Claim(token, rows)
@@ -105,6 +114,7 @@ class PostgresStore:
                 abandoned,
                 abandoned_errors,
                 marks.untried,
+                self._async_commit,
             )
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:

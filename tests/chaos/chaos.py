@@ -13,7 +13,10 @@ What happens:
   next sequence number (every stream belongs to one producer, so its numbers are in commit
   order);
 - during the run a worker is killed with SIGKILL every ``--kill-every`` seconds (the router's
-  parent restarts it), the NATS server is restarted, and PostgreSQL is restarted once;
+  parent restarts it), the NATS server is restarted, and PostgreSQL crashes once (an
+  immediate stop, then crash recovery: the router's own claims and marks commit without
+  waiting for the WAL flush, so the most recent of them are lost, as in a real crash; rows
+  marked published in the ``ASYNC_COMMIT_WINDOW`` before it count as in flight);
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back: the ledger.
@@ -58,8 +61,15 @@ from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-PG_RESTART = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | head -1) main restart"
+# Immediate mode: no shutdown checkpoint, WAL not flushed; the restart runs crash recovery.
+PG_RESTART = (
+    "pg_ctlcluster --skip-systemctl-redirect -m immediate "
+    "$(ls /etc/postgresql | head -1) main restart"
+)
 STREAM, SUBJECT = "CHAOS", "chaos"
+# How long before a crash a published mark may not have reached the disk: PostgreSQL flushes
+# asynchronous commits within 3 x wal_writer_delay (0.6 s by default); 2 s leaves room.
+ASYNC_COMMIT_WINDOW = 2.0
 LEASE_SECONDS = 5
 
 
@@ -462,7 +472,11 @@ class Chaos:
         await self._note_in_flight("%", failed_too=True)
 
     async def _restart_database(self) -> None:
-        await self._note_in_flight("%")
+        # The router's claims and marks commit without waiting for the WAL flush (unless
+        # outbox.durable_bookkeeping): a crash may forget the marks of the last moments, so
+        # rows published then are delivered again. That is the documented at-least-once
+        # window; anything else that arrives twice is still unexplained.
+        await self._note_in_flight("%", published_within=ASYNC_COMMIT_WINDOW)
         result = await asyncio.to_thread(
             subprocess.run, PG_RESTART, shell=True, capture_output=True, text=True, check=False
         )
@@ -480,10 +494,13 @@ class Chaos:
             await self._note_in_flight("%", failed_too=True)
             await asyncio.sleep(0.25)
 
-    async def _note_in_flight(self, holder: str, *, failed_too: bool = False) -> None:
+    async def _note_in_flight(
+        self, holder: str, *, failed_too: bool = False, published_within: float = 0.0
+    ) -> None:
         """Note the ids of rows in flight now (under ``holder``'s leases). After a broker or
         database outage, rows that failed meanwhile were in flight too: a message the broker
         stored but whose ack was lost is retried, which is the duplicate at-least-once allows.
+        With ``published_within``, rows marked published that recently count as well.
         """
         statuses = ["processing", "failed"] if failed_too else ["processing"]
         for _ in range(100):
@@ -491,10 +508,12 @@ class Chaos:
                 conn = await asyncpg.connect(self.dsn, timeout=5)
                 try:
                     rows = await conn.fetch(
-                        "SELECT message_id::text FROM router_outbox WHERE status = ANY($2::text[]) "
-                        "AND (status = 'failed' OR locked_by LIKE $1)",
+                        "SELECT message_id::text FROM router_outbox WHERE (status = ANY($2::text[]) "
+                        "AND (status = 'failed' OR locked_by LIKE $1)) OR (status = 'published' "
+                        "AND published_at > now() - make_interval(secs => $3))",
                         holder,
                         statuses,
+                        published_within,
                     )
                 finally:
                     await conn.close()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 
 import asyncpg
+import pytest
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from router import Outbox
@@ -228,29 +229,51 @@ async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: s
         await healthy.close()
 
 
+@pytest.mark.parametrize("durable", [False, True], ids=["default", "durable_bookkeeping"])
 async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_only(
-    pg_url: str,
+    pg_url: str, durable: bool
 ) -> None:
-    # The router's bookkeeping may commit asynchronously (a lost claim or mark only means a
-    # delivery again); the setting must end with the transaction, or a pooled session
-    # (PgBouncer) could hand it on to an application's commits.
+    # By default the router's bookkeeping commits asynchronously (a lost claim or mark only
+    # means a delivery again); with durable_bookkeeping it waits for the flush. Either way
+    # the setting ends with the transaction, or a pooled session (PgBouncer) could hand it
+    # on to an application's commits.
+    from router._store import Marks
+    from router._store.postgres import PostgresStore
+
     config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
     outbox = Outbox(config)
     async with outbox.transaction() as tx:
         await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+        await tx.stage(OrderPlaced(order_id="o-2", total=Decimal(2)))
     await outbox.close()
+    seen: list[str] = []
+
+    async def note_setting(conn: asyncpg.Connection) -> None:
+        seen.append(await conn.fetchval("SHOW synchronous_commit"))
+
+    store = PostgresStore("main", pg_url, pool_size=1, durable=durable)
     conn = await asyncpg.connect(pg_url)
     try:
         async with conn.transaction():
-            [row] = await conn.fetch("SELECT * FROM router_claim('events', 10, 'w', 30, 7)")
-            assert await conn.fetchval("SHOW synchronous_commit") == "off"
-        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+            [row] = await conn.fetch(
+                "SELECT * FROM router_claim('events', 1, 'w', 30, 7, $1)", not durable
+            )
+            await note_setting(conn)
+        await note_setting(conn)
         async with conn.transaction():
             await conn.execute(
-                "SELECT router_mark(7, $1, '{}', '{}', '{}', '{}', '{}', '{}')", [row["seq"]]
+                "SELECT router_mark(7, $1, '{}', '{}', '{}', '{}', '{}', '{}', $2)",
+                [row["seq"]],
+                not durable,
             )
-            assert await conn.fetchval("SHOW synchronous_commit") == "off"
-        assert await conn.fetchval("SHOW synchronous_commit") == "on"
-        assert await conn.fetchval("SELECT status FROM router_outbox") == "published"
+            await note_setting(conn)
+        await note_setting(conn)
+        claim = await store.claim("events", 10, "w", 30)
+        await store.mark("events", claim.token, Marks(published=[r.seq for r in claim.rows]))
+        statuses = await conn.fetch("SELECT status FROM router_outbox")
+        assert [r["status"] for r in statuses] == ["published", "published"]
     finally:
+        await store.close()
         await conn.close()
+    inside = "on" if durable else "off"
+    assert seen == [inside, "on", inside, "on"]

@@ -1,8 +1,11 @@
-"""The router's own bookkeeping commits without waiting for the WAL flush.
+"""The router's own bookkeeping may commit without waiting for the WAL flush.
 
-- ``router_claim()`` sets ``synchronous_commit = off`` for its own transaction, and
+- ``router_claim()`` takes ``p_async``: when true it sets ``synchronous_commit = off`` for its
+  own transaction;
 - ``router_mark()`` writes a batch's outcomes (published, failed with its delay, abandoned,
-  untried) in one call, with the same setting, fenced by the claim's token.
+  untried) in one call, fenced by the claim's token, with the same ``p_async``.
+
+The router passes ``p_async = NOT outbox.durable_bookkeeping`` (off by default).
 
 Why it is safe: only the router's claims and marks commit asynchronously, never a row an
 application stages. If PostgreSQL crashes, it may forget the last few of them (WAL keeps
@@ -31,7 +34,8 @@ depends_on = None
 
 CLAIM_FUNCTION = """
 CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
-                                        p_lease_seconds double precision, p_token bigint)
+                                        p_lease_seconds double precision, p_token bigint
+                                        {async_parameter})
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
 LANGUAGE plpgsql AS $$
@@ -77,9 +81,12 @@ END
 $$
 """
 
+ASYNC_PARAMETER = ", p_async boolean"
 ASYNC_COMMIT = """
     -- A lost claim only leaves its rows pending: no need to wait for the WAL flush.
-    PERFORM set_config('synchronous_commit', 'off', true);
+    IF p_async THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
 """
 
 MARK_FUNCTION = """
@@ -88,12 +95,14 @@ CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
                                        p_abandoned bigint[], p_abandoned_errors text[],
-                                       p_untried bigint[])
+                                       p_untried bigint[], p_async boolean)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     -- A lost mark only means its rows are delivered again once their lease ends.
-    PERFORM set_config('synchronous_commit', 'off', true);
+    IF p_async THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
     IF cardinality(p_published) > 0 THEN
         UPDATE router_outbox
         SET status = 'published', published_at = now(), last_error = NULL,
@@ -127,17 +136,26 @@ $$
 
 MARK_SIGNATURE = (
     "router_mark(bigint, bigint[], bigint[], double precision[], text[], bigint[], text[], "
-    "bigint[])"
+    "bigint[], boolean)"
 )
+CLAIM_ARGUMENTS = "text, integer, text, double precision, bigint"
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(CLAIM_FUNCTION.replace("{async_commit}\n", ASYNC_COMMIT.lstrip("\n")))
+        # A new argument makes a new function: drop 0005's, or calls would be ambiguous.
+        op.execute(f"DROP FUNCTION router_claim({CLAIM_ARGUMENTS})")
+        op.execute(
+            CLAIM_FUNCTION.replace("{async_parameter}", ASYNC_PARAMETER).replace(
+                "{async_commit}\n", ASYNC_COMMIT.lstrip("\n")
+            )
+        )
         op.execute(MARK_FUNCTION)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION {MARK_SIGNATURE}")
-        op.execute(CLAIM_FUNCTION.replace("{async_commit}\n", ""))  # 0005's claim
+        op.execute(f"DROP FUNCTION router_claim({CLAIM_ARGUMENTS}, boolean)")
+        # 0005's claim
+        op.execute(CLAIM_FUNCTION.replace("{async_parameter}", "").replace("{async_commit}\n", ""))
