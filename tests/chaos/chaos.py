@@ -15,8 +15,9 @@ What happens:
 - during the run a worker is killed with SIGKILL every ``--kill-every`` seconds (the router's
   parent restarts it), the NATS server is restarted, and PostgreSQL crashes once (an
   immediate stop, then crash recovery: the router's own claims and marks commit without
-  waiting for the WAL flush, so the most recent of them are lost, as in a real crash; rows
-  marked published in the ``ASYNC_COMMIT_WINDOW`` before it count as in flight);
+  waiting for the WAL flush, so the most recent of them are lost, as in a real crash; a
+  repeat whose first copy reached the broker in the ``ASYNC_COMMIT_WINDOW`` before it is
+  explained by it);
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back: the ledger.
@@ -162,6 +163,9 @@ class Ledger:
 
     commits: dict[str, tuple[str, int, float]] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
+    crash_windows: list[tuple[float, float]] = field(default_factory=list)
+    """(from, to) epoch seconds: the async-commit window before each database crash, to the
+    end of its recovery."""
 
 
 class Chaos:
@@ -472,14 +476,17 @@ class Chaos:
         await self._note_in_flight("%", failed_too=True)
 
     async def _restart_database(self) -> None:
+        await self._note_in_flight("%")
         # The router's claims and marks commit without waiting for the WAL flush (unless
-        # outbox.durable_bookkeeping): a crash may forget the marks of the last moments, so
-        # rows published then are delivered again. That is the documented at-least-once
-        # window; anything else that arrives twice is still unexplained.
-        await self._note_in_flight("%", published_within=ASYNC_COMMIT_WINDOW)
+        # outbox.durable_bookkeeping): a crash may forget those of its last moments, and
+        # their rows are delivered again. That is the documented at-least-once window: a
+        # repeat whose first copy reached the broker within it is explained; any other
+        # repeat still is not.
+        since = time.time() - ASYNC_COMMIT_WINDOW
         result = await asyncio.to_thread(
             subprocess.run, PG_RESTART, shell=True, capture_output=True, text=True, check=False
         )
+        self.ledger.crash_windows.append((since, time.time()))
         if result.returncode != 0:
             raise RuntimeError(f"PostgreSQL restart failed: {result.stderr}")
         self.report.database_restarts += 1
@@ -494,13 +501,10 @@ class Chaos:
             await self._note_in_flight("%", failed_too=True)
             await asyncio.sleep(0.25)
 
-    async def _note_in_flight(
-        self, holder: str, *, failed_too: bool = False, published_within: float = 0.0
-    ) -> None:
+    async def _note_in_flight(self, holder: str, *, failed_too: bool = False) -> None:
         """Note the ids of rows in flight now (under ``holder``'s leases). After a broker or
         database outage, rows that failed meanwhile were in flight too: a message the broker
         stored but whose ack was lost is retried, which is the duplicate at-least-once allows.
-        With ``published_within``, rows marked published that recently count as well.
         """
         statuses = ["processing", "failed"] if failed_too else ["processing"]
         for _ in range(100):
@@ -508,12 +512,10 @@ class Chaos:
                 conn = await asyncpg.connect(self.dsn, timeout=5)
                 try:
                     rows = await conn.fetch(
-                        "SELECT message_id::text FROM router_outbox WHERE (status = ANY($2::text[]) "
-                        "AND (status = 'failed' OR locked_by LIKE $1)) OR (status = 'published' "
-                        "AND published_at > now() - make_interval(secs => $3))",
+                        "SELECT message_id::text FROM router_outbox WHERE status = ANY($2::text[]) "
+                        "AND (status = 'failed' OR locked_by LIKE $1)",
                         holder,
                         statuses,
-                        published_within,
                     )
                 finally:
                     await conn.close()
@@ -546,12 +548,22 @@ class Chaos:
                     return
             await asyncio.sleep(0.5)
 
+    def _explained(self, message_id: str, first_stored: float | None) -> bool:
+        """A repeat is explained when its row was in flight at a disruption, or when its first
+        copy reached the broker in the async-commit window of a database crash."""
+        if message_id in self.ledger.in_flight:
+            return True
+        return first_stored is not None and any(
+            start <= first_stored <= end for start, end in self.ledger.crash_windows
+        )
+
     async def _read_back(self) -> None:
         client = await nats.connect(self.nats_url)
         try:
             js = client.jetstream()
             total = (await js.stream_info(STREAM)).state.messages
             seen: set[str] = set()
+            first_stored: dict[str, float] = {}
             highest: dict[str, int] = {}
             delays: list[float] = []
             done = asyncio.Event()
@@ -561,22 +573,23 @@ class Chaos:
                 nonlocal count
                 count += 1
                 message_id = msg.headers["Nats-Msg-Id"]
+                stored = msg.metadata.timestamp
                 if message_id in seen:
                     self.report.duplicated += 1
-                    if message_id not in self.ledger.in_flight:
+                    if not self._explained(message_id, first_stored.get(message_id)):
                         self.report.unexplained_duplicates.append(message_id)
                 else:
                     seen.add(message_id)
+                    if isinstance(stored, datetime):
+                        first_stored[message_id] = stored.timestamp()
                     tick = json.loads(msg.data)["payload"]
                     stream, n = tick["stream"], tick["n"]
                     if n < highest.get(stream, 0):
                         self.report.violations.append(f"{stream}: {n} after {highest[stream]}")
                     highest[stream] = max(highest.get(stream, 0), n)
                     committed = self.ledger.commits.get(message_id)
-                    if committed is not None:
-                        stored = msg.metadata.timestamp
-                        if isinstance(stored, datetime):
-                            delays.append(stored.timestamp() - committed[2])
+                    if committed is not None and isinstance(stored, datetime):
+                        delays.append(stored.timestamp() - committed[2])
                 if count >= total:
                     done.set()
 
