@@ -112,12 +112,6 @@ async def fresh_stream(label: str) -> AsyncIterator[Stream]:
         await client.close()
 
 
-async def stream_count(js: Any, stream: Stream) -> int:
-    """Messages the stream holds now."""
-    count: int = (await js.stream_info(stream.name)).state.messages
-    return count
-
-
 async def wait_for_count(
     stream: Stream, expected: int, timeout: float = 600
 ) -> tuple[float, float]:

@@ -62,11 +62,6 @@ class AckInbox:
             if future is not None and not future.done():
                 future.cancel()
 
-    @property
-    def waiting(self) -> int:
-        """Publishes still waiting for their answer."""
-        return len(self._waiting)
-
     async def _on_reply(self, msg: Any) -> None:
         future = self._waiting.pop(msg.subject[len(self._prefix) :], None)
         if future is not None and not future.done():

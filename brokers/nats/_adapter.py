@@ -167,7 +167,7 @@ class NatsBroker:
         frames: list[bytes] = []
         replies: list[str] = []
         futures: list[asyncio.Future[PublishResult]] = []
-        sent: list[OutgoingMessage] = []
+        sent: list[tuple[OutgoingMessage, dict[str, str]]] = []
         for index, message in enumerate(window):
             headers = dict(message.wire.headers)
             headers[MSG_ID_HEADER] = message.wire.message_id
@@ -184,13 +184,12 @@ class NatsBroker:
             frames.append(data)
             replies.append(reply)
             futures.append(future)
-            sent.append(message)
+            sent.append((message, headers))
         try:
             if _frames.FRAMES:
                 await _frames.send(client, frames)
             else:
-                for message, reply in zip(sent, replies, strict=True):
-                    headers = {**message.wire.headers, MSG_ID_HEADER: message.wire.message_id}
+                for (message, headers), reply in zip(sent, replies, strict=True):
                     await client.publish(
                         message.destination, message.wire.body, reply=reply, headers=headers
                     )

@@ -32,13 +32,6 @@ CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 # All outcomes of one batch in one round trip; see migration 0006.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
-RELEASE = """
-UPDATE router_outbox
-SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
-    attempts = attempts - 1, available_at = now(), locked_by = NULL, locked_until = NULL
-WHERE seq = ANY($1::bigint[]) AND lease_token = $2 AND status = 'processing'
-"""
-
 RECORD_CIRCUIT = """
 INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
 VALUES ($1, $2, now(), $3, $4)
@@ -119,9 +112,8 @@ class PostgresStore:
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""
-        if seqs:
-            async with self._connection() as conn:
-                await conn.execute(RELEASE, list(seqs), token)
+        if seqs:  # router_mark's "untried" outcome is exactly this
+            await self.mark(target, token, Marks(untried=list(seqs)))
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row is due, from the database's clock."""
