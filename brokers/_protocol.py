@@ -27,7 +27,7 @@ from envelopes import WireMessage
 __all__ = ["Broker", "OutgoingMessage", "PublishResult"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, like WireMessage: one is made per message
 class OutgoingMessage:
     """A rendered message and the destination (subject, topic, queue...) it goes to."""
 

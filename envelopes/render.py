@@ -89,7 +89,9 @@ class HeaderName:
     CONTENT_TYPE = "content-type"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, about 1 µs
+# more per message on the processor's hot path. Nothing changes a WireMessage once made.
+@dataclass(slots=True)
 class WireMessage:
     """One rendered message: body bytes plus the metadata brokers map to native fields."""
 
@@ -151,8 +153,11 @@ def make_internal_envelope(
         # The payload was serialised once by its pydantic model; embed those bytes as they are.
         "payload": orjson.Fragment(payload_json),
     }
+    # Stored without nulls and empty maps (an absent field is null): the row is smaller, and
+    # such an envelope is already the internal profile's body but for the sequence.
+    compact = {k: v for k, v in document.items() if k == "payload" or _present(v)}
     try:
-        return orjson.dumps(document)
+        return orjson.dumps(compact)
     except TypeError as exc:
         raise EnvelopeError(
             f"event {event_type!r}: envelope is not JSON-serialisable: {exc}"
@@ -181,7 +186,9 @@ def render(
     if not isinstance(envelope, dict) or "id" not in envelope or "type" not in envelope:
         raise EnvelopeError("stored envelope has no 'id' or 'type'")
     omitted = omit if isinstance(omit, frozenset) else frozenset(omit)
-    if profile == "internal":
+    if profile == "internal" and not omitted and _is_compact(envelope):
+        body, content_type = _with_sequence(stored, sequence), JSON
+    elif profile == "internal":
         envelope["sequence"] = sequence
         # _kept inlined: this runs once per message on the processor's hot path.
         body_fields = {
@@ -210,6 +217,28 @@ def render(
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
     return _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+
+
+def _is_compact(envelope: dict[str, Any]) -> bool:
+    """True when the stored envelope has no nulls or empty maps and no sequence of its own:
+    as ``make_internal_envelope`` writes it (rows written by earlier versions kept nulls)."""
+    if "sequence" in envelope:
+        return False
+    for key, value in envelope.items():
+        if (value is None or value == {}) and key != "payload":
+            return False
+    return True
+
+
+def _with_sequence(stored: bytes | str, sequence: int | None) -> bytes:
+    """The stored document as it is, with ``sequence`` as its last member: the bytes are
+    spliced rather than parsed and dumped again, which is most of what rendering costs (and
+    the payload goes out byte for byte as its checksum was taken)."""
+    raw = (stored.encode() if isinstance(stored, str) else stored).rstrip()
+    if sequence is None:
+        return raw
+    # It parsed as an object with members, so it ends with "}".
+    return b'%s,"sequence":%d}' % (raw[:-1], sequence)
 
 
 def _wire(

@@ -17,7 +17,7 @@ from envelopes import BrokerError, EnvelopeError, render
 from router._store import ClaimedRow, Marks
 from router.circuit import Circuit
 from router.config import RetrySettings
-from router.metrics import Metrics
+from router.metrics import Metrics, observe_all
 from router.retry import retry_delay
 from router.stats import ProcessorStats
 
@@ -207,11 +207,12 @@ class Delivery:
         ]
         metrics.retried.labels(*labels).inc(sum(1 for s in tried if by_seq[s].attempts > 1))
         now = time.time()
-        histogram = metrics.latency.labels(*labels)
+        latencies = []
         for seq in marks.published:
             created = by_seq[seq].created_at
             if created is not None:
-                histogram.observe(max(0.0, now - created))
+                latencies.append(max(0.0, now - created))
+        observe_all(metrics.latency.labels(*labels), latencies)
 
 
 def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:

@@ -10,6 +10,7 @@ host agree on them.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["BacklogCollector", "Metrics", "multiprocess_registry"]
+__all__ = ["BacklogCollector", "Metrics", "multiprocess_registry", "observe_all"]
 
 LABELS = ("database", "target")
 LATENCY_BUCKETS = (
@@ -38,6 +39,30 @@ LATENCY_BUCKETS = (
     60,
     300,
 )
+
+
+def observe_all(histogram: Any, values: Sequence[float]) -> None:
+    """``histogram.observe(v)`` for every value, as one increment per bucket touched.
+
+    A batch's latencies all land in a few buckets, and with ``--workers N`` every increment
+    is a locked write to a shared file (~2.5 µs an observation, about a tenth of a worker's
+    CPU per message). This reads prometheus_client's ``_upper_bounds``, ``_buckets`` and
+    ``_sum``, which are not public API: where a version lacks them, it observes one by one.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound >= value
+    for bucket, count in zip(buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+    total.inc(sum(values))
 
 
 class Metrics:

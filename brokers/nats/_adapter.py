@@ -43,7 +43,7 @@ from nats.js.api import StorageType, StreamConfig
 from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats import _frames
-from brokers.nats._acks import AckInbox
+from brokers.nats._acks import AckInbox, AckWindow, new_client
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
 
@@ -107,9 +107,10 @@ class NatsBroker:
         async def on_closed() -> None:
             closed.set()
 
+        client = new_client()
         try:
-            client = await asyncio.wait_for(
-                nats.connect(
+            await asyncio.wait_for(
+                client.connect(
                     self.settings.servers(),
                     connect_timeout=self.settings.connect_timeout,
                     allow_reconnect=False,
@@ -165,40 +166,37 @@ class NatsBroker:
         client, acks = self._client, self._acks
         refused: dict[int, PublishResult] = {}
         frames: list[bytes] = []
-        replies: list[str] = []
-        futures: list[asyncio.Future[PublishResult]] = []
-        sent: list[tuple[OutgoingMessage, dict[str, str]]] = []
+        sent: list[tuple[OutgoingMessage, dict[str, str], str]] = []
+        answers = AckWindow()
         for index, message in enumerate(window):
             headers = dict(message.wire.headers)
             headers[MSG_ID_HEADER] = message.wire.message_id
-            reply, future = acks.expect()
+            reply = acks.expect(answers)
             try:
                 data = _frames.frame(
                     message.destination, reply, headers, message.wire.body, client.max_payload
                 )
             except _frames.Refused as exc:
                 # Refused for good, so it does not hold back its stream: the rest still go.
-                acks.forget([reply])
+                acks.withdraw(answers)
                 refused[index] = PublishResult.failed(str(exc), retryable=False)
                 continue
             frames.append(data)
-            replies.append(reply)
-            futures.append(future)
-            sent.append((message, headers))
+            sent.append((message, headers, reply))
         try:
             if _frames.FRAMES:
                 await _frames.send(client, frames)
             else:
-                for (message, headers), reply in zip(sent, replies, strict=True):
+                for message, headers, reply in sent:
                     await client.publish(
                         message.destination, message.wire.body, reply=reply, headers=headers
                     )
         except _CONNECTION_ERRORS as exc:
-            acks.forget(replies)
+            acks.forget(answers)
             await self.close()
             raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
-        answers = iter(await self._collect(futures, replies))
-        return [refused[i] if i in refused else next(answers) for i in range(len(window))]
+        results = iter(await self._collect(answers))
+        return [refused[i] if i in refused else next(results) for i in range(len(window))]
 
     async def ping(self) -> None:
         """Round-trip to the server (JetStream account info)."""
@@ -215,31 +213,25 @@ class NatsBroker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
 
-    async def _collect(
-        self, futures: list[asyncio.Future[PublishResult]], replies: list[str]
-    ) -> list[PublishResult]:
+    async def _collect(self, answers: AckWindow) -> list[PublishResult]:
         """Wait for every ack, the connection to close, or publish_timeout: whichever first."""
-        if not futures:
-            return []
-        acks: asyncio.Future[Any] = asyncio.gather(*futures, return_exceptions=True)
-        closed: asyncio.Future[Any] = asyncio.ensure_future(self._closed.wait())
-        try:
-            await asyncio.wait(
-                [acks, closed],
-                timeout=self.settings.publish_timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            closed.cancel()
+        if answers.remaining:
+            closed: asyncio.Future[Any] = asyncio.ensure_future(self._closed.wait())
+            try:
+                await asyncio.wait(
+                    [answers.done, closed],
+                    timeout=self.settings.publish_timeout,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                closed.cancel()
         lost = self._closed.is_set()
         if lost:
             await self.close()
-        self._acks.forget([r for r, f in zip(replies, futures, strict=True) if not f.done()])
-        with contextlib.suppress(asyncio.CancelledError):
-            await acks
+        self._acks.forget(answers)
         reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
         unanswered = PublishResult.failed(reason, retryable=True)
-        results = [unanswered if f.cancelled() else f.result() for f in futures]
+        results = [unanswered if r is None else r for r in answers.results]
         if lost and not any(r.ok for r in results):
             raise BrokerUnavailable(f"{self.name}: {reason}")
         return results

@@ -15,7 +15,7 @@ Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, like WireMessage: one is made per claimed row
 class ClaimedRow:
     """One row a processor holds under lease; ``attempts`` counts this attempt."""
 

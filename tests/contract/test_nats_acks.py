@@ -11,15 +11,20 @@ from collections.abc import AsyncIterator
 import pytest
 
 from brokers import OutgoingMessage, create_broker
-from brokers.nats import _frames
+from brokers.nats import _acks, _frames
 from tests.contract.harnesses import NatsHarness
 from tests.contract.test_contract import message
 from tests.services import NATS, require
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[NatsHarness]:
+@pytest.fixture(params=["routed", "subscribed"])
+async def harness(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[NatsHarness]:
+    """Acks taken from the parser (``RoutingClient``), and through a plain subscription
+    callback, as on a nats-py without the private hook."""
     require("NATS", NATS)
+    monkeypatch.setattr(_acks, "ROUTED", request.param == "routed" and _acks.ROUTED)
     harness = NatsHarness()
     yield harness
     await harness.cleanup()
@@ -114,9 +119,17 @@ async def test_without_the_frame_writer_messages_go_through_client_publish(
     broker = create_broker("partner", settings)
     try:
         results = await broker.publish(batch)
+        routed = isinstance(broker._client, _acks.RoutingClient)  # type: ignore[attr-defined]
     finally:
         await broker.close()
     assert all(r.ok for r in results)
+    assert routed is _acks.ROUTED
     arrived = await harness.arrived(destination, 30)
     assert [json.loads(a.body)["payload"]["n"] for a in arrived] == list(range(30))
     assert {a.native_id for a in arrived} == {m.wire.message_id for m in batch}
+
+
+def test_this_nats_py_lets_acks_be_routed() -> None:
+    # The fast path is what the benchmarks measure: a nats-py upgrade that changes the hook
+    # must be noticed here, not as a silent slowdown.
+    assert _acks.ROUTED

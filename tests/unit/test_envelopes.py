@@ -96,6 +96,40 @@ def test_internal_profile_drops_nulls_and_empty_maps_but_not_nulls_in_the_payloa
     assert document["asynchronous"] is True
 
 
+def test_the_stored_envelope_leaves_absent_fields_out_but_keeps_the_payload() -> None:
+    document = orjson.loads(stored(payload=b"{}"))
+    assert None not in document.values()
+    assert {"stream", "correlation_id", "positions", "headers", "extensions"}.isdisjoint(document)
+    assert document["payload"] == {}
+    assert document["asynchronous"] is True
+
+
+def test_the_internal_body_is_the_stored_envelope_with_the_sequence_appended() -> None:
+    raw = stored(payload=b'{"total": 1.50,  "note": null}', **EVERYTHING)
+    out = render(raw, "internal", sequence=42).body
+    # The payload goes out byte for byte, as its checksum was taken.
+    assert b'"payload":{"total": 1.50,  "note": null}' in out
+    assert orjson.loads(out) == {**orjson.loads(raw), "sequence": 42}
+    assert render(raw.decode(), "internal", sequence=42).body == out
+    assert render(raw, "internal").body == raw
+
+
+def test_an_envelope_stored_with_nulls_by_an_earlier_version_renders_the_same() -> None:
+    """Rows written before envelopes were stored without nulls are still in outboxes."""
+    legacy = {
+        **dict.fromkeys(("stream", "correlation_id", "causation_id", "expected_version")),
+        **dict.fromkeys(("priority", "positions", "traceparent", "tenant", "event_class")),
+        **orjson.loads(stored()),
+        "headers": {},
+        "extensions": {},
+    }
+    for profile in ("internal", "external", "cloudevents"):
+        old = render(orjson.dumps(legacy), profile, sequence=7)
+        new = render(stored(), profile, sequence=7)
+        assert orjson.loads(old.body) == orjson.loads(new.body)
+        assert old.headers == new.headers
+
+
 def test_external_profile_keeps_exactly_the_fields_partners_need() -> None:
     document = body(stored(**EVERYTHING), "external", sequence=42)
     assert list(document) == list(EXTERNAL_FIELDS)
