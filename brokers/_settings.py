@@ -85,6 +85,11 @@ class BrokerSettings(BaseModel):
         10.0, gt=0, description="Seconds to wait for one batch's acknowledgements."
     )
 
+    @property
+    def publish_limit(self) -> float:
+        """The longest one publish call may take: connecting first, then every ack."""
+        return self.connect_timeout + self.publish_timeout + 1
+
     @field_validator("destination")
     @classmethod
     def _known_placeholders(cls, template: str) -> str:

@@ -242,11 +242,22 @@ class RouterConfig(BaseModel):
         return named
 
     @model_validator(mode="after")
-    def _one_internal_and_known_brokers(self) -> RouterConfig:
+    def _known_brokers_and_long_enough_lease(self) -> RouterConfig:
         for db_name, db in self.databases.items():
             unknown = sorted(set(db.brokers or ()) - set(self.brokers))
             if unknown:
                 raise ValueError(f"databases.{db_name}.brokers: unknown broker(s) {unknown}")
+        lease = self.outbox.lease_seconds
+        for name, broker in self.brokers.items():
+            # A batch still being published when its lease ends is claimed again by another
+            # processor and published twice: the lease must outlast the longest publish.
+            if lease <= broker.publish_limit:
+                raise ValueError(
+                    f"outbox.lease_seconds ({lease:g}) must be longer than broker {name!r}'s "
+                    f"connect_timeout + publish_timeout + 1 s ({broker.publish_limit:g}): a "
+                    "batch still being published when its lease ends is claimed again and "
+                    "sent twice"
+                )
         return self
 
     @property

@@ -102,11 +102,10 @@ class Delivery:
             await asyncio.wait_for(self.broker.close(), 5)
 
     async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
-        settings = self.settings
-        # publish() connects first when it has to, so both timeouts bound one call.
-        limit = settings.connect_timeout + settings.publish_timeout + 1
         try:
-            results = await asyncio.wait_for(self.broker.publish(messages), limit)
+            results = await asyncio.wait_for(
+                self.broker.publish(messages), self.settings.publish_limit
+            )
         except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
             self.circuit.unreachable(str(exc))
             return await self._all_failed(messages, str(exc))

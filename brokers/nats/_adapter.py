@@ -215,6 +215,8 @@ class NatsBroker:
 
     async def _collect(self, answers: AckWindow) -> list[PublishResult]:
         """Wait for every ack, the connection to close, or publish_timeout: whichever first."""
+        if not answers.results:  # every message of the window was refused
+            return []
         if answers.remaining:
             closed: asyncio.Future[Any] = asyncio.ensure_future(self._closed.wait())
             try:
@@ -225,10 +227,10 @@ class NatsBroker:
                 )
             finally:
                 closed.cancel()
+                self._acks.forget(answers)  # also when cancelled: nothing is left waiting
         lost = self._closed.is_set()
         if lost:
             await self.close()
-        self._acks.forget(answers)
         reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
         unanswered = PublishResult.failed(reason, retryable=True)
         results = [unanswered if r is None else r for r in answers.results]

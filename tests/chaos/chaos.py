@@ -71,7 +71,7 @@ STREAM, SUBJECT = "CHAOS", "chaos"
 # How long before a crash a published mark may not have reached the disk: PostgreSQL flushes
 # asynchronous commits within 3 x wal_writer_delay (0.6 s by default); 2 s leaves room.
 ASYNC_COMMIT_WINDOW = 2.0
-LEASE_SECONDS = 5
+LEASE_SECONDS = 10  # longer than the broker's connect_timeout + publish_timeout + 1 (8 s)
 
 
 class Tick(Event, type="chaos.tick"):

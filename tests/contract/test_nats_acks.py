@@ -107,6 +107,18 @@ async def test_a_message_nats_cannot_carry_is_refused_alone(harness: NatsHarness
     assert [json.loads(a.body)["payload"]["n"] for a in arrived] == [3]
 
 
+async def test_a_window_nats_refuses_whole_gives_one_refusal_each(harness: NatsHarness) -> None:
+    settings = harness.settings()
+    destination = harness.destination("all-refused")
+    batch = [_with_header(message(settings, destination, n, stream=None), "a b") for n in (1, 2)]
+    broker = create_broker("partner", settings)
+    try:
+        results = await broker.publish(batch)
+    finally:
+        await broker.close()
+    assert [(r.ok, r.retryable) for r in results] == [(False, False), (False, False)]
+
+
 async def test_without_the_frame_writer_messages_go_through_client_publish(
     harness: NatsHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,7 +95,7 @@ async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
     brokers: dict[str, object] = {
         "events": nats_broker(internal, internal=True),
         "partner": nats_broker(
-            partner, url=f"nats://127.0.0.1:{port}", connect_timeout=30, publish_timeout=30
+            partner, url=f"nats://127.0.0.1:{port}", connect_timeout=10, publish_timeout=10
         ),
     }
     await stage(pg_url, brokers, 10)
