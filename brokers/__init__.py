@@ -1,6 +1,7 @@
 """Broker adapters behind one small protocol, plus an in-memory broker for processor tests."""
 
 from brokers._factory import create_broker
+from brokers._lazy import MissingClient
 from brokers._protocol import Broker, OutgoingMessage, PublishResult
 from brokers._settings import BrokerSettings, EventFilter, EventRoute, redact_url
 from brokers.memory import MemoryBroker, MemorySettings
@@ -14,6 +15,7 @@ __all__ = [
     "EventRoute",
     "MemoryBroker",
     "MemorySettings",
+    "MissingClient",
     "OutgoingMessage",
     "PublishResult",
     "create_broker",

@@ -1,42 +1,27 @@
-"""Build the adapter for a broker's settings; adapters are imported only when used, so a
-missing optional client library only matters for the broker kinds a config names."""
+"""Build the adapter for a broker's settings. Each adapter (and its client library) is
+imported only here, when a broker of its kind is opened, so a missing optional library only
+matters for the broker kinds a config names."""
 
 from __future__ import annotations
 
+from brokers._lazy import import_adapter
 from brokers._protocol import Broker
 from brokers._settings import BrokerSettings
-from brokers.kafka._settings import KafkaSettings
 from brokers.memory import MemoryBroker, MemorySettings
-from brokers.nats._settings import NatsSettings
-from brokers.rabbitmq._settings import RabbitSettings
-from brokers.redis._settings import RedisSettings
-from brokers.servicebus._settings import ServiceBusSettings
 
 __all__ = ["create_broker"]
 
 
 def create_broker(name: str, settings: BrokerSettings) -> Broker:
-    """A fresh, unconnected adapter for ``settings``."""
-    if isinstance(settings, NatsSettings):
-        from brokers.nats import NatsBroker
+    """A fresh, unconnected adapter for ``settings``.
 
-        return NatsBroker(name, settings)
-    if isinstance(settings, KafkaSettings):
-        from brokers.kafka import KafkaBroker
-
-        return KafkaBroker(name, settings)
-    if isinstance(settings, RabbitSettings):
-        from brokers.rabbitmq import RabbitBroker
-
-        return RabbitBroker(name, settings)
-    if isinstance(settings, RedisSettings):
-        from brokers.redis import RedisBroker
-
-        return RedisBroker(name, settings)
-    if isinstance(settings, ServiceBusSettings):
-        from brokers.servicebus import ServiceBusBroker
-
-        return ServiceBusBroker(name, settings)
+    Raises ``MissingClient`` (a ``ConfigError``) naming the pip extra when the kind's client
+    library is not installed.
+    """
     if isinstance(settings, MemorySettings):
         return MemoryBroker(name)
-    raise TypeError(f"no adapter for broker type {settings.type!r}")
+    if not settings.adapter:
+        raise TypeError(f"no adapter for broker type {settings.type!r}")
+    adapter = import_adapter(settings.adapter, kind=settings.type, extra=settings.extra)
+    broker: Broker = adapter(name, settings)
+    return broker

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from brokers._lazy import install_hint, missing_modules
 from envelopes import INTERNAL_ONLY_FIELDS, Profile
 
 __all__ = ["BrokerSettings", "EventFilter", "EventRoute", "redact_url"]
@@ -113,6 +114,12 @@ class BrokerSettings(BaseModel):
 
     # The header prefix of the broker's CloudEvents binding, for binary mode.
     cloudevents_prefix: ClassVar[str] = "ce_"
+    # Where each kind's adapter lives ("module:Class"), the pip extra that brings its client
+    # library, and that library's modules: the adapter is imported only when a broker of its
+    # kind opens, and a missing library is reported before anything starts.
+    adapter: ClassVar[str] = ""
+    extra: ClassVar[str | None] = None
+    client_modules: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:
@@ -156,6 +163,14 @@ class BrokerSettings(BaseModel):
     def public_url(self) -> str:
         """The broker's address with credentials removed, for logs and status output."""
         return ""
+
+    def missing_client(self) -> str | None:
+        """What to install when this kind's client library is missing; None when it is there.
+
+        Looks the modules up without importing them, so it costs microseconds.
+        """
+        missing = missing_modules(self.client_modules)
+        return install_hint(self.type, self.extra, missing[0]) if missing else None
 
 
 def redact_url(url: str) -> str:

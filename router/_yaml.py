@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from envelopes import ConfigError
 from router.config import RouterConfig
 
-__all__ = ["load_config", "parse_config"]
+__all__ = ["load_config", "parse_config", "require_clients"]
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
 
@@ -57,6 +57,20 @@ def parse_config(
         return RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_report(source, _describe(exc, data))) from None
+
+
+def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
+    """Raise ``ConfigError`` naming each broker whose client library is not installed.
+
+    Only the kinds the config uses count; nothing is imported to find out.
+    """
+    problems = [
+        f"brokers.{name}: {hint}"
+        for name, settings in config.brokers.items()
+        if (hint := settings.missing_client()) is not None
+    ]
+    if problems:
+        raise ConfigError(_report(source, problems))
 
 
 def _interpolate(

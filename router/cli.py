@@ -30,7 +30,7 @@ from router import __version__, operations
 from router._logs import setup_logging
 from router._secrets import Redactor, secrets_of
 from router._tables import table
-from router._yaml import load_config
+from router._yaml import load_config, require_clients
 from router.check import run_checks
 from router.config import RouterConfig
 from router.migrate import upgrade
@@ -43,6 +43,10 @@ log = logging.getLogger("router")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
+# Commands that talk to brokers: they need every configured kind's client library. The others
+# only touch databases and work with a config that names brokers this host cannot reach.
+_OPENS_BROKERS = frozenset({"serve", "check"})
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``router`` console script and ``python -m router``."""
@@ -50,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
         config = load_config(args.config)
+        if args.command in _OPENS_BROKERS:
+            require_clients(config, args.config)
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return EXIT_CONFIG

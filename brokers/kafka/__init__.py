@@ -1,12 +1,15 @@
-"""Kafka broker (``type: kafka``)."""
+"""Kafka broker (``type: kafka``); the adapter and its SDK load on first use."""
 
+from typing import TYPE_CHECKING
+
+from brokers._lazy import adapter_getattr
 from brokers.kafka._settings import KafkaSasl, KafkaSettings
 
-try:
+if TYPE_CHECKING:
     from brokers.kafka._adapter import KafkaBroker
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "The Kafka broker needs FastStream's Kafka extra: pip install 'outbox-router[kafka]'"
-    ) from exc
 
 __all__ = ["KafkaBroker", "KafkaSasl", "KafkaSettings"]
+
+__getattr__ = adapter_getattr(
+    __name__, {"KafkaBroker": KafkaSettings.adapter}, kind="kafka", extra=KafkaSettings.extra
+)

@@ -28,6 +28,9 @@ class KafkaSettings(BrokerSettings):
     """Kafka: topic per destination, key = stream key, acks=all, idempotent producer."""
 
     type: Literal["kafka"]
+    adapter: ClassVar[str] = "brokers.kafka._adapter:KafkaBroker"
+    extra: ClassVar[str | None] = "kafka"
+    client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aiokafka")
     cloudevents_prefix: ClassVar[str] = "ce_"  # the Kafka binding's header prefix
 
     # Plain text on purpose: addresses are not secret (credentials go in `sasl`), and

@@ -1,12 +1,13 @@
-"""NATS JetStream broker (``type: nats``)."""
+"""NATS JetStream broker (``type: nats``); the adapter loads on first use."""
 
+from typing import TYPE_CHECKING
+
+from brokers._lazy import adapter_getattr
 from brokers.nats._settings import NatsEmbedded, NatsSettings, NatsStream, subject_matches
 
-try:
+if TYPE_CHECKING:
     from brokers.nats._adapter import NatsBroker
     from brokers.nats._embedded import EmbeddedNats, find_nats_server
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("The NATS broker needs nats-py: pip install 'outbox-router[nats]'") from exc
 
 __all__ = [
     "EmbeddedNats",
@@ -17,3 +18,14 @@ __all__ = [
     "find_nats_server",
     "subject_matches",
 ]
+
+__getattr__ = adapter_getattr(
+    __name__,
+    {
+        "NatsBroker": NatsSettings.adapter,
+        "EmbeddedNats": "brokers.nats._embedded:EmbeddedNats",
+        "find_nats_server": "brokers.nats._embedded:find_nats_server",
+    },
+    kind="nats",
+    extra=NatsSettings.extra,
+)

@@ -46,6 +46,9 @@ class NatsSettings(BrokerSettings):
     """NATS JetStream: publishes with acks in flight, ``Nats-Msg-Id`` = message id."""
 
     type: Literal["nats"]
+    adapter: ClassVar[str] = "brokers.nats._adapter:NatsBroker"
+    extra: ClassVar[str | None] = "nats"
+    client_modules: ClassVar[tuple[str, ...]] = ("nats",)
     cloudevents_prefix: ClassVar[str] = "ce-"  # the NATS binding's header prefix
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."

@@ -1,13 +1,15 @@
-"""RabbitMQ broker (``type: rabbitmq``)."""
+"""RabbitMQ broker (``type: rabbitmq``); the adapter and its SDK load on first use."""
 
+from typing import TYPE_CHECKING
+
+from brokers._lazy import adapter_getattr
 from brokers.rabbitmq._settings import RabbitExchange, RabbitSettings
 
-try:
+if TYPE_CHECKING:
     from brokers.rabbitmq._adapter import RabbitBroker
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "The RabbitMQ broker needs FastStream's RabbitMQ extra: "
-        "pip install 'outbox-router[rabbitmq]'"
-    ) from exc
 
 __all__ = ["RabbitBroker", "RabbitExchange", "RabbitSettings"]
+
+__getattr__ = adapter_getattr(
+    __name__, {"RabbitBroker": RabbitSettings.adapter}, kind="rabbitmq", extra=RabbitSettings.extra
+)

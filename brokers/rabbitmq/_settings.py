@@ -26,6 +26,9 @@ class RabbitSettings(BrokerSettings):
     """RabbitMQ: persistent messages, publisher confirms, mandatory routing."""
 
     type: Literal["rabbitmq"]
+    adapter: ClassVar[str] = "brokers.rabbitmq._adapter:RabbitBroker"
+    extra: ClassVar[str | None] = "rabbitmq"
+    client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aio_pika")
     cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
 
     url: SecretStr = Field(SecretStr("amqp://guest:guest@127.0.0.1:5672/"))

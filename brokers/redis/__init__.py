@@ -1,12 +1,15 @@
-"""Redis Streams broker (``type: redis``)."""
+"""Redis Streams broker (``type: redis``); the adapter and its SDK load on first use."""
 
+from typing import TYPE_CHECKING
+
+from brokers._lazy import adapter_getattr
 from brokers.redis._settings import RedisSettings
 
-try:
+if TYPE_CHECKING:
     from brokers.redis._adapter import RedisBroker
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "The Redis broker needs FastStream's Redis extra: pip install 'outbox-router[redis]'"
-    ) from exc
 
 __all__ = ["RedisBroker", "RedisSettings"]
+
+__getattr__ = adapter_getattr(
+    __name__, {"RedisBroker": RedisSettings.adapter}, kind="redis", extra=RedisSettings.extra
+)

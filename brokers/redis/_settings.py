@@ -15,6 +15,9 @@ class RedisSettings(BrokerSettings):
     """Redis Streams: one XADD per message to the destination stream."""
 
     type: Literal["redis"]
+    adapter: ClassVar[str] = "brokers.redis._adapter:RedisBroker"
+    extra: ClassVar[str | None] = "redis"
+    client_modules: ClassVar[tuple[str, ...]] = ("faststream", "redis")
     cloudevents_prefix: ClassVar[str] = "ce_"
 
     url: SecretStr = Field(SecretStr("redis://127.0.0.1:6379/0"))

@@ -1,13 +1,18 @@
-"""Azure Service Bus broker (``type: servicebus``)."""
+"""Azure Service Bus broker (``type: servicebus``); the adapter and its SDK load on first use."""
 
+from typing import TYPE_CHECKING
+
+from brokers._lazy import adapter_getattr
 from brokers.servicebus._settings import ServiceBusSettings
 
-try:
+if TYPE_CHECKING:
     from brokers.servicebus._adapter import ServiceBusBroker
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "The Service Bus broker needs the azure-servicebus SDK: "
-        "pip install 'outbox-router[servicebus]'"
-    ) from exc
 
 __all__ = ["ServiceBusBroker", "ServiceBusSettings"]
+
+__getattr__ = adapter_getattr(
+    __name__,
+    {"ServiceBusBroker": ServiceBusSettings.adapter},
+    kind="servicebus",
+    extra=ServiceBusSettings.extra,
+)

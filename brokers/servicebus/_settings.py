@@ -18,6 +18,9 @@ class ServiceBusSettings(BrokerSettings):
     """Azure Service Bus: a queue or topic per destination, sent in size-limited batches."""
 
     type: Literal["servicebus"]
+    adapter: ClassVar[str] = "brokers.servicebus._adapter:ServiceBusBroker"
+    extra: ClassVar[str | None] = "servicebus"
+    client_modules: ClassVar[tuple[str, ...]] = ("azure.servicebus",)
     cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
 
     connection_string: SecretStr = Field(

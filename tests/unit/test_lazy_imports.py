@@ -1,0 +1,92 @@
+"""Importing the library or the CLI loads no broker SDK; a missing client names its extra."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from brokers import MissingClient, create_broker
+from brokers.kafka import KafkaSettings
+from router import ConfigError, parse_config
+from router._yaml import require_clients
+
+SDKS = ("faststream", "aiokafka", "aio_pika", "aiormq", "redis", "azure", "nats")
+
+CONFIG = """
+databases:
+  main: sqlite:///outbox.db
+brokers:
+  events:
+    type: nats
+    internal: true
+    stream: {name: EVENTS, subjects: ["shop.>"]}
+  analytics:
+    type: kafka
+    bootstrap_servers: 127.0.0.1:9092
+"""
+
+
+def _loaded_after(code: str) -> list[str]:
+    probe = (
+        f"{code}\nimport json, sys\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({SDKS!r}))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    loaded: list[str] = json.loads(out)
+    return loaded
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import router",
+        "import router.cli",
+        "import brokers, brokers.kafka, brokers.redis, brokers.rabbitmq, brokers.servicebus",
+        f"import router; router.parse_config({CONFIG!r})",
+    ],
+)
+def test_no_broker_sdk_is_imported(code: str) -> None:
+    assert _loaded_after(code) == []
+
+
+def test_help_loads_no_broker_sdk() -> None:
+    code = (
+        "import sys, contextlib, io\nfrom router.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])"
+    )
+    assert _loaded_after(code) == []
+
+
+def test_a_missing_client_is_named_with_its_yaml_path_and_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(KafkaSettings, "client_modules", ("no_such_kafka_client",))
+    config = parse_config(CONFIG)
+    with pytest.raises(ConfigError) as caught:
+        require_clients(config, "config.yaml")
+    assert str(caught.value) == (
+        "config.yaml: 1 problem:\n"
+        "  - brokers.analytics: the kafka broker needs its client library "
+        "(no_such_kafka_client is not installed): pip install 'outbox-router[kafka]'"
+    )
+
+
+def test_kinds_the_config_does_not_use_are_not_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(KafkaSettings, "client_modules", ("no_such_kafka_client",))
+    config = parse_config(CONFIG.split("  analytics:")[0])
+    require_clients(config)  # only NATS is used: nothing to report
+
+
+def test_opening_a_broker_without_its_client_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(KafkaSettings, "adapter", "no_such_kafka_adapter:KafkaBroker")
+    settings = parse_config(CONFIG).brokers["analytics"]
+    with pytest.raises(MissingClient, match=r"pip install 'outbox-router\[kafka\]'"):
+        create_broker("analytics", settings)
