@@ -92,23 +92,34 @@ class Outbox:
             asynchronous=asynchronous,
         )
         rows = self._stager.build_rows(name, events, options)
+        await self._insert(connection, name, rows)
+        return list(dict.fromkeys(row.message_id for row in rows))
+
+    async def _insert(self, connection: Any, name: str, rows: Sequence[Row]) -> None:
+        """One INSERT of ``rows`` in the caller's transaction, refused outside of one."""
         kind = self.config.databases[name].kind
         if _is_asyncpg(connection):
-            raw: Any = connection
             self._expect(name, kind, "postgresql")
-            if not raw.is_in_transaction():
+            if not connection.is_in_transaction():
                 raise StagingError(
                     "stage() needs the connection inside a transaction "
                     "(async with connection.transaction(): ...)"
                 )
-            await self._stager.insert_postgres_raw(raw, rows)
-        else:
-            conn = await _sqlalchemy_connection(connection)
-            self._expect(name, kind, conn.dialect.name)
-            await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
-            if isinstance(connection, AsyncSession):
-                self._announce_after_commit(connection, name, rows)
-        return list(dict.fromkeys(row.message_id for row in rows))
+            await self._stager.insert_postgres_raw(connection, rows)
+            return
+        conn = await _sqlalchemy_connection(connection)
+        self._expect(name, kind, conn.dialect.name)
+        if _autocommits(conn):
+            raise StagingError(
+                "stage() needs the connection inside a transaction, but it runs in "
+                "AUTOCOMMIT (isolation_level='AUTOCOMMIT'), so each statement would "
+                "commit on its own, apart from the caller's work; stage on a connection "
+                "without AUTOCOMMIT, in a transaction (async with session.begin(): ... "
+                "or async with engine.begin() as connection: ...)"
+            )
+        await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+        if isinstance(connection, AsyncSession):
+            self._announce_after_commit(connection, name, rows)
 
     def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
         """The targets rows of these events go to."""
@@ -207,6 +218,17 @@ async def _sqlalchemy_connection(connection: Any) -> AsyncConnection:
         "stage() takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
         f"connection; got {type(connection).__name__}"
     )
+
+
+def _autocommits(conn: AsyncConnection) -> bool:
+    """True when each statement on ``conn`` would commit on its own.
+
+    A transaction SQLAlchemy autobegan is a real one the caller commits; only AUTOCOMMIT
+    (on the engine or in execution options) makes its BEGIN a no-op. SQLAlchemy keeps the
+    engine-wide setting on the dialect with no public accessor, so this asks the same
+    private method SQLAlchemy itself consults before emitting BEGIN.
+    """
+    return conn.sync_connection is not None and conn.sync_connection._is_autocommit_isolation()
 
 
 def _is_asyncpg(connection: Any) -> bool:

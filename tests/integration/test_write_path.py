@@ -1,18 +1,24 @@
-"""stage() against real PostgreSQL: rows per target, one NOTIFY at commit, rollbacks, rejections."""
+"""stage() against real databases: rows per target, one NOTIFY at commit, rollbacks,
+rejections, autocommit refused, keyed bulk staging."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
-from tests.conftest import make_config
+from router.config import DatabaseSettings
+from router.migrate import upgrade
+from tests.conftest import PgDatabases, make_config
 from tests.integration.events import OrderPlaced, StockReserved
 
 BROKERS = {
@@ -24,6 +30,45 @@ BROKERS = {
 
 def outbox_for(url: str, **outbox: Any) -> Outbox:
     return Outbox(make_config({"main": url}, BROKERS, outbox=outbox))
+
+
+@dataclass(frozen=True)
+class Database:
+    """A fresh, migrated outbox database of one kind, for tests that run on every kind."""
+
+    kind: str
+    url: str
+    base_dir: Path
+
+    def outbox(self) -> Outbox:
+        return Outbox(make_config({"main": self.url}, BROKERS, base_dir=self.base_dir))
+
+    async def rows(self) -> list[dict[str, Any]]:
+        """Every row, in seq order, with its envelope parsed."""
+        outbox = self.outbox()
+        try:
+            async with outbox.engine().connect() as conn:
+                result = await conn.execute(
+                    text(
+                        "SELECT seq, target, event_type, stream_key, "
+                        "CAST(envelope AS TEXT) AS envelope FROM router_outbox ORDER BY seq"
+                    )
+                )
+                return [{**row._asdict(), "envelope": json.loads(row.envelope)} for row in result]
+        finally:
+            await outbox.close()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def database(
+    request: pytest.FixtureRequest, pg_databases: PgDatabases, tmp_path: Path
+) -> Database:
+    """The same test on a fresh PostgreSQL database and on a fresh SQLite file."""
+    if request.param == "postgresql":
+        return Database("postgresql", await pg_databases.new(), tmp_path)
+    url = "sqlite:///outbox.db"
+    await upgrade("main", DatabaseSettings.model_validate({"url": url}), tmp_path)
+    return Database("sqlite", url, tmp_path)
 
 
 async def rows(url: str) -> list[asyncpg.Record]:
@@ -169,3 +214,66 @@ async def test_a_published_event_no_broker_takes_is_rejected(pg_url: str) -> Non
             await tx.stage(OrderPlaced(order_id="o", total=Decimal(1)))
     await outbox.close()
     assert await rows(pg_url) == []
+
+
+AUTOCOMMIT = "AUTOCOMMIT"
+REFUSED = (
+    r"^stage\(\) needs the connection inside a transaction, but it runs in AUTOCOMMIT "
+    r"\(isolation_level='AUTOCOMMIT'\), so each statement would commit on its own, apart "
+    r"from the caller's work; stage on a connection without AUTOCOMMIT, in a transaction "
+    r"\(async with session.begin\(\): \.\.\. or async with engine.begin\(\) as "
+    r"connection: \.\.\.\)$"
+)
+
+
+async def stage_on_autocommit_engine(outbox: Outbox) -> None:
+    async with outbox.engine(isolation_level=AUTOCOMMIT).connect() as conn:
+        await outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+
+
+async def stage_on_autocommit_connection(outbox: Outbox) -> None:
+    async with outbox.engine().connect() as conn:
+        await conn.execution_options(isolation_level=AUTOCOMMIT)
+        await outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+
+
+async def stage_on_autocommit_session(outbox: Outbox) -> None:
+    bind = outbox.engine().execution_options(isolation_level=AUTOCOMMIT)
+    async with AsyncSession(bind) as session, session.begin():
+        await outbox.stage(session, StockReserved(order_id="o", quantity=1))
+
+
+@pytest.mark.parametrize(
+    "stage_in_autocommit",
+    [stage_on_autocommit_engine, stage_on_autocommit_connection, stage_on_autocommit_session],
+    ids=["engine", "connection", "session"],
+)
+async def test_stage_refuses_a_connection_in_autocommit_and_writes_nothing(
+    database: Database, stage_in_autocommit: Any
+) -> None:
+    outbox = database.outbox()
+    try:
+        with pytest.raises(StagingError, match=REFUSED):
+            await stage_in_autocommit(outbox)
+    finally:
+        await outbox.close()
+    assert await database.rows() == []
+
+
+async def test_a_transaction_sqlalchemy_autobegins_is_a_transaction_stage_accepts(
+    database: Database,
+) -> None:
+    outbox = database.outbox()
+    try:
+        async with AsyncSession(outbox.engine()) as session:
+            await outbox.stage(session, StockReserved(order_id="autobegun", quantity=1))
+            await session.rollback()  # it is the caller's transaction: rolling back undoes it
+            await outbox.stage(session, StockReserved(order_id="committed", quantity=1))
+            await session.commit()
+        async with outbox.engine().connect() as conn:
+            await outbox.stage(conn, StockReserved(order_id="connection", quantity=1))
+            await conn.commit()
+    finally:
+        await outbox.close()
+    stored = await database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["committed", "connection"]
