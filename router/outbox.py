@@ -57,6 +57,7 @@ class Outbox:
         *events: Event,
         database: str | None = None,
         stream_key: str | None = None,
+        stream_keys: Sequence[str | None] | None = None,
         correlation_id: str | None = None,
         causation_id: str | None = None,
         headers: Mapping[str, str] | None = None,
@@ -70,16 +71,21 @@ class Outbox:
     ) -> list[str]:
         """Write ``events`` to the outbox in ``connection``'s transaction; returns their ids.
 
+        ``stream_key`` is every event's stream; ``stream_keys`` gives one per event instead
+        (None for none), so events of many streams go in one INSERT, each stream's in the
+        order given.
+
         Raises ``StagingError`` (having written nothing) if an event cannot be serialised, is
         larger than ``outbox.max_payload_bytes``, or has no target. The correlation id defaults
         to the one set with ``router.correlation()``, the traceparent to the active
         OpenTelemetry span's (when OpenTelemetry is installed).
         """
-        if not events:
+        if not events and not stream_keys:  # keys without events: build_rows says why
             return []
         name = self._database(database)
         options = StagingOptions(
             stream_key=stream_key,
+            stream_keys=stream_keys,
             correlation_id=correlation_id or current_correlation_id(),
             causation_id=causation_id,
             headers=headers,

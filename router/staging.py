@@ -6,6 +6,10 @@ with one INSERT; on PostgreSQL the same statement sends ``NOTIFY router_outbox``
 PostgreSQL only if the caller commits). Anything that would make a row undeliverable (a
 payload that does not serialise, an envelope over the size limit, an event no broker takes, a
 destination a broker cannot accept) raises ``StagingError`` before anything is written.
+
+Each event has one stream key: ``stream_key`` gives every event of the call the same one,
+``stream_keys`` one per event, so a batch over many streams is still one INSERT; rows go in
+the order of the events, so per stream key, seq follows the order given.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class StagingOptions:
     """Per-call metadata that goes into every envelope of one ``stage()`` call."""
 
     stream_key: str | None = None
+    # One key (or None) per event, instead of ``stream_key`` for all of them.
+    stream_keys: Sequence[str | None] | None = None
     correlation_id: str | None = None
     causation_id: str | None = None
     headers: Mapping[str, str] | None = None
@@ -140,11 +146,12 @@ class Stager:
     ) -> list[Row]:
         """Validate events and turn each into one row per target (raises StagingError)."""
         _check_options(options)
+        keys = _keys_per_event(options, len(events))
         limit = self.config.outbox.max_payload_bytes
         cloudevents = self._cloudevents_targets(database)
         now = datetime.now(UTC)
         rows: list[Row] = []
-        for event in events:
+        for event, key in zip(events, keys, strict=True):
             if not isinstance(event, Event):
                 raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
             spec = type(event).__event__
@@ -155,7 +162,7 @@ class Stager:
                 except EnvelopeError as exc:
                     raise StagingError(f"event {spec.type!r}: {exc}") from None
             message_id = str(uuid7())
-            envelope = self._envelope(event, spec, message_id, now, options)
+            envelope = self._envelope(event, spec, message_id, key, now, options)
             if len(envelope) > limit:
                 raise StagingError(
                     f"event {spec.type!r} is {len(envelope):,} bytes as an envelope; "
@@ -163,8 +170,7 @@ class Stager:
                 )
             stored = envelope.decode()
             rows.extend(
-                Row(message_id, r.target, r.destination, spec.type, options.stream_key, stored)
-                for r in routes
+                Row(message_id, r.target, r.destination, spec.type, key, stored) for r in routes
             )
         return rows
 
@@ -247,6 +253,7 @@ class Stager:
         event: Event,
         spec: EventSpec,
         message_id: str,
+        stream_key: str | None,
         now: datetime,
         options: StagingOptions,
     ) -> bytes:
@@ -262,7 +269,7 @@ class Stager:
                 time=now,
                 source=self.config.service,
                 payload_json=payload,
-                stream=options.stream_key,
+                stream=stream_key,
                 correlation_id=options.correlation_id,
                 causation_id=options.causation_id,
                 expected_version=options.expected_version,
@@ -290,6 +297,31 @@ def _check_options(options: StagingOptions) -> None:
     ):
         if field_value is not None and not isinstance(field_value, str):
             raise StagingError(f"{label} must be a string, got {type(field_value).__name__}")
+
+
+def _keys_per_event(options: StagingOptions, count: int) -> Sequence[str | None]:
+    """The stream key of each event: ``stream_keys`` as given, or ``stream_key`` for all."""
+    keys = options.stream_keys
+    if keys is None:
+        return [options.stream_key] * count
+    if options.stream_key is not None:
+        raise StagingError(
+            "pass stream_key (one key for every event) or stream_keys (one per event), not both"
+        )
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise StagingError(
+            f"stream_keys must be a list with one key (or None) per event, "
+            f"got {type(keys).__name__}"
+        )
+    if len(keys) != count:
+        raise StagingError(
+            f"stream_keys has length {len(keys):,} for {count:,} events; "
+            "pass one key (or None) per event"
+        )
+    for i, key in enumerate(keys):
+        if key is not None and not isinstance(key, str):
+            raise StagingError(f"stream_keys[{i}] must be a string, got {type(key).__name__}")
+    return keys
 
 
 def _columns(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
@@ -63,7 +65,8 @@ class Database:
 async def database(
     request: pytest.FixtureRequest, pg_databases: PgDatabases, tmp_path: Path
 ) -> Database:
-    """The same test on a fresh PostgreSQL database and on a fresh SQLite file."""
+    """The same test on a fresh PostgreSQL database and on a fresh SQLite file (a test may
+    pick the kinds with ``parametrize(..., indirect=["database"])``)."""
     if request.param == "postgresql":
         return Database("postgresql", await pg_databases.new(), tmp_path)
     url = "sqlite:///outbox.db"
@@ -277,3 +280,152 @@ async def test_a_transaction_sqlalchemy_autobegins_is_a_transaction_stage_accept
         await outbox.close()
     stored = await database.rows()
     assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["committed", "connection"]
+
+
+def key_of(i: int) -> str | None:
+    """The stream key of the i-th event of the bulk tests: 97 streams, interleaved, and
+    every tenth event without one."""
+    return None if i % 10 == 9 else f"stream-{i % 97}"
+
+
+BULK = 1000
+
+
+async def bulk_via_asyncpg(outbox: Outbox, database: Database, **options: Any) -> int:
+    statements: list[str] = []
+    conn = await asyncpg.connect(database.url)
+    conn.add_query_logger(lambda record: statements.append(record.query))
+    try:
+        async with conn.transaction():
+            await outbox.stage(conn, *bulk_events(), **options)
+    finally:
+        await conn.close()
+    return inserts(statements)
+
+
+async def bulk_via_connection(outbox: Outbox, database: Database, **options: Any) -> int:
+    async with counting(outbox) as statements, outbox.engine().begin() as conn:
+        await outbox.stage(conn, *bulk_events(), **options)
+    return inserts(statements)
+
+
+async def bulk_via_session(outbox: Outbox, database: Database, **options: Any) -> int:
+    sessions = async_sessionmaker(outbox.engine(), class_=AsyncSession)
+    async with counting(outbox) as statements, sessions() as session, session.begin():
+        await outbox.stage(session, *bulk_events(), **options)
+    return inserts(statements)
+
+
+async def bulk_via_transaction(outbox: Outbox, database: Database, **options: Any) -> int:
+    async with counting(outbox) as statements, outbox.transaction() as tx:
+        await tx.stage(*bulk_events(), **options)
+    return inserts(statements)
+
+
+def bulk_events() -> list[StockReserved]:
+    return [StockReserved(order_id=f"o-{i}", quantity=i) for i in range(BULK)]
+
+
+def inserts(statements: list[str]) -> int:
+    return sum("INSERT INTO router_outbox" in statement for statement in statements)
+
+
+@asynccontextmanager
+async def counting(outbox: Outbox) -> AsyncIterator[list[str]]:
+    """The statements the outbox's engine sends while the block runs."""
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        statements.append(statement)
+
+    engine = outbox.engine().sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+@pytest.mark.parametrize(
+    ("database", "stage_in_bulk"),
+    [
+        ("postgresql", bulk_via_asyncpg),
+        ("postgresql", bulk_via_connection),
+        ("postgresql", bulk_via_session),
+        ("postgresql", bulk_via_transaction),
+        ("sqlite", bulk_via_connection),
+        ("sqlite", bulk_via_session),
+        ("sqlite", bulk_via_transaction),
+    ],
+    indirect=["database"],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+async def test_stream_keys_stage_many_streams_in_one_insert_in_order_per_stream(
+    database: Database, stage_in_bulk: Any
+) -> None:
+    keys = [key_of(i) for i in range(BULK)]
+    outbox = database.outbox()
+    try:
+        statements = await stage_in_bulk(outbox, database, stream_keys=keys)
+    finally:
+        await outbox.close()
+
+    stored = await database.rows()
+    assert statements == 1
+    assert len(stored) == BULK
+    for row in stored:
+        i = row["envelope"]["payload"]["quantity"]
+        assert row["stream_key"] == keys[i]
+        assert row["envelope"].get("stream") == keys[i]
+    per_stream: dict[str | None, list[int]] = {}
+    for row in stored:
+        per_stream.setdefault(row["stream_key"], []).append(row["envelope"]["payload"]["quantity"])
+    assert len(per_stream) == 98  # 97 streams and the events without one
+    assert per_stream == {key: [i for i in range(BULK) if keys[i] == key] for key in set(keys)}
+
+
+async def test_stream_keys_of_unequal_length_are_refused_and_nothing_is_written(
+    database: Database,
+) -> None:
+    outbox = database.outbox()
+    try:
+        async with outbox.transaction() as tx:
+            with pytest.raises(StagingError, match="stream_keys has length 2 for 3 events"):
+                await tx.stage(*bulk_events()[:3], stream_keys=["a", "b"])
+            with pytest.raises(StagingError, match="stream_key .* or stream_keys .*, not both"):
+                await tx.stage(*bulk_events()[:2], stream_key="a", stream_keys=["a", "b"])
+    finally:
+        await outbox.close()
+    assert await database.rows() == []
+
+
+async def test_stream_keys_lock_every_stream_of_the_call_until_it_commits(pg_url: str) -> None:
+    # A second transaction staging on any one of the first's streams waits for its commit,
+    # so its row comes after the first's in seq order: per-stream commit order holds.
+    outbox = outbox_for(pg_url)
+    first, second = await asyncpg.connect(pg_url), await asyncpg.connect(pg_url)
+    try:
+        open_tx = first.transaction()
+        await open_tx.start()
+        await outbox.stage(
+            first,
+            *[StockReserved(order_id=f"first-{k}", quantity=1) for k in "abc"],
+            stream_keys=["a", "b", "c"],
+        )
+
+        async def stage_later() -> None:
+            async with second.transaction():
+                await outbox.stage(
+                    second, StockReserved(order_id="second-c", quantity=2), stream_key="c"
+                )
+
+        later = asyncio.create_task(stage_later())
+        await asyncio.sleep(0.3)
+        assert not later.done()  # waits on stream "c", taken by the first transaction
+        await open_tx.commit()
+        await asyncio.wait_for(later, 5)
+    finally:
+        await first.close()
+        await second.close()
+    order_ids = [json.loads(r["envelope"])["payload"]["order_id"] for r in await rows(pg_url)]
+    assert order_ids == ["first-a", "first-b", "first-c", "second-c"]

@@ -215,3 +215,37 @@ def test_malformed_options_are_rejected(options: dict[str, Any], message: str) -
 def test_only_events_can_be_staged() -> None:
     with pytest.raises(StagingError, match="takes router.Event instances"):
         Stager(config()).build_rows("main", [{"order_id": "o"}], StagingOptions())  # type: ignore[list-item]
+
+
+def test_stream_keys_give_each_event_its_own_stream_in_the_row_and_the_envelope() -> None:
+    events = [Placed(order_id="a1"), Reserved(order_id="b1"), Reserved(order_id="none")]
+    rows = build(config(), *events, stream_keys=["a", "b", None])
+    assert [(r.event_type, r.stream_key) for r in rows] == [
+        ("orders.placed", "a"),
+        ("orders.placed", "a"),
+        ("orders.placed", "a"),
+        ("orders.reserved", "b"),
+        ("orders.reserved", None),
+    ]
+    streams = [InternalEnvelope.model_validate_json(r.envelope).stream for r in rows]
+    assert streams == ["a", "a", "a", "b", None]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"stream_key": "a", "stream_keys": ["a", "b"]},
+            r"pass stream_key \(one key for every event\) or stream_keys \(one per event\), "
+            "not both",
+        ),
+        ({"stream_keys": ["a"]}, "stream_keys has length 1 for 2 events; pass one key"),
+        ({"stream_keys": ["a", "b", "c"]}, "stream_keys has length 3 for 2 events"),
+        ({"stream_keys": "ab"}, "stream_keys must be a list with one key .* per event, got str"),
+        ({"stream_keys": {"a", "b"}}, "stream_keys must be a list .* got set"),
+        ({"stream_keys": ["a", 2]}, r"stream_keys\[1\] must be a string, got int"),
+    ],
+)
+def test_malformed_stream_keys_are_rejected(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(StagingError, match=message):
+        build(config(), Reserved(order_id="o"), Reserved(order_id="p"), **options)
