@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from envelopes import ConfigError
 from router.config import RouterConfig
@@ -40,13 +41,15 @@ def parse_config(
 ) -> RouterConfig:
     """Validate config text; relative paths start at the working directory."""
     try:
-        data = yaml.safe_load(text)
+        data, duplicates = _read_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
         raise ConfigError(f"{source}: invalid YAML at {where}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    if duplicates:
+        raise ConfigError(_report(source, duplicates))
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping (databases:, brokers:, ...)")
     problems: list[str] = []
@@ -71,6 +74,65 @@ def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
     ]
     if problems:
         raise ConfigError(_report(source, problems))
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that notes every mapping key given twice, with its YAML path and lines.
+
+    Plain YAML keeps the last of two equal keys: a second broker of one name, or a setting
+    given twice, would silently replace the first.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[tuple[int, str]] = []
+        # Parents are constructed before their children, so a child's path is known by then.
+        self._paths: dict[Node, tuple[str | int, ...]] = {}
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """Check the keys written in this mapping, then build it as SafeLoader does."""
+        path = self._paths.get(node, ())
+        first_line: dict[Any, int] = {}
+        # Only the mapping's own keys are compared, before ``<<`` merges are flattened in:
+        # overriding a merged key is what merge keys are for.
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                seen = first_line.get(key)
+            except TypeError:  # unhashable: SafeLoader reports it below
+                continue
+            if seen is None:
+                first_line[key] = line
+            else:
+                where = f"lines {seen} and {line}" if seen != line else f"line {line}"
+                problem = f"{_dotted((*path, str(key)))}: key given twice ({where})"
+                self.duplicates.append((line, problem))
+            self._paths.setdefault(value_node, (*path, str(key)))
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_sequence(self, node: SequenceNode, deep: bool = False) -> list[Any]:
+        """Build a list as SafeLoader does, noting its items' paths."""
+        path = self._paths.get(node, ())
+        for index, item in enumerate(node.value):
+            self._paths.setdefault(item, (*path, index))
+        return super().construct_sequence(node, deep=deep)
+
+
+def _read_yaml(text: str) -> tuple[Any, list[str]]:
+    """The document, and a problem for each key given twice."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    # Nested mappings are built after their parents: list the problems as the file reads.
+    return data, [problem for _, problem in sorted(loader.duplicates)]
 
 
 def _interpolate(

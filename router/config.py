@@ -153,6 +153,12 @@ class HttpSettings(BaseModel):
         description="If set, every endpoint but /healthz and /readyz needs "
         "'Authorization: Bearer <token>'. Take it from the environment: ${ROUTER_HTTP_TOKEN}.",
     )
+    ready_requires_partners: bool = Field(
+        False,
+        description="/readyz also answers 503 while a partner (non-internal) broker's circuit "
+        "is open. Off: only the databases and the internal broker decide readiness; partner "
+        "circuits are listed in /readyz and /healthz.",
+    )
 
     @field_validator("bind")
     @classmethod

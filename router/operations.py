@@ -47,7 +47,8 @@ class TargetStatus:
     in_flight: int = 0
     failed: int = 0
     abandoned: int = 0
-    published: int = 0
+    # None when not counted (``status(published=False)``): unknown, which 0 would not say.
+    published: int | None = 0
     oldest_claimable_age: float | None = None
     retries_per_minute: float = 0.0
     circuit: str = "closed"
@@ -206,7 +207,7 @@ async def _status_of(
                 in_flight=int(row[2] or 0) if row else 0,
                 failed=int(row[3] or 0) if row else 0,
                 abandoned=int(row[4] or 0) if row else 0,
-                published=int(row[5] or 0) if row else 0,
+                published=(int(row[5] or 0) if row else 0) if published else None,
                 oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
                 retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
                 circuit=state.circuit if state else "closed",

@@ -4,8 +4,9 @@ dashboard. Shared by a single router and by the parent of a worker pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -21,6 +22,9 @@ from router.operations import TargetStatus, status
 __all__ = ["StatusService"]
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# How long /healthz waits for a fresh database reading before it answers from the last one:
+# a liveness probe must not fail, and get the router restarted, because a database is slow.
+HEALTH_READ_WAIT = 1.0
 
 
 class StatusService:
@@ -74,22 +78,44 @@ class StatusService:
         return list(self.backlog.rows)
 
     async def healthz(self) -> Response:
-        """The process runs."""
-        return json_response(200, {"status": "ok", **self.health()})
+        """The process runs (always 200), with the partner circuits as last read."""
+        with contextlib.suppress(TimeoutError):
+            # Shielded: a reading that outlasts the wait goes on and serves the next request.
+            await asyncio.wait_for(asyncio.shield(self.rows()), HEALTH_READ_WAIT)
+        partners = self._partner_circuits(self.backlog.rows)
+        return json_response(200, {"status": "ok", **self.health(), "partner_circuits": partners})
 
     async def readyz(self) -> Response:
-        """Every database answers and no target's circuit is open."""
+        """Every database answers and the internal broker's circuits are closed.
+
+        A partner's open circuit stalls only that partner's rows, so it is listed but makes the
+        router unready only with ``http.ready_requires_partners``.
+        """
         rows = await self.rows()
         open_circuits = [f"{r.database}/{r.target}" for r in rows if r.circuit == "open"]
-        ready = self._error is None and not open_circuits
+        partners = self._partner_circuits(rows)
+        requires_partners = self.config.http.ready_requires_partners
+        blocking = [c for c in open_circuits if requires_partners or c not in partners]
+        ready = self._error is None and not blocking
         return json_response(
             200 if ready else 503,
             {
                 "status": "ready" if ready else "not ready",
                 "database_error": self._error,
                 "open_circuits": open_circuits,
+                "partner_circuits": partners,
+                "ready_requires_partners": requires_partners,
             },
         )
+
+    def _partner_circuits(self, rows: Sequence[TargetStatus]) -> dict[str, str]:
+        """``database/target`` -> circuit state, for every target not on the internal broker."""
+        brokers = self.config.brokers
+        return {
+            f"{r.database}/{r.target}": r.circuit
+            for r in rows
+            if r.target not in brokers or not brokers[r.target].internal
+        }
 
     async def metrics(self) -> Response:
         """Prometheus text: delivery counters, latency, and backlog gauges."""

@@ -61,16 +61,17 @@ def chromium() -> str:
     return found
 
 
-async def test_metrics_api_and_dashboard_show_what_status_shows(
-    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
-) -> None:
+async def serve_with_partner_down(
+    pg_url: str, nats_streams: NatsStreams, folder: Path, port: int, **http: Any
+) -> tuple[str, Serving]:
+    """``router serve`` with a live internal broker and a partner on a closed port, after ten
+    events were staged; returns the internal stream and the running router."""
     internal, partner = nats_streams.stream("int"), nats_streams.stream("ext")
-    port = free_port()
     brokers: dict[str, Any] = {
         "events": nats_broker(internal, internal=True),
         "partner": nats_broker(partner, url=f"nats://127.0.0.1:{free_port()}", connect_timeout=0.5),
     }
-    (tmp_path / "config.yaml").write_text(
+    (folder / "config.yaml").write_text(
         yaml.safe_dump(
             {
                 "service": "shop",
@@ -80,7 +81,7 @@ async def test_metrics_api_and_dashboard_show_what_status_shows(
                     "retry": {"base_delay": 60, "max_delay": 60},
                     "circuit": {"open_after": 0},
                 },
-                "http": {"bind": f"127.0.0.1:{port}", "token": "${ROUTER_HTTP_TOKEN}"},
+                "http": {"bind": f"127.0.0.1:{port}", "token": "${ROUTER_HTTP_TOKEN}", **http},
             }
         )
     )
@@ -88,11 +89,28 @@ async def test_metrics_api_and_dashboard_show_what_status_shows(
     async with outbox.transaction() as tx:
         await tx.stage(*(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in range(10)))
     await outbox.close()
-
-    serving = Serving(tmp_path, {"ROUTER_HTTP_TOKEN": TOKEN})
+    serving = Serving(folder, {"ROUTER_HTTP_TOKEN": TOKEN})
     try:
         await asyncio.to_thread(serving.wait_for, "router.started")
-        assert len(await nats_streams.messages(internal[0], 10)) == 10
+    except BaseException:
+        serving.stop()
+        raise
+    return internal[0], serving
+
+
+def partner_circuit_open(port: int) -> bool:
+    """/readyz (open to probes) lists the partner's circuit as open."""
+    _, body = get(port, "/readyz")
+    return bool(json.loads(body)["partner_circuits"].get("main/partner") == "open")
+
+
+async def test_metrics_api_and_dashboard_show_what_status_shows(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    port = free_port()
+    internal, serving = await serve_with_partner_down(pg_url, nats_streams, tmp_path, port)
+    try:
+        assert len(await nats_streams.messages(internal, 10)) == 10
 
         def partner_failed() -> bool:
             status, body = get(port, "/api/outbox", TOKEN)
@@ -101,12 +119,24 @@ async def test_metrics_api_and_dashboard_show_what_status_shows(
 
         await until(partner_failed)
 
-        assert get(port, "/healthz")[0] == 200  # open: probes carry no token
+        await until(lambda: partner_circuit_open(port))
+        health_status, health = get(port, "/healthz")  # open: probes carry no token
+        assert health_status == 200
+        assert json.loads(health)["partner_circuits"] == {"main/partner": "open"}
         assert get(port, "/metrics")[0] == 401
         assert get(port, "/api/outbox", "wrong")[0] == 401
+        # The internal broker delivers: a partner's outage leaves the router ready.
         ready_status, ready = get(port, "/readyz")
-        assert ready_status == 503
-        assert json.loads(ready)["open_circuits"] == ["main/partner"]
+        assert (ready_status, json.loads(ready)) == (
+            200,
+            {
+                "status": "ready",
+                "database_error": None,
+                "open_circuits": ["main/partner"],
+                "partner_circuits": {"main/partner": "open"},
+                "ready_requires_partners": False,
+            },
+        )
 
         status, metrics = get(port, "/metrics", TOKEN)
         assert status == 200
@@ -121,6 +151,9 @@ async def test_metrics_api_and_dashboard_show_what_status_shows(
             for figure in ("pending", "in_flight", "failed", "abandoned"):
                 assert served[target][figure] == rows[target][figure], (target, figure)
         assert rows["events"]["published"] == 10
+        # The API does not count published rows (a whole-table read on every poll): it says so.
+        assert served["events"]["published"] is None
+        assert '"published": null' in get(port, "/api/outbox", TOKEN)[1]
         assert served["events"]["since_start"]["published"] == 10
         assert sample(metrics, "router_published_total", "events") == 10
         assert sample(metrics, "router_commit_to_ack_seconds_count", "events") == 10
@@ -140,6 +173,33 @@ async def test_metrics_api_and_dashboard_show_what_status_shows(
     assert '<div class="label">retrying</div><div class="value">10</div>' in dom
     assert "cannot connect to NATS" in dom  # the latest errors table
     assert page.stat().st_size > 10_000
+
+
+async def test_a_partners_open_circuit_fails_readiness_when_partners_are_required(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    port = free_port()
+    _, serving = await serve_with_partner_down(
+        pg_url, nats_streams, tmp_path, port, ready_requires_partners=True
+    )
+    try:
+        await until(lambda: partner_circuit_open(port))
+        ready_status, ready = get(port, "/readyz")
+        health_status, health = get(port, "/healthz")
+    finally:
+        serving.stop()
+    assert (ready_status, json.loads(ready)) == (
+        503,
+        {
+            "status": "not ready",
+            "database_error": None,
+            "open_circuits": ["main/partner"],
+            "partner_circuits": {"main/partner": "open"},
+            "ready_requires_partners": True,
+        },
+    )
+    assert health_status == 200
+    assert json.loads(health)["partner_circuits"] == {"main/partner": "open"}
 
 
 def screenshot_dashboard(port: int, folder: Path) -> tuple[Path, str]:

@@ -279,6 +279,36 @@ def test_several_problems_are_reported_together() -> None:
     assert "  - outbox.batch_size:" in message
 
 
+def test_two_brokers_of_one_name_are_refused_with_both_lines() -> None:
+    text = VALID.replace("outbox:", "  events:\n    type: memory\noutbox:")
+    assert problems(text) == (
+        "config.yaml: 1 problem:\n  - brokers.events: key given twice (lines 6 and 18)"
+    )
+
+
+def test_a_nested_setting_given_twice_is_refused_without_its_values() -> None:
+    text = changed("batch_size: 100\n", "batch_size: 100\n  retry: {jitter: 0.1}\n") + (
+        f"  batch_size: {SECRET}\n"
+    )
+    assert problems(text) == (
+        "config.yaml: 2 problems:\n"
+        "  - outbox.retry: key given twice (lines 20 and 21)\n"
+        "  - outbox.batch_size: key given twice (lines 19 and 22)"
+    )
+
+
+def test_a_mapping_may_override_what_it_merges() -> None:
+    text = MINIMAL.replace(
+        "brokers: {events: {type: memory, internal: true}}",
+        "brokers:\n"
+        "  events: &memory {type: memory, internal: true, publish_timeout: 3}\n"
+        "  partner: {<<: *memory, internal: false}\n",
+    )
+    config = parse_config(text, env={})
+    assert config.brokers["partner"].publish_timeout == 3
+    assert not config.brokers["partner"].internal
+
+
 @pytest.mark.parametrize(
     ("old", "new"),
     [
