@@ -4,6 +4,8 @@ Short blips are ridden out by each row's own retries. When a broker stays unreac
 ``open_after`` seconds, the circuit opens: the processor claims nothing, so no row spends an
 attempt on an outage, and it probes the broker (connect + ping) at growing intervals instead.
 The first probe that succeeds closes the circuit and delivery resumes where it stopped.
+``reason`` keeps the latest failure (the broker's own words: "cannot connect", "stream 'X' does
+not exist ...") while the target is failing or open.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Circuit:
         self._rand = rand
         self._labels = labels or {}
         self.state: State = "closed"
+        self.reason: str | None = None
         self.unreachable_since: float | None = None
         self.probes = 0
         self.next_probe_at: float | None = None
@@ -55,6 +58,7 @@ class Circuit:
     def unreachable(self, error: str) -> None:
         """The broker could not be reached; open once that has lasted ``open_after``."""
         now = self._clock()
+        self.reason = error
         if self.unreachable_since is None:
             self.unreachable_since = now
         if self.state == "closed" and now - self.unreachable_since >= self.settings.open_after:
@@ -82,11 +86,13 @@ class Circuit:
                 },
             )
         self.state = "closed"
+        self.reason = None
         self.unreachable_since = None
         self.next_probe_at = None
 
     def probe_failed(self, error: str) -> None:
         """A probe failed: wait longer before the next."""
+        self.reason = error
         self._schedule_probe(self._clock())
         log.info(
             "circuit.probe_failed",

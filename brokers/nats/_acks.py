@@ -13,8 +13,10 @@ Here every publish of a connection names ``<inbox>.<n>`` as its reply subject, a
 subscription on ``<inbox>.*`` turns each reply into a ``PublishResult``:
 
 - a PubAck (``{"stream": ..., "seq": ...}``, possibly ``"duplicate": true``): acknowledged;
-- status 503, no responders: no stream captures the subject right now (JetStream restarting,
-  the stream deleted or not yet created): retryable;
+- status 503, no responders, or a "stream not found" error: no stream captures the subject
+  right now (JetStream restarting, the stream deleted or not yet created): retryable, and
+  counted in the window's ``no_stream`` so the adapter can look for the stream on that
+  failure path alone;
 - ``{"error": {"code": 400, ...}}``: JetStream refuses this message as it is: not retryable;
   any other error code: retryable.
 
@@ -39,10 +41,16 @@ from nats.aio.client import Client
 
 from brokers._protocol import PublishResult
 
-__all__ = ["ROUTED", "AckInbox", "AckWindow", "RoutingClient", "new_client"]
+__all__ = ["NO_STREAM", "ROUTED", "AckInbox", "AckWindow", "RoutingClient", "new_client"]
 
 _NO_RESPONDERS = "503"
 _NO_RESPONDERS_LINE = b"NATS/1.0 503"
+_STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"
+
+NO_STREAM = PublishResult.failed(
+    "no stream captures the subject (JetStream unavailable, or the stream is missing)",
+    retryable=True,
+)
 
 
 def _routable() -> bool:
@@ -86,12 +94,13 @@ def new_client() -> Any:
 class AckWindow:
     """The answers awaited for one window of publishes, in publish order."""
 
-    __slots__ = ("done", "remaining", "results", "tokens")
+    __slots__ = ("done", "no_stream", "remaining", "results", "tokens")
 
     def __init__(self) -> None:
         self.results: list[PublishResult | None] = []
         self.tokens: list[str] = []
         self.remaining = 0
+        self.no_stream = 0  # answers that found no stream (each is ``NO_STREAM``)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -147,7 +156,9 @@ class AckInbox:
         if entry is None:  # late: its window gave up on it
             return
         window, index = entry
-        window.results[index] = _outcome(data, no_responders)
+        result = window.results[index] = _outcome(data, no_responders)
+        if result is NO_STREAM:
+            window.no_stream += 1
         window.remaining -= 1
         if window.remaining == 0 and not window.done.done():
             window.done.set_result(None)
@@ -155,10 +166,7 @@ class AckInbox:
 
 def _outcome(data: bytes, no_responders: bool) -> PublishResult:
     if no_responders:
-        return PublishResult.failed(
-            "no stream captures the subject (JetStream unavailable, or the stream is missing)",
-            retryable=True,
-        )
+        return NO_STREAM
     try:
         answer = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -166,6 +174,8 @@ def _outcome(data: bytes, no_responders: bool) -> PublishResult:
     error = answer.get("error") if isinstance(answer, dict) else None
     if error is None:
         return PublishResult.acked()
+    if error.get("err_code") == _STREAM_NOT_FOUND:
+        return NO_STREAM
     code = error.get("code")
     text = f"{error.get('description', 'error')} (code {code}, err_code {error.get('err_code')})"
     if code == 400:

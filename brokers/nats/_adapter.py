@@ -17,9 +17,16 @@ true when things break:
 
 The stream was checked at connect (it exists and captures the configured subjects), so
 messages carry no ``Nats-Expected-Stream`` header: it would cost the client and the server
-work on every message to repeat that check. A message NATS cannot carry as it is (a header
-name outside the token characters, or over the server's ``max_payload``) is refused on its
-own, not retried; the rest of the batch still goes (see ``brokers.nats._frames``).
+work on every message to repeat that check. If the stream is deleted while the router runs,
+JetStream answers "no responders": only then, on that failure path, the adapter looks for the
+stream. With ``stream.create`` on it makes the stream again and sends those messages once
+more at once; otherwise (or if that fails) ``publish`` raises ``BrokerUnavailable("stream ...
+does not exist ...")``, which opens the target's circuit instead of spending every row's
+attempts, and the circuit's probe (a connect) finds the stream once it is back.
+
+A message NATS cannot carry as it is (a header name outside the token characters, or over the
+server's ``max_payload``) is refused on its own, not retried; the rest of the batch still goes
+(see ``brokers.nats._frames``).
 
 This adapter talks to nats-py directly rather than through FastStream: FastStream's connect
 retries and reconnects on its own, and its ``publish`` awaits each ack in turn (about twice
@@ -43,7 +50,7 @@ from nats.js.api import StorageType, StreamConfig
 from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats import _frames
-from brokers.nats._acks import AckInbox, AckWindow, new_client
+from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, new_client
 from brokers.nats._settings import NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable
 
@@ -162,7 +169,9 @@ class NatsBroker:
                 break
         return results
 
-    async def _publish_window(self, window: Sequence[OutgoingMessage]) -> list[PublishResult]:
+    async def _publish_window(
+        self, window: Sequence[OutgoingMessage], *, recover: bool = True
+    ) -> list[PublishResult]:
         client, acks = self._client, self._acks
         refused: dict[int, PublishResult] = {}
         frames: list[bytes] = []
@@ -196,7 +205,48 @@ class NatsBroker:
             await self.close()
             raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
         results = iter(await self._collect(answers))
-        return [refused[i] if i in refused else next(results) for i in range(len(window))]
+        outcome = [refused[i] if i in refused else next(results) for i in range(len(window))]
+        if answers.no_stream and recover:
+            return await self._resend_without_stream(window, outcome)
+        return outcome
+
+    async def _resend_without_stream(
+        self, window: Sequence[OutgoingMessage], outcome: list[PublishResult]
+    ) -> list[PublishResult]:
+        """Some messages found no stream: make sure it exists (re-created if it was deleted
+        and stream.create allows), then send those messages once more."""
+        again = [i for i, result in enumerate(outcome) if result is NO_STREAM]
+        try:
+            await self._restore_stream()
+            retried = await self._publish_window([window[i] for i in again], recover=False)
+        except BrokerError as exc:
+            if any(result.ok for result in outcome):
+                return outcome  # what was acknowledged stays so; the rest waits for a retry
+            if isinstance(exc, BrokerUnavailable):
+                raise
+            raise BrokerUnavailable(str(exc)) from exc
+        # Those messages were not stored, and a window never holds two messages of one stream
+        # key (the delivery sends waves), so sending them now is what a retry would do, sooner.
+        for i, result in zip(again, retried, strict=True):
+            outcome[i] = result
+        return outcome
+
+    async def _restore_stream(self) -> None:
+        """Check the stream again, creating it if it is missing and stream.create is on."""
+        async with self._connecting:  # one batch re-creates it; a concurrent one finds it
+            if not self._connected():
+                raise BrokerUnavailable(f"{self.name}: NATS connection closed")
+            name = self.settings.stream.name
+            try:
+                # Bounded like a connect, so that this and the resend fit in publish_limit.
+                async with asyncio.timeout(self.settings.connect_timeout):
+                    created = await self._ensure_stream(self._js)
+            except TimeoutError:
+                raise BrokerUnavailable(
+                    f"{self.name}: JetStream did not answer about stream {name!r}"
+                ) from None
+        if created:
+            log.warning("nats.stream.recreated", extra={"broker": self.name, "stream": name})
 
     async def ping(self) -> None:
         """Round-trip to the server (JetStream account info)."""
@@ -238,7 +288,9 @@ class NatsBroker:
             raise BrokerUnavailable(f"{self.name}: {reason}")
         return results
 
-    async def _ensure_stream(self, js: Any) -> None:
+    async def _ensure_stream(self, js: Any) -> bool:
+        """Create the stream if it is missing (and allowed), else check its subjects; True if
+        it was created."""
         wanted = self.settings.stream
         try:
             info = await js.stream_info(wanted.name)
@@ -263,7 +315,7 @@ class NatsBroker:
                     f"{self.name}: cannot create stream {wanted.name!r}: {exc.description}"
                 ) from exc
             log.info("nats.stream.created", extra={"broker": self.name, "stream": wanted.name})
-            return
+            return True
         except _ANSWER_ERRORS as exc:
             raise BrokerUnavailable(
                 f"{self.name}: cannot read stream {wanted.name!r}: {describe(exc)}"
@@ -275,3 +327,4 @@ class NatsBroker:
                 f"{self.name}: stream {wanted.name!r} exists with subjects {have}, "
                 f"which do not cover {missing}"
             )
+        return False
