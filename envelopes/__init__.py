@@ -8,6 +8,7 @@ from envelopes.errors import (
     EnvelopeError,
     PublishError,
     RouterError,
+    SchemaError,
     StagingError,
 )
 from envelopes.identify import message_id_of
@@ -46,6 +47,7 @@ __all__ = [
     "Profile",
     "PublishError",
     "RouterError",
+    "SchemaError",
     "StagingError",
     "WireMessage",
     "check_cloudevents_extensions",

@@ -12,7 +12,9 @@ raise from it while imports keep flowing one way (``envelopes`` <- ``brokers`` <
     │                          whether trying again can help)
     ├── EnvelopeError          an envelope cannot be built, parsed or rendered
     ├── StagingError           an event was rejected inside the caller's transaction
-    └── DatabaseError          the outbox table is missing or the database cannot be reached
+    └── DatabaseError          the database cannot be reached, or a statement failed
+        └── SchemaError        the router's tables are missing or older than this router
+                               (run ``router init-db``)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "EnvelopeError",
     "PublishError",
     "RouterError",
+    "SchemaError",
     "StagingError",
 ]
 
@@ -63,3 +66,7 @@ class StagingError(RouterError):
 
 class DatabaseError(RouterError):
     """The database cannot be reached, or the outbox table is not there."""
+
+
+class SchemaError(DatabaseError):
+    """The router's tables are missing, or at an older migration than this router needs."""

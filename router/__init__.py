@@ -18,6 +18,7 @@ from router.errors import (
     EnvelopeError,
     PublishError,
     RouterError,
+    SchemaError,
     StagingError,
 )
 from router.events import Event, EventSpec, correlation, current_correlation_id
@@ -43,6 +44,7 @@ __all__ = [
     "RetrySettings",
     "RouterConfig",
     "RouterError",
+    "SchemaError",
     "StagingError",
     "Supervisor",
     "Transaction",

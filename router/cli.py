@@ -25,7 +25,7 @@ from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from envelopes import ConfigError, RouterError
+from envelopes import ConfigError, RouterError, SchemaError
 from router import __version__, operations
 from router._logs import setup_logging
 from router._secrets import Redactor, secrets_of
@@ -74,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]
     try:
         return _run(command(config, args, redactor))
+    except SchemaError as exc:
+        # Not a passing fault: nothing will work until the operator runs init-db.
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
     except RouterError as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
         return EXIT_FAILED

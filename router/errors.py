@@ -8,6 +8,7 @@ RouterError
 ├── EnvelopeError
 ├── StagingError
 └── DatabaseError
+    └── SchemaError
 """
 
 from envelopes.errors import (
@@ -18,6 +19,7 @@ from envelopes.errors import (
     EnvelopeError,
     PublishError,
     RouterError,
+    SchemaError,
     StagingError,
 )
 
@@ -29,5 +31,6 @@ __all__ = [
     "EnvelopeError",
     "PublishError",
     "RouterError",
+    "SchemaError",
     "StagingError",
 ]

@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from envelopes import DatabaseError
 from router._db import create_engine, sqlite_path
+from router._store.base import VERSION_TABLE
 from router.config import DatabaseSettings
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
 ]
 
 MIGRATIONS = str(Path(__file__).with_name("migrations"))
-VERSION_TABLE = "router_alembic_version"
 
 
 @dataclass(frozen=True, slots=True)

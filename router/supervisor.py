@@ -16,11 +16,11 @@ import os
 import random
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from brokers import Broker, BrokerSettings, create_broker
-from envelopes import RouterError
+from envelopes import DatabaseError, RouterError, SchemaError
 from router._embedded import embedded_brokers
 from router._local import database_key, register
 from router._store import OutboxStore, open_store
@@ -31,7 +31,14 @@ from router.operations import cleanup
 from router.processor import Processor
 from router.web import StatusService
 
-__all__ = ["BrokerFactory", "Supervisor", "cleanup_loop", "new_worker_id"]
+__all__ = [
+    "BrokerFactory",
+    "Supervisor",
+    "check_config_schemas",
+    "check_schemas",
+    "cleanup_loop",
+    "new_worker_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,7 @@ class Supervisor:
     async def start(self) -> None:
         """Start embedded brokers, watchers, HTTP and processors; returns once they run."""
         self._loop = asyncio.get_running_loop()
+        await check_schemas(self.stores)
         if self._start_embedded:
             await self._exit_stack.enter_async_context(embedded_brokers(self.config))
         for name, store in self.stores.items():
@@ -136,8 +144,10 @@ class Supervisor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set, then shut down gracefully."""
-        await self.start()
         try:
+            # Inside the try: a start that fails half way still closes what it opened (an
+            # open SQLite connection's thread would keep the process alive).
+            await self.start()
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait([stopped, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
@@ -194,6 +204,38 @@ class Supervisor:
             await store.close()
         await self._exit_stack.aclose()
         log.info("router.stopped", extra={"worker": self.worker_id})
+
+
+async def check_schemas(stores: Mapping[str, OutboxStore], timeout: float = 5.0) -> None:
+    """Raise ``SchemaError`` if a database's router tables are missing or older than this code.
+
+    Without this, every claim would fail with "function router_claim(...) does not exist"
+    forever. A database that cannot be reached now is only logged: its processors keep
+    retrying until it is back, as they do for an outage later on.
+    """
+    names = list(stores)
+    results = await asyncio.gather(
+        *(asyncio.wait_for(stores[n].check_schema(), timeout) for n in names),
+        return_exceptions=True,
+    )
+    for name, result in zip(names, results, strict=True):
+        if isinstance(result, SchemaError):
+            raise result
+        if isinstance(result, DatabaseError | TimeoutError):
+            error = str(result) or f"no answer within {timeout:g} s"
+            log.warning("database.unreachable", extra={"database": name, "error": error})
+        elif isinstance(result, BaseException):
+            raise result
+
+
+async def check_config_schemas(config: RouterConfig) -> None:
+    """``check_schemas`` for every database of a config, on connections of its own."""
+    stores = {name: open_store(name, db, config.base_dir) for name, db in config.databases.items()}
+    try:
+        await check_schemas(stores)
+    finally:
+        for store in stores.values():
+            await store.close()
 
 
 async def cleanup_loop(config: RouterConfig) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from router._embedded import embedded_brokers
 from router.config import RouterConfig
 from router.metrics import multiprocess_registry
-from router.supervisor import cleanup_loop
+from router.supervisor import check_config_schemas, cleanup_loop
 from router.web import StatusService
 
 __all__ = ["WorkerPool"]
@@ -70,6 +70,7 @@ class WorkerPool:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; then stop every worker within the grace period."""
+        await check_config_schemas(self.config)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(embedded_brokers(self.config))
             metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="router-metrics-"))

@@ -7,6 +7,7 @@ from pathlib import Path
 from router._db import asyncpg_dsn, sqlite_path
 from router._store.base import (
     OPEN_STATUSES,
+    SCHEMA_REVISION,
     Claim,
     ClaimedRow,
     Marks,
@@ -18,6 +19,7 @@ from router.config import DatabaseSettings
 
 __all__ = [
     "OPEN_STATUSES",
+    "SCHEMA_REVISION",
     "Claim",
     "ClaimedRow",
     "Marks",

@@ -7,9 +7,43 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["OPEN_STATUSES", "Claim", "ClaimedRow", "Marks", "OutboxStore", "Wake", "new_token"]
+from envelopes import SchemaError
+
+__all__ = [
+    "OPEN_STATUSES",
+    "SCHEMA_REVISION",
+    "VERSION_TABLE",
+    "Claim",
+    "ClaimedRow",
+    "Marks",
+    "OutboxStore",
+    "Wake",
+    "new_token",
+    "schema_problem",
+]
 
 OPEN_STATUSES = ("pending", "processing", "failed")
+
+# The migration this code's SQL needs. Read from the version table at start instead of asking
+# alembic, which would cost a fifth of a second of imports before the first claim;
+# tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
+SCHEMA_REVISION = "0007"
+VERSION_TABLE = "router_alembic_version"
+
+
+def schema_problem(database: str, revision: str | None) -> SchemaError | None:
+    """The error for a database at ``revision`` (None: never migrated), or None when current."""
+    if revision == SCHEMA_REVISION:
+        return None
+    if revision is None:
+        return SchemaError(
+            f"database {database!r} has no router tables; run `router init-db` first"
+        )
+    return SchemaError(
+        f"database {database!r} is at schema {revision}, this router needs "
+        f"{SCHEMA_REVISION}; run `router init-db` to upgrade it"
+    )
+
 
 Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
@@ -87,8 +121,9 @@ class OutboxStore(Protocol):
     async def watch(self, wake: Wake) -> None:
         """Call ``wake`` whenever rows may have been added; runs until cancelled."""
 
-    async def ping(self) -> None:
-        """Raise ``DatabaseError`` unless the database answers and has the outbox table."""
+    async def check_schema(self) -> None:
+        """Raise ``SchemaError`` unless the router's tables are at ``SCHEMA_REVISION``
+        (``DatabaseError`` when the database cannot be reached)."""
 
     async def close(self) -> None:
         """Close connections."""

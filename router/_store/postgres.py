@@ -18,7 +18,15 @@ from typing import Any
 import asyncpg
 
 from envelopes import DatabaseError
-from router._store.base import Claim, ClaimedRow, Marks, Wake, new_token
+from router._store.base import (
+    VERSION_TABLE,
+    Claim,
+    ClaimedRow,
+    Marks,
+    Wake,
+    new_token,
+    schema_problem,
+)
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -126,12 +134,15 @@ class PostgresStore:
         async with self._connection() as conn:
             await conn.execute(RECORD_CIRCUIT, target, state, worker, error)
 
-    async def ping(self) -> None:
-        """Check the server answers and the outbox table exists."""
+    async def check_schema(self) -> None:
+        """Check the server answers and the router's tables are at this router's migration."""
         async with self._connection() as conn:
-            exists = await conn.fetchval("SELECT to_regclass('router_outbox') IS NOT NULL")
-        if not exists:
-            raise DatabaseError(f"{self.name}: no router_outbox table; run 'router init-db'")
+            revision = None
+            if await conn.fetchval(f"SELECT to_regclass('{VERSION_TABLE}') IS NOT NULL"):
+                revision = await conn.fetchval(f"SELECT version_num FROM {VERSION_TABLE}")
+        problem = schema_problem(self.name, revision)
+        if problem is not None:
+            raise problem
 
     async def watch(self, wake: Wake) -> None:
         """LISTEN for new rows; reconnect with backoff, and wake everyone after a gap."""
@@ -214,10 +225,9 @@ class PostgresStore:
         try:
             async with pool.acquire() as conn:
                 yield conn
-        except asyncpg.UndefinedTableError:
-            raise DatabaseError(
-                f"{self.name}: no router_outbox table; run 'router init-db'"
-            ) from None
+        except (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError):
+            # Tables or functions dropped or rolled back under a running router.
+            raise schema_problem(self.name, None) or DatabaseError(self.name) from None
         except _DB_ERRORS as exc:
             raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
 

@@ -20,7 +20,15 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
-from router._store.base import Claim, ClaimedRow, Marks, Wake, new_token
+from router._store.base import (
+    VERSION_TABLE,
+    Claim,
+    ClaimedRow,
+    Marks,
+    Wake,
+    new_token,
+    schema_problem,
+)
 
 __all__ = ["SqliteStore"]
 
@@ -164,15 +172,23 @@ class SqliteStore:
         async with self._transaction() as db:
             await db.execute(RECORD_CIRCUIT, (target, state, stamp, worker, error))
 
-    async def ping(self) -> None:
-        """Check the file opens and holds the outbox table."""
+    async def check_schema(self) -> None:
+        """Check the file opens and its router tables are at this router's migration."""
+        if not self.path.exists():
+            raise schema_problem(self.name, None) or DatabaseError(self.name)
         async with self._lock:
             db = await self._open()
             cursor = await db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'router_outbox'"
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (VERSION_TABLE,)
             )
-            if await cursor.fetchone() is None:
-                raise DatabaseError(f"{self.name}: no router_outbox table; run 'router init-db'")
+            revision = None
+            if await cursor.fetchone() is not None:
+                cursor = await db.execute(f"SELECT version_num FROM {VERSION_TABLE}")
+                row = await cursor.fetchone()
+                revision = row[0] if row else None
+        problem = schema_problem(self.name, revision)
+        if problem is not None:
+            raise problem
 
     async def watch(self, wake: Wake) -> None:
         """Wake the processors whenever the database or its WAL file changes."""
