@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["describe"]
+import errno
+
+__all__ = ["describe", "refused"]
 
 
 def describe(exc: BaseException) -> str:
@@ -11,3 +13,21 @@ def describe(exc: BaseException) -> str:
     first = text.splitlines()[0] if text else ""
     name = type(exc).__name__
     return f"{name}: {first}" if first and first != name else name
+
+
+def refused(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception it was raised from, is a refused connection.
+
+    Client libraries wrap the socket's error in their own (redis-py's ``ConnectionError``,
+    aiormq's ``AMQPConnectionError``), whose text differs by event loop.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionRefusedError) or (
+            isinstance(current, OSError) and current.errno == errno.ECONNREFUSED
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
+from types import TracebackType
 from typing import Any
 
 from router._secrets import RedactingFilter, Redactor
@@ -67,7 +68,12 @@ def _text(value: Any) -> str:
 
 
 def setup_logging(level: str = "info", fmt: str = "text", redactor: Redactor | None = None) -> None:
-    """Send router logs to stderr in ``fmt`` ('text' or 'json') at ``level``."""
+    """Send every log record to stderr in ``fmt`` ('text' or 'json') at ``level``, redacted.
+
+    One handler, on the root logger: the router's records, the client libraries' (which
+    propagate to it), Python warnings and an uncaught exception all come out in one format.
+    Calling it again (once the config, and with it the secrets, is known) replaces the handler.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(RedactingFilter(redactor or Redactor()))
@@ -76,9 +82,87 @@ def setup_logging(level: str = "info", fmt: str = "text", redactor: Redactor | N
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # Driver chatter is rarely useful at info; keep it for --log-level debug.
-    for noisy in ("faststream", "nats", "aiosqlite", "asyncio", "alembic"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # Driver chatter (a line per connection attempt) is rarely useful at info.
+    chatty = logging.DEBUG if root.level <= logging.DEBUG else max(logging.WARNING, root.level)
+    for name in _LIBRARIES:
+        _route_to_root(name, chatty)
+    # Every SQL statement, every row (payloads included), every SQLite call: never wanted here.
+    for name in ("sqlalchemy", "aiosqlite"):
+        _route_to_root(name, max(logging.WARNING, root.level))
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+
+
+# The client libraries the router may load (most of them lazily, after this setup).
+_LIBRARIES = (
+    "aio_pika",
+    "aiormq",
+    "aiokafka",
+    "faststream",
+    "redis",
+    "nats",
+    "azure",
+    "asyncio",
+    "asyncpg",
+    "alembic",
+    "uvicorn",
+    "opentelemetry",
+)
+
+
+class _LibraryLogger(logging.Logger):
+    """A client library's logger made before the library is imported: the CLI's settings hold.
+
+    FastStream, when imported, gives its logger a handler of its own (coloured text on stderr,
+    unredacted) and stops it propagating; and brokers are imported lazily, after the setup.
+    This logger ignores both, and level changes, so its records reach the root's handler.
+    """
+
+    @property
+    def propagate(self) -> bool:
+        """Always: the root's handler writes every record."""
+        return True
+
+    @propagate.setter
+    def propagate(self, value: bool) -> None:
+        pass
+
+    def addHandler(self, hdlr: logging.Handler) -> None:  # noqa: N802 - the stdlib's name
+        """Ignored: the root's handler writes every record."""
+
+    def setLevel(self, level: int | str) -> None:  # noqa: N802 - the stdlib's name
+        """Ignored: ``setup_logging`` sets it."""
+
+
+def _route_to_root(name: str, level: int) -> None:
+    """Make ``name``'s records (and its children's) go to the root's handler at ``level``."""
+    manager = logging.getLogger().manager
+    if not isinstance(manager.loggerDict.get(name), logging.Logger):
+        previous = logging.getLoggerClass()
+        logging.setLoggerClass(_LibraryLogger)
+        try:
+            logging.getLogger(name)
+        finally:
+            logging.setLoggerClass(previous)
+    for logger_name, logger in list(manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and (
+            logger_name == name or logger_name.startswith(f"{name}.")
+        ):
+            for own in list(logger.handlers):
+                if not isinstance(own, logging.NullHandler):
+                    logger.removeHandler(own)
+            logger.propagate = True
+    logging.Logger.setLevel(logging.getLogger(name), level)
+
+
+def _log_uncaught(
+    kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+) -> None:
+    """A crash's traceback as one record, in the log format and redacted."""
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, traceback)
+        return
+    logging.getLogger("router").critical("router.crashed", exc_info=(kind, value, traceback))
 
 
 def redact_handlers(redactor: Redactor) -> None:

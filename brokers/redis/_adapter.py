@@ -39,6 +39,7 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
 )
 _NO_ANSWER: tuple[type[BaseException], ...] = (*_UNAVAILABLE, TimeoutError)
+_PING_FAILED: tuple[type[BaseException], ...] = (*_NO_ANSWER, redis.exceptions.RedisError)
 # Error replies that pass: memory freed, a failover or a load finished, a slot moved.
 _TRANSIENT: tuple[type[BaseException], ...] = (
     redis.exceptions.OutOfMemoryError,
@@ -68,8 +69,22 @@ class RedisBroker(FastStreamAdapter):
         return FastStreamRedis(self.settings.url.get_secret_value(), **options)
 
     async def _prepare(self, broker: Any) -> None:
-        if not await broker.ping(timeout=self.settings.connect_timeout):
-            raise BrokerUnavailable("no answer to PING")
+        await self._ping(broker)
+
+    async def ping(self) -> None:
+        """PING; a failure says why (refused, timed out, refused the password)."""
+        broker = await self._connected()
+        try:
+            await self._ping(broker)
+        except _PING_FAILED as exc:
+            raise BrokerUnavailable(
+                f"{self.name}: Redis does not answer: {self._reason(exc)}"
+            ) from exc
+
+    async def _ping(self, broker: Any) -> None:
+        # FastStream's ping() turns every failure into False; the client's raises what it was.
+        client = await broker.connect()  # the redis client; it connects on its first command
+        await asyncio.wait_for(client.ping(), self.settings.connect_timeout)
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """XADD every message, a pipeline per wave; streams in order."""

@@ -1,5 +1,6 @@
 """Redis-only: error replies that pass (out of memory, a failover, a load) are retried, not
-abandoned; only a reply about the message itself (a key of the wrong type) is final."""
+abandoned; only a reply about the message itself (a key of the wrong type) is final; a refused
+connection says so."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from brokers import create_broker
+from brokers.redis import RedisSettings
+from envelopes import BrokerUnavailable
 from tests.contract.harnesses import REDIS_URL, RedisHarness
 from tests.contract.test_contract import message
-from tests.services import REDIS, require
+from tests.services import REDIS, free_port, require
 
 
 @pytest.fixture
@@ -45,3 +48,24 @@ async def test_an_out_of_memory_reply_is_retryable_and_holds_back_its_stream(
     assert "maxmemory" in (results[0].error or "")
     assert not results[1].ok and results[1].retryable  # not sent behind its predecessor
     assert "not sent" in (results[1].error or "")
+
+
+async def test_a_refused_connection_says_so_with_the_address_and_without_the_password() -> None:
+    port = free_port()
+    settings = RedisSettings.model_validate(
+        {
+            "type": "redis",
+            "url": f"redis://:Redis-S3cret@127.0.0.1:{port}/0",
+            "destination": "shop:{event_type}",
+            "connect_timeout": 1,
+        }
+    )
+    broker = create_broker("cache", settings)
+    try:
+        with pytest.raises(BrokerUnavailable) as caught:
+            await broker.connect()
+    finally:
+        await broker.close()
+    assert str(caught.value) == (
+        f"cache: cannot connect to Redis: redis://***@127.0.0.1:{port}/0: connection refused"
+    )
