@@ -1,14 +1,21 @@
 """stage: what stage() adds to the application's transaction.
 
-    python -m bench.stage [--transactions 3000] [--repeat 3]
+    python -m bench.stage [--transactions 3000] [--bulk-transactions 100] [--repeat 3]
 
-In one SQLAlchemy AsyncSession, each transaction writes one event's rows and commits, either
+In one SQLAlchemy AsyncSession, each transaction writes its events' rows and commits, either
 through ``outbox.stage()`` (one INSERT with the NOTIFY, and the stream-key lock) or by
-inserting the very same rows by hand (a plain multi-row INSERT, no NOTIFY). With 1 target
-(internal only) and 3 targets (internal + 2 partners). The two variants take turns every 50
-transactions, so drift (the disk's fsync time above all) hits them alike; the figure is the
-mean time per transaction and the ratio of stage() to the hand-written insert, median of the
-rounds.
+inserting the very same rows by hand (a plain multi-row INSERT, no NOTIFY). Two cases:
+
+- one event per transaction, with 1 target (internal only) and 3 targets (internal + 2
+  partners);
+- keyed bulk: 1,000 events over 1,000 distinct stream keys per transaction, in one
+  ``stage(..., stream_keys=...)`` call (one lock per key), 1 target. The events and keys are
+  made once, outside the clock; each transaction still gets new ids and envelopes.
+
+The two variants take turns every block of transactions (50 single-event ones, 5 bulk ones),
+so drift (the disk's fsync time above all) hits them alike; the figure is the mean time per
+transaction and the ratio of stage() to the hand-written insert, median of the rounds, with
+the lowest and highest round's ratio as its spread.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench._common import fresh_database, median, order, print_table, write_results
-from router import Outbox
+from router import Event, Outbox
 from router.staging import StagingOptions
 from tests.conftest import make_config
 
@@ -34,6 +43,7 @@ BROKERS: dict[int, dict[str, Any]] = {
         "b": {"type": "memory"},
     },
 }
+BULK_EVENTS = 1000
 
 
 FIELDS = (
@@ -44,6 +54,31 @@ FIELDS = (
     ("k", "stream_key"),
     ("v", "envelope"),
 )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One line of the table: how many targets, and what one transaction stages."""
+
+    name: str
+    targets: int
+    bulk: bool
+    block: int
+
+
+CASES = (
+    Case("1_targets", 1, bulk=False, block=50),
+    Case("3_targets", 3, bulk=False, block=50),
+    Case("keyed_bulk_1000", 1, bulk=True, block=5),
+)
+BULK_KEYS = [f"o-{n}" for n in range(BULK_EVENTS)]
+
+
+def work(case: Case, i: int, bulk: list[Event]) -> tuple[list[Event], StagingOptions]:
+    """What the i-th transaction of a case stages: its events and their options."""
+    if case.bulk:
+        return bulk, StagingOptions(stream_keys=BULK_KEYS)
+    return [order(i)], StagingOptions(stream_key=f"o-{i}")
 
 
 def hand_insert(count: int) -> TextClause:
@@ -58,72 +93,102 @@ def hand_insert(count: int) -> TextClause:
     )
 
 
-async def run_pair(url: str, targets: int, transactions: int, block: int = 50) -> dict[bool, float]:
+async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]:
     """Mean seconds per transaction, by hand (True) and through stage() (False).
 
-    The two variants take turns every ``block`` transactions on one session, so a slow spell
-    of the disk (the commit's fsync is most of a transaction) hits both alike.
+    The two variants take turns every ``case.block`` transactions on one session, so a slow
+    spell of the disk (the commit's fsync is most of a transaction) hits both alike.
     """
-    outbox = Outbox(make_config({"main": url}, BROKERS[targets]))
+    outbox = Outbox(make_config({"main": url}, BROKERS[case.targets]))
     sessions = async_sessionmaker(outbox.engine(pool_size=1), class_=AsyncSession)
-    stager = outbox._stager
     spent = dict.fromkeys((True, False), 0.0)
+    bulk: list[Event] = [order(n) for n in range(BULK_EVENTS)] if case.bulk else []
     async with sessions() as session:
-        for first in range(0, transactions, block):
-            turn = (True, False) if (first // block) % 2 == 0 else (False, True)
+        if case.bulk:  # every round of the bulk case starts from the same, empty table
+            async with session.begin():
+                await session.execute(text("TRUNCATE router_outbox"))
+        for first in range(0, transactions, case.block):
+            turn = (True, False) if (first // case.block) % 2 == 0 else (False, True)
             for by_hand in turn:
                 started = time.perf_counter()
-                for i in range(first, min(first + block, transactions)):
-                    event = order(i)
+                for i in range(first, min(first + case.block, transactions)):
+                    events, options = work(case, i, bulk)
                     async with session.begin():
                         if by_hand:
-                            rows = stager.build_rows(
-                                "main", [event], StagingOptions(stream_key=f"o-{i}")
-                            )
-                            params = {
-                                f"{f}{n}": getattr(r, name)
-                                for n, r in enumerate(rows)
-                                for f, name in FIELDS
-                            }
-                            await session.execute(hand_insert(len(rows)), params)
+                            await insert_by_hand(outbox, session, events, options)
                         else:
-                            await outbox.stage(session, event, stream_key=f"o-{i}")
+                            await outbox.stage(
+                                session,
+                                *events,
+                                stream_key=options.stream_key,
+                                stream_keys=options.stream_keys,
+                            )
                 spent[by_hand] += time.perf_counter() - started
     await outbox.close()
     return {by_hand: seconds / transactions for by_hand, seconds in spent.items()}
+
+
+async def insert_by_hand(
+    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: StagingOptions
+) -> None:
+    """The rows stage() would write, built by its own stager, in a plain multi-row INSERT."""
+    rows = outbox._stager.build_rows("main", events, options)
+    params = {f"{f}{n}": getattr(r, name) for n, r in enumerate(rows) for f, name in FIELDS}
+    await session.execute(hand_insert(len(rows)), params)
 
 
 async def main() -> None:
     """Measure, print, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transactions", type=int, default=3000)
+    parser.add_argument("--bulk-transactions", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    results: dict[tuple[int, bool], list[float]] = {}
+    results: dict[tuple[str, bool], list[float]] = {}
     async with fresh_database("stage") as url:
         for _ in range(args.repeat):
-            for targets in (1, 3):
-                pair = await run_pair(url, targets, args.transactions)
+            for case in CASES:
+                count = args.bulk_transactions if case.bulk else args.transactions
+                pair = await run_pair(url, case, count)
                 for by_hand, seconds in pair.items():
-                    results.setdefault((targets, by_hand), []).append(seconds)
+                    results.setdefault((case.name, by_hand), []).append(seconds)
     rows, figures = [], {}
-    for targets in (1, 3):
-        hand = median(results[(targets, True)]) * 1e6
-        staged = median(results[(targets, False)]) * 1e6
-        figures[f"{targets}_targets"] = {
+    for case in CASES:
+        hands, stages = results[(case.name, True)], results[(case.name, False)]
+        hand, staged = median(hands) * 1e6, median(stages) * 1e6
+        ratios = [s / h for s, h in zip(stages, hands, strict=True)]
+        figures[case.name] = {
             "by_hand_us": round(hand, 1),
             "stage_us": round(staged, 1),
             "ratio": round(staged / hand, 3),
+            "ratio_min": round(min(ratios), 3),
+            "ratio_max": round(max(ratios), 3),
         }
-        rows.append((targets, f"{hand:,.0f}", f"{staged:,.0f}", f"{staged / hand:.2f}x"))
+        label = f"{case.targets} ({BULK_EVENTS:,} events, keyed)" if case.bulk else case.targets
+        rows.append(
+            (
+                label,
+                f"{hand:,.0f}",
+                f"{staged:,.0f}",
+                f"{staged / hand:.2f}x",
+                f"{min(ratios):.2f}-{max(ratios):.2f}x",
+            )
+        )
     print_table(
-        f"stage: one event per transaction, AsyncSession, median of {args.repeat} x "
-        f"{args.transactions:,} transactions",
-        ["targets", "rows by hand (us/tx)", "stage() (us/tx)", "ratio"],
+        f"stage: AsyncSession, median of {args.repeat} rounds x {args.transactions:,} "
+        f"transactions ({args.bulk_transactions:,} keyed bulk ones)",
+        ["targets", "rows by hand (us/tx)", "stage() (us/tx)", "ratio", "rounds"],
         rows,
     )
     path = write_results(
-        "stage", {"transactions": args.transactions, "repeat": args.repeat}, figures
+        "stage",
+        {
+            "transactions": args.transactions,
+            "bulk_transactions": args.bulk_transactions,
+            "bulk_events": BULK_EVENTS,
+            "repeat": args.repeat,
+        },
+        figures,
     )
     print(f"written to {path.relative_to(path.parents[2])}")
 
