@@ -3,7 +3,13 @@
 from brokers._factory import create_broker
 from brokers._lazy import MissingClient
 from brokers._protocol import Broker, OutgoingMessage, PublishResult
-from brokers._settings import BrokerSettings, EventFilter, EventRoute, redact_url
+from brokers._settings import (
+    BrokerSettings,
+    EmbeddedServer,
+    EventFilter,
+    EventRoute,
+    redact_url,
+)
 from brokers.memory import MemoryBroker, MemorySettings
 from brokers.settings import AnyBrokerSettings
 
@@ -11,6 +17,7 @@ __all__ = [
     "AnyBrokerSettings",
     "Broker",
     "BrokerSettings",
+    "EmbeddedServer",
     "EventFilter",
     "EventRoute",
     "MemoryBroker",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fnmatch
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, Self
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,12 +15,30 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from brokers._lazy import install_hint, missing_modules
 from envelopes import INTERNAL_ONLY_FIELDS, Profile
 
-__all__ = ["BrokerSettings", "EventFilter", "EventRoute", "redact_url"]
+__all__ = ["BrokerSettings", "EmbeddedServer", "EventFilter", "EventRoute", "redact_url"]
 
 PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
 _OMITTABLE = frozenset(
     {"stream", "correlation_id", "causation_id", "traceparent", "extensions", "headers"}
 )
+
+
+class EmbeddedServer(Protocol):
+    """A broker server the router runs itself (the embedded default's NATS)."""
+
+    address: str
+
+    async def start(self) -> None:
+        """Start it and wait until it accepts connections."""
+
+    async def stop(self) -> None:
+        """Stop it."""
+
+    async def port_open(self) -> bool:
+        """True when something accepts connections on its address."""
+
+    def owner_pid(self) -> int | None:
+        """The pid of a running server on this store started by a router; None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +183,19 @@ class BrokerSettings(BaseModel):
     def public_url(self) -> str:
         """The broker's address with credentials removed, for logs and status output."""
         return ""
+
+    def creates(self) -> str | None:
+        """What connecting creates when it is missing (``"stream 'EVENTS'"``); None: nothing."""
+        return None
+
+    def without_creating(self) -> Self:
+        """These settings with creating turned off, for checks that must change nothing."""
+        return self
+
+    def embedded_server(self, resolve: Callable[[str], Path]) -> EmbeddedServer | None:
+        """The server the router runs for this broker, if any (``resolve`` makes config paths
+        absolute)."""
+        return None
 
     def missing_client(self) -> str | None:
         """What to install when this kind's client library is missing; None when it is there.

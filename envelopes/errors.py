@@ -8,6 +8,8 @@ raise from it while imports keep flowing one way (``envelopes`` <- ``brokers`` <
     ├── ConfigError            invalid config.yaml (names the YAML path and the problem)
     ├── BrokerError
     │   ├── BrokerUnavailable  cannot reach or talk to the broker (always retryable)
+    │   │   └── MissingDestination  a stream/exchange the config names does not exist, and
+    │   │                      the broker's settings do not create it
     │   └── PublishError       the broker refused or failed one message (``retryable`` says
     │                          whether trying again can help)
     ├── EnvelopeError          an envelope cannot be built, parsed or rendered
@@ -25,6 +27,7 @@ __all__ = [
     "ConfigError",
     "DatabaseError",
     "EnvelopeError",
+    "MissingDestination",
     "PublishError",
     "RouterError",
     "SchemaError",
@@ -46,6 +49,13 @@ class BrokerError(RouterError):
 
 class BrokerUnavailable(BrokerError):
     """The broker cannot be reached, or the connection broke; retry later."""
+
+
+class MissingDestination(BrokerUnavailable):
+    """A stream, exchange or queue the config names does not exist, and is not created here.
+
+    A ``BrokerUnavailable``: the target's circuit opens instead of rows spending attempts.
+    """
 
 
 class PublishError(BrokerError):

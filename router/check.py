@@ -1,4 +1,8 @@
-"""``router check``: validate the config, then reach every database and broker."""
+"""``router check``: validate the config, then reach every database and broker.
+
+It changes nothing: a stream or exchange that ``router serve`` would create is reported as
+missing, with what serve would do; ``router check --create`` creates it.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from brokers import BrokerSettings, create_broker
-from brokers.nats import NatsSettings
-from envelopes import RouterError
-from router._embedded import embedded_brokers
+from envelopes import MissingDestination, RouterError
+from router._embedded import EmbeddedRun, embedded_brokers
 from router.config import RouterConfig
 from router.migrate import current_revision, head_revision
 
@@ -28,13 +31,20 @@ class CheckResult:
     detail: str
 
 
-async def run_checks(config: RouterConfig, timeout: float = 15.0) -> list[CheckResult]:
-    """Check all databases and brokers concurrently; each check has its own time limit."""
-    async with embedded_brokers(config, reuse_running=True):
-        return await _check_all(config, timeout)
+async def run_checks(
+    config: RouterConfig, timeout: float = 15.0, *, create: bool = False
+) -> list[CheckResult]:
+    """Check all databases and brokers concurrently; each check has its own time limit.
+
+    With ``create``, streams and exchanges the brokers' settings create are created now.
+    """
+    async with embedded_brokers(config, reuse_running=True) as embedded:
+        return await _check_all(config, timeout, embedded, create)
 
 
-async def _check_all(config: RouterConfig, timeout: float) -> list[CheckResult]:
+async def _check_all(
+    config: RouterConfig, timeout: float, embedded: dict[str, EmbeddedRun], create: bool
+) -> list[CheckResult]:
     checks = [
         _bounded(
             _check_database(config, name),
@@ -47,7 +57,7 @@ async def _check_all(config: RouterConfig, timeout: float) -> list[CheckResult]:
     ]
     checks += [
         _bounded(
-            _check_broker(config, name, settings),
+            _check_broker(name, settings, embedded.get(name), create),
             "broker",
             name,
             _broker_address(settings),
@@ -86,7 +96,27 @@ async def _check_database(config: RouterConfig, name: str) -> str:
     return f"reachable, schema {revision}"
 
 
-async def _check_broker(config: RouterConfig, name: str, settings: BrokerSettings) -> str:
+async def _check_broker(
+    name: str, settings: BrokerSettings, embedded: EmbeddedRun | None, create: bool
+) -> str:
+    creates = settings.creates()
+    detail = "reachable"
+    try:
+        await _reach(name, settings if create else settings.without_creating())
+    except MissingDestination:
+        if creates is None:
+            raise
+        # Missing, but serve would make it: not a failure, and check leaves it alone.
+        detail += f"; {creates} does not exist: serve creates it (or run router check --create)"
+    else:
+        if creates is not None:
+            detail += f", {creates} ready"
+    if embedded is not None:
+        detail += f" ({embedded.describe()})"
+    return detail
+
+
+async def _reach(name: str, settings: BrokerSettings) -> None:
     broker = create_broker(name, settings)
     try:
         await broker.connect()
@@ -94,12 +124,6 @@ async def _check_broker(config: RouterConfig, name: str, settings: BrokerSetting
     finally:
         with contextlib.suppress(Exception):
             await broker.close()
-    detail = "reachable"
-    if isinstance(settings, NatsSettings):
-        detail += f", stream {settings.stream.name} ready"
-        if settings.embedded is not None:
-            detail += " (embedded server)"
-    return detail
 
 
 def _broker_address(settings: BrokerSettings) -> str:

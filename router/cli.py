@@ -2,7 +2,7 @@
 
 router serve       run every processor until SIGINT/SIGTERM (--workers N: N processes)
 router init-db     create or upgrade the outbox table in every database
-router check       validate the config and reach every database and broker
+router check       validate the config and reach every database and broker (--create)
 router status      backlog, failures and circuits per target (--json)
 router requeue     abandoned (or failed) rows back to pending, with filters (--dry-run)
 router trace ID    every target's row of one event
@@ -128,7 +128,14 @@ def _parser() -> argparse.ArgumentParser:
     init_db.add_argument(
         "--database", action="append", help="only this database (repeatable; default: all)"
     )
-    commands.add_parser("check", help="validate config, reach every database and broker")
+    check = commands.add_parser(
+        "check", help="validate config, reach every database and broker (changes nothing)"
+    )
+    check.add_argument(
+        "--create",
+        action="store_true",
+        help="create the streams and exchanges that serve would create",
+    )
 
     status = commands.add_parser("status", help="backlog, failures and circuits per target")
     status.add_argument("--database", help="only this database")
@@ -244,7 +251,7 @@ async def _check(config: RouterConfig, args: argparse.Namespace, redactor: Redac
         f"config    {args.config}: ok ({len(config.databases)} database(s), "
         f"{len(config.brokers)} broker(s))"
     )
-    results = await run_checks(config)
+    results = await run_checks(config, create=args.create)
     width = max(len(r.name) for r in results)
     for r in results:
         status = "ok    " if r.ok else "FAILED"

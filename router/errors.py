@@ -4,6 +4,7 @@ RouterError
 ├── ConfigError
 ├── BrokerError
 │   ├── BrokerUnavailable
+│   │   └── MissingDestination
 │   └── PublishError (retryable)
 ├── EnvelopeError
 ├── StagingError
@@ -17,6 +18,7 @@ from envelopes.errors import (
     ConfigError,
     DatabaseError,
     EnvelopeError,
+    MissingDestination,
     PublishError,
     RouterError,
     SchemaError,
@@ -29,6 +31,7 @@ __all__ = [
     "ConfigError",
     "DatabaseError",
     "EnvelopeError",
+    "MissingDestination",
     "PublishError",
     "RouterError",
     "SchemaError",

@@ -52,7 +52,7 @@ from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats import _frames
 from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, new_client
 from brokers.nats._settings import NatsSettings, subject_matches
-from envelopes import BrokerError, BrokerUnavailable
+from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 
 __all__ = ["MSG_ID_HEADER", "NatsBroker"]
 
@@ -296,7 +296,7 @@ class NatsBroker:
             info = await js.stream_info(wanted.name)
         except nats.js.errors.NotFoundError:
             if not wanted.create:
-                raise BrokerError(
+                raise MissingDestination(
                     f"{self.name}: stream {wanted.name!r} does not exist and stream.create is off"
                 ) from None
             try:

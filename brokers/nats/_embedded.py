@@ -56,6 +56,7 @@ class EmbeddedNats:
         parts = urlsplit(url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 4222
+        self.address = f"{self.host}:{self.port}"
         self.store_dir = store_dir
         self._process: asyncio.subprocess.Process | None = None
 
@@ -149,14 +150,31 @@ class EmbeddedNats:
             await writer.wait_closed()
         return True
 
-    def _stop_stale_server(self) -> None:
-        """Stop a server a killed router left behind on the same store (found by pid file)."""
+    def owner_pid(self) -> int | None:
+        """The pid of a nats-server a router started on this store and port, if one runs.
+
+        Found by the pid file the server writes, and confirmed by the process's own command
+        line, so a foreign server that merely took the port is never mistaken for ours.
+        """
+        found = self._server_on_store()
+        return found[0] if found and str(self.port) in found[1] else None
+
+    def _server_on_store(self) -> tuple[int, list[str]] | None:
+        """(pid, arguments) of a nats-server running on this store, by its pid file."""
         try:
             pid = int(self.pid_file.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, ValueError):
-            return
-        if "nats-server" in cmdline and str(self.store_dir) in cmdline:
+            return None
+        if Path(args[0]).name == "nats-server" and str(self.store_dir / "jetstream") in args:
+            return pid, args
+        return None
+
+    def _stop_stale_server(self) -> None:
+        """Stop a server a killed router left behind on the same store (found by pid file)."""
+        found = self._server_on_store()
+        if found is not None:
+            pid = found[0]
             log.warning("nats.embedded.stale_server_stopped", extra={"pid": pid})
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

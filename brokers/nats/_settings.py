@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from brokers._settings import BrokerSettings, redact_url
+from brokers._settings import BrokerSettings, EmbeddedServer, redact_url
 
 __all__ = ["NatsEmbedded", "NatsSettings", "NatsStream", "subject_matches"]
 
@@ -62,6 +64,22 @@ class NatsSettings(BrokerSettings):
         if self.embedded is not None and len(self.servers()) != 1:
             raise ValueError("an embedded server takes exactly one url")
         return self
+
+    def creates(self) -> str | None:
+        """The stream, when ``stream.create`` is on."""
+        return f"stream {self.stream.name!r}" if self.stream.create else None
+
+    def without_creating(self) -> Self:
+        """These settings with ``stream.create`` off."""
+        return self.model_copy(update={"stream": self.stream.model_copy(update={"create": False})})
+
+    def embedded_server(self, resolve: Callable[[str], Path]) -> EmbeddedServer | None:
+        """The local nats-server of ``embedded:``, if configured."""
+        if self.embedded is None:
+            return None
+        from brokers.nats._embedded import EmbeddedNats
+
+        return EmbeddedNats(self.servers()[0], resolve(self.embedded.store_dir))
 
     def servers(self) -> list[str]:
         """The configured server URLs."""

@@ -22,7 +22,7 @@ from brokers._faststream import FastStreamAdapter
 from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.rabbitmq._settings import RabbitSettings
-from envelopes import BrokerError, BrokerUnavailable
+from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 
 __all__ = ["RabbitBroker"]
 
@@ -66,7 +66,7 @@ class RabbitBroker(FastStreamAdapter):
 
     def _connect_error(self, exc: BaseException) -> BrokerError:
         if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
-            return BrokerError(
+            return MissingDestination(
                 f"{self.name}: exchange {self.settings.exchange.name!r} does not exist "
                 "(and exchange.declare is off)"
             )

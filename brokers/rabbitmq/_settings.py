@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -43,6 +43,15 @@ class RabbitSettings(BrokerSettings):
         """A routing key of at most 255 bytes."""
         if len(destination.encode()) > 255:
             raise ValueError(f"routing key {destination[:40]!r}... is longer than 255 bytes")
+
+    def creates(self) -> str | None:
+        """The exchange, when ``exchange.declare`` is on."""
+        return f"exchange {self.exchange.name!r}" if self.exchange.declare else None
+
+    def without_creating(self) -> Self:
+        """These settings with ``exchange.declare`` off."""
+        declare_off = self.exchange.model_copy(update={"declare": False})
+        return self.model_copy(update={"exchange": declare_off})
 
     def public_url(self) -> str:
         """The URL without credentials."""

@@ -1,0 +1,118 @@
+"""``router check`` changes nothing: it reports what serve would create; ``--create`` makes it.
+
+It names an embedded server as such only when a router started it on the config's store and
+port; a foreign server on that port is an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import nats
+import yaml
+from nats.js.errors import NotFoundError
+
+from tests.conftest import NATS_URL, NatsStreams
+from tests.e2e.helpers import Serving, copy_default_config, router
+from tests.services import free_port
+
+
+def write_config(folder: Path, url: str, stream: tuple[str, str], **stream_extra: Any) -> None:
+    name, subject = stream
+    broker = {
+        "type": "nats",
+        "url": NATS_URL,
+        "internal": True,
+        "destination": subject + ".{event_type}",
+        "stream": {"name": name, "subjects": [subject + ".>"], "storage": "memory"} | stream_extra,
+    }
+    config = {"databases": {"main": url}, "brokers": {"events": broker}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+async def stream_exists(name: str) -> bool:
+    client = await nats.connect(NATS_URL)
+    try:
+        await client.jetstream().stream_info(name)
+    except NotFoundError:
+        return False
+    finally:
+        await client.close()
+    return True
+
+
+def broker_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("broker"))
+
+
+async def test_check_reports_a_missing_stream_and_creates_nothing(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    stream = nats_streams.stream("check")
+    write_config(tmp_path, pg_url, stream)
+    result = await asyncio.to_thread(router, "check", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert broker_line(result.stdout).endswith(
+        f"reachable; stream '{stream[0]}' does not exist: serve creates it "
+        "(or run router check --create)"
+    )
+    assert not await stream_exists(stream[0])
+
+    created = await asyncio.to_thread(router, "check", "--create", cwd=tmp_path)
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert broker_line(created.stdout).endswith(f"reachable, stream '{stream[0]}' ready")
+    assert await stream_exists(stream[0])
+
+
+async def test_check_fails_a_missing_stream_that_serve_would_not_create(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    stream = nats_streams.stream("nocreate")
+    write_config(tmp_path, pg_url, stream, create=False)
+    for args in (["check"], ["check", "--create"]):
+        result = await asyncio.to_thread(router, *args, cwd=tmp_path)
+        assert result.returncode == 1
+        assert broker_line(result.stdout).endswith(
+            f"FAILED  nats nats://127.0.0.1:4222  events: stream '{stream[0]}' does not exist "
+            "and stream.create is off"
+        )
+    assert not await stream_exists(stream[0])
+
+
+def test_a_foreign_server_on_the_embedded_port_is_an_error(tmp_path: Path) -> None:
+    copy_default_config(tmp_path)
+    env = {"NATS_URL": NATS_URL, "PARTNER_NATS_URL": NATS_URL}  # the machine's own NATS
+    assert router("init-db", cwd=tmp_path, env=env).returncode == 0
+    result = router("check", cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "router: embedded server: 127.0.0.1:4222 answers, but not as a server this config's "
+        "router started (no such server on its store); stop the other process, or change "
+        "the broker's url"
+    )
+
+
+def test_check_names_who_runs_the_embedded_server(tmp_path: Path) -> None:
+    copy_default_config(tmp_path)
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    env = {"NATS_URL": url, "PARTNER_NATS_URL": url, "ROUTER_HTTP_BIND": f"127.0.0.1:{free_port()}"}
+    assert router("init-db", cwd=tmp_path, env=env).returncode == 0
+
+    alone = router("check", cwd=tmp_path, env=env)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert f"(embedded server on 127.0.0.1:{port}, started for this command)" in alone.stdout
+
+    serving = Serving(tmp_path, env)
+    try:
+        serving.wait_for("router.started")
+        beside = router("check", cwd=tmp_path, env=env)
+        pid = int((tmp_path / "var" / "nats" / "nats-server.pid").read_text())
+    finally:
+        assert serving.stop() == 0
+    assert beside.returncode == 0, beside.stdout + beside.stderr
+    assert f"(embedded server of a running router on 127.0.0.1:{port} (pid {pid}))" in (
+        beside.stdout
+    )
