@@ -85,6 +85,15 @@ async def pg_url(pg_databases: PgDatabases) -> str:
     return await pg_databases.new()
 
 
+async def pg_fetch(url: str, query: str, *args: Any) -> list[asyncpg.Record]:
+    """Run one query on a fresh connection to ``url`` and return its rows."""
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch(query, *args))
+    finally:
+        await conn.close()
+
+
 async def _drop_database(name: str) -> None:
     admin = await asyncpg.connect(PG_ADMIN)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import asyncpg
 import pytest
 import yaml
 from alembic import command
@@ -16,7 +15,7 @@ from router import SchemaError, Supervisor, load_config
 from router._db import create_engine
 from router.config import DatabaseSettings
 from router.migrate import _alembic_config, head_revision
-from tests.conftest import NATS_URL, PgDatabases
+from tests.conftest import NATS_URL, PgDatabases, pg_fetch
 from tests.e2e.helpers import router
 
 HEAD = head_revision()
@@ -56,13 +55,9 @@ async def migrate_to(url: str, revision: str) -> None:
 
 
 async def tables(url: str) -> list[str]:
-    conn = await asyncpg.connect(url)
-    try:
-        rows = await conn.fetch(
-            "SELECT tablename FROM pg_tables WHERE tablename LIKE 'router%' ORDER BY 1"
-        )
-    finally:
-        await conn.close()
+    rows = await pg_fetch(
+        url, "SELECT tablename FROM pg_tables WHERE tablename LIKE 'router%' ORDER BY 1"
+    )
     return [r[0] for r in rows]
 
 

@@ -14,14 +14,12 @@ from collections.abc import AsyncIterator, Sequence
 from decimal import Decimal
 from typing import Any
 
-import asyncpg
-
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from envelopes import EXTERNAL_FIELDS, ExternalEnvelope, InternalEnvelope
 from router import Outbox, RouterConfig, Supervisor
 from router.config import RetrySettings
 from router.retry import delay_bounds
-from tests.conftest import NatsStreams, make_config, nats_broker
+from tests.conftest import NatsStreams, make_config, nats_broker, pg_fetch
 from tests.integration.events import OrderPlaced, StockReserved
 from tests.services import free_port
 
@@ -37,11 +35,7 @@ async def serving(config: RouterConfig, **kwargs: Any) -> AsyncIterator[Supervis
 
 
 async def statuses(url: str) -> dict[str, list[str]]:
-    conn = await asyncpg.connect(url)
-    try:
-        records = await conn.fetch("SELECT target, status FROM router_outbox ORDER BY seq")
-    finally:
-        await conn.close()
+    records = await pg_fetch(url, "SELECT target, status FROM router_outbox ORDER BY seq")
     by_target: dict[str, list[str]] = {}
     for record in records:
         by_target.setdefault(record["target"], []).append(record["status"])
@@ -216,13 +210,9 @@ async def test_unreachable_partner_retries_on_schedule_then_abandons_while_other
             # before (the processor publishes one batch at a time), plus scheduling slack.
             assert low - 0.01 <= waited <= high + slowest + 0.1, (number, waited, low, high)
 
-    conn = await asyncpg.connect(pg_url)
-    try:
-        errors = await conn.fetch(
-            "SELECT attempts, last_error FROM router_outbox WHERE target = 'partner'"
-        )
-    finally:
-        await conn.close()
+    errors = await pg_fetch(
+        pg_url, "SELECT attempts, last_error FROM router_outbox WHERE target = 'partner'"
+    )
     assert {r["attempts"] for r in errors} == {4}
     assert all("gave up after 4 attempts" in r["last_error"] for r in errors)
     assert all("Connect call failed" in r["last_error"] for r in errors)

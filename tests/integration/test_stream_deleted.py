@@ -10,13 +10,12 @@ import logging
 from decimal import Decimal
 from typing import Any
 
-import asyncpg
 import nats
 import pytest
 from nats.js.api import StorageType, StreamConfig
 
 from router import Outbox
-from tests.conftest import NATS_URL, NatsStreams, make_config, nats_broker
+from tests.conftest import NATS_URL, NatsStreams, make_config, nats_broker, pg_fetch
 from tests.integration.events import OrderPlaced
 from tests.integration.test_delivery import serving, wait_until
 
@@ -27,27 +26,20 @@ RETRY = {"max_attempts": 3, "base_delay": 0.1, "max_delay": 0.2, "jitter": 0.1}
 
 async def rows(url: str) -> dict[str, tuple[str, int, str | None]]:
     """Order id -> (status, attempts, last_error) of every outbox row."""
-    conn = await asyncpg.connect(url)
-    try:
-        records = await conn.fetch(
-            "SELECT envelope::json->'payload'->>'order_id', status, attempts, last_error "
-            "FROM router_outbox ORDER BY seq"
-        )
-    finally:
-        await conn.close()
+    records = await pg_fetch(
+        url,
+        "SELECT envelope::json->'payload'->>'order_id', status, attempts, last_error "
+        "FROM router_outbox ORDER BY seq",
+    )
     return {r[0]: (r[1], r[2], r[3]) for r in records}
 
 
 async def recorded_circuit(url: str) -> tuple[str, str | None]:
     """The circuit state and reason `router status` reads from router_targets."""
-    conn = await asyncpg.connect(url)
-    try:
-        record = await conn.fetchrow(
-            "SELECT circuit, circuit_error FROM router_targets WHERE target = 'events'"
-        )
-    finally:
-        await conn.close()
-    return ("closed", None) if record is None else (record[0], record[1])
+    records = await pg_fetch(
+        url, "SELECT circuit, circuit_error FROM router_targets WHERE target = 'events'"
+    )
+    return ("closed", None) if not records else (records[0][0], records[0][1])
 
 
 async def delete_stream(name: str) -> None:
