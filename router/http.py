@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from envelopes import RouterError
 
 __all__ = ["HttpServer", "Response", "json_response"]
 
@@ -63,8 +66,14 @@ class HttpServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        """Listen; the bound port is in ``self.port`` afterwards (useful with port 0)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        """Listen; the bound port is in ``self.port`` afterwards (useful with port 0).
+
+        Raises ``RouterError`` naming ``http.bind`` when the address cannot be listened on.
+        """
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as exc:
+            raise RouterError(_bind_problem(f"{self.host}:{self.port}", exc)) from exc
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("http.started", extra={"bind": f"{self.host}:{self.port}"})
 
@@ -121,3 +130,11 @@ class HttpServer:
                 if scheme.lower() == "bearer":
                     return hmac.compare_digest(given.strip().encode(), self._token)
         return False
+
+
+def _bind_problem(bind: str, exc: OSError) -> str:
+    """One line for the operator: which setting, what is wrong, what to do."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"http.bind {bind} is already in use; stop the other process or change http.bind"
+    reason = exc.strerror or str(exc)
+    return f"http.bind {bind}: cannot listen ({reason}); change http.bind"

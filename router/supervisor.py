@@ -187,22 +187,26 @@ class Supervisor:
 
     async def shutdown(self) -> None:
         """Stop processors (they finish their batch within the grace period), then clean up."""
-        for processor in self.processors:
-            processor.stop()
-        if self._tasks:
-            _, pending = await asyncio.wait(
-                self._tasks, timeout=self.config.outbox.shutdown_grace_seconds
-            )
-            for task in pending:
+        try:
+            for processor in self.processors:
+                processor.stop()
+            if self._tasks:
+                _, pending = await asyncio.wait(
+                    self._tasks, timeout=self.config.outbox.shutdown_grace_seconds
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            for task in self._background:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self._tasks, self._background = [], []
-        for store in self.stores.values():
-            await store.close()
-        await self._exit_stack.aclose()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            self._tasks, self._background = [], []
+            for store in self.stores.values():
+                await store.close()
+        finally:
+            # Whatever failed above: an embedded server or an open connection's thread left
+            # behind would keep the process alive after serve has given up.
+            await self._exit_stack.aclose()
         log.info("router.stopped", extra={"worker": self.worker_id})
 
 

@@ -1,9 +1,11 @@
-"""SIGTERM and SIGINT: finish the batch in flight, give back leases, exit 0."""
+"""SIGTERM and SIGINT: finish the batch in flight, give back leases, exit 0; a start that
+cannot complete ends at once, with one line and nothing left running."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -13,8 +15,9 @@ import yaml
 
 from router import Outbox
 from tests.conftest import NatsStreams, make_config, nats_broker
-from tests.e2e.helpers import Serving
+from tests.e2e.helpers import Serving, copy_default_config, router
 from tests.integration.events import OrderPlaced
+from tests.services import free_port, reachable
 
 
 def write(folder: Path, config: dict[str, object]) -> None:
@@ -30,6 +33,17 @@ async def counts(url: str) -> dict[tuple[str, str], int]:
     finally:
         await conn.close()
     return {(r[0], r[1]): r[2] for r in rows}
+
+
+async def rows_of(url: str, target: str) -> list[tuple[object, ...]]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT status, attempts, locked_by FROM router_outbox WHERE target = $1", target
+        )
+    finally:
+        await conn.close()
+    return [tuple(r) for r in rows]
 
 
 async def stage(url: str, brokers: dict[str, object], total: int) -> None:
@@ -124,11 +138,31 @@ async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
     assert code == 0, serving.log.read_text()
     assert elapsed < 4, elapsed
     assert "batch.released" in serving.log.read_text()
-    conn = await asyncpg.connect(pg_url)
-    try:
-        rows = await conn.fetch(
-            "SELECT status, attempts, locked_by FROM router_outbox WHERE target = 'partner'"
-        )
-    finally:
-        await conn.close()
-    assert [tuple(r) for r in rows] == [("pending", 0, None)] * 10
+    assert await rows_of(pg_url, "partner") == [("pending", 0, None)] * 10
+
+
+def test_a_taken_http_port_ends_serve_at_once_with_one_line(tmp_path: Path) -> None:
+    config = yaml.safe_load(copy_default_config(tmp_path).read_text())
+    nats_port = free_port()
+    env = {
+        "DATABASE_URL": "sqlite:///./var/shop.db",
+        "NATS_URL": f"nats://127.0.0.1:{nats_port}",
+        "PARTNER_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+    }
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        http_port = blocker.getsockname()[1]
+        config["http"]["bind"] = f"127.0.0.1:{http_port}"
+        write(tmp_path, config)
+        assert router("init-db", cwd=tmp_path, env=env).returncode == 0
+        # A hang would raise TimeoutExpired (and kill the process).
+        served = router("serve", cwd=tmp_path, env=env, timeout=15)
+    assert served.returncode == 1, served.stderr
+    assert served.stderr.splitlines()[-1] == (
+        f"router: http.bind 127.0.0.1:{http_port} is already in use; "
+        "stop the other process or change http.bind"
+    )
+    assert "Traceback" not in served.stderr
+    assert "nats.embedded.stopped" in served.stderr
+    assert not reachable("127.0.0.1", nats_port)  # no embedded server left behind
