@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
 
-# One round trip; see migration 0002 for why the claim lives in a function.
+# One round trip; router/_store/postgres_sql.py has the function and why each clause is there.
 CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
-# All outcomes of one batch in one round trip; see migration 0006.
+# All outcomes of one batch in one round trip; the function is in router/_store/postgres_sql.py.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
 RECORD_CIRCUIT = """

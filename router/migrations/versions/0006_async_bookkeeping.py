@@ -25,8 +25,6 @@ Create Date: 2026-11-23
 
 from __future__ import annotations
 
-import importlib
-
 from alembic import op
 
 revision = "0006"
@@ -34,20 +32,60 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
-# 0005's claim function, with a place for the new parameter and the statement that uses it
-# (migrations are history: this one keeps 0005's text rather than a copy that could drift).
-_previous = importlib.import_module("router.migrations.versions.0005_fast_claims")
-_INDENT = " " * 40  # the parameter list's
-CLAIM_FUNCTION = _previous.CLAIM_FUNCTION.replace(
-    "p_token bigint)\n", f"p_token bigint\n{_INDENT}{{async_parameter}})\n"
-).replace("BEGIN\n", "BEGIN\n{async_commit}\n", 1)
+# Literal copies of what this revision installs (migrations are history and load nothing
+# of the project; the current text, with its reasons, is router/_store/postgres_sql.py).
 
-ASYNC_PARAMETER = ", p_async boolean"
-ASYNC_COMMIT = """
+# 0005's claim, with the p_async parameter and the statement that uses it.
+CLAIM_FUNCTION = """
+CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
+                                        p_lease_seconds double precision, p_token bigint
+                                        , p_async boolean)
+RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
+               attempts integer, stream_key text, created_at double precision)
+LANGUAGE plpgsql AS $$
+BEGIN
     -- A lost claim only leaves its rows pending: no need to wait for the WAL flush.
     IF p_async THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
+    -- Claims of one target take turns; the statement below then starts with a snapshot that
+    -- includes every claim committed before this one.
+    PERFORM pg_advisory_xact_lock(1869903203, hashtext(p_target));
+    IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH picked AS (
+        SELECT o.seq FROM router_outbox o
+        WHERE o.target = p_target
+          -- Start at the first open row: whichever index the planner picks then skips the
+          -- published history instead of walking it (statistics cannot tell it lies first).
+          AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
+                        WHERE f.target = p_target
+                          AND f.status IN ('pending', 'processing', 'failed'))
+          AND o.status IN ('pending', 'processing', 'failed')
+          AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END
+              <= now()
+          AND (o.stream_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM router_outbox p
+                WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
+                  AND p.status IN ('processing', 'failed')
+                  AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
+                      > now()))
+        ORDER BY o.target, o.seq
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE router_outbox AS u
+    SET status = 'processing', locked_by = p_worker, lease_token = p_token,
+        locked_until = now() + make_interval(secs => p_lease_seconds),
+        attempts = u.attempts + 1, last_attempt_at = now()
+    FROM picked
+    WHERE u.seq = picked.seq
+    RETURNING u.seq, u.message_id::text, u.destination, u.envelope::text, u.attempts,
+              u.stream_key, extract(epoch FROM u.created_at)::double precision;
+END
+$$
 """
 
 MARK_FUNCTION = """
@@ -95,6 +133,55 @@ END
 $$
 """
 
+# 0005's claim, as downgrade() puts it back.
+PREVIOUS_CLAIM_FUNCTION = """
+CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
+                                        p_lease_seconds double precision, p_token bigint
+                                        )
+RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
+               attempts integer, stream_key text, created_at double precision)
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- Claims of one target take turns; the statement below then starts with a snapshot that
+    -- includes every claim committed before this one.
+    PERFORM pg_advisory_xact_lock(1869903203, hashtext(p_target));
+    IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH picked AS (
+        SELECT o.seq FROM router_outbox o
+        WHERE o.target = p_target
+          -- Start at the first open row: whichever index the planner picks then skips the
+          -- published history instead of walking it (statistics cannot tell it lies first).
+          AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
+                        WHERE f.target = p_target
+                          AND f.status IN ('pending', 'processing', 'failed'))
+          AND o.status IN ('pending', 'processing', 'failed')
+          AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END
+              <= now()
+          AND (o.stream_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM router_outbox p
+                WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
+                  AND p.status IN ('processing', 'failed')
+                  AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
+                      > now()))
+        ORDER BY o.target, o.seq
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE router_outbox AS u
+    SET status = 'processing', locked_by = p_worker, lease_token = p_token,
+        locked_until = now() + make_interval(secs => p_lease_seconds),
+        attempts = u.attempts + 1, last_attempt_at = now()
+    FROM picked
+    WHERE u.seq = picked.seq
+    RETURNING u.seq, u.message_id::text, u.destination, u.envelope::text, u.attempts,
+              u.stream_key, extract(epoch FROM u.created_at)::double precision;
+END
+$$
+"""
+
 MARK_SIGNATURE = (
     "router_mark(bigint, bigint[], bigint[], double precision[], text[], bigint[], text[], "
     "bigint[], boolean)"
@@ -106,11 +193,7 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         # A new argument makes a new function: drop 0005's, or calls would be ambiguous.
         op.execute(f"DROP FUNCTION router_claim({CLAIM_ARGUMENTS})")
-        op.execute(
-            CLAIM_FUNCTION.replace("{async_parameter}", ASYNC_PARAMETER).replace(
-                "{async_commit}\n", ASYNC_COMMIT.lstrip("\n")
-            )
-        )
+        op.execute(CLAIM_FUNCTION)
         op.execute(MARK_FUNCTION)
 
 
@@ -118,5 +201,4 @@ def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION {MARK_SIGNATURE}")
         op.execute(f"DROP FUNCTION router_claim({CLAIM_ARGUMENTS}, boolean)")
-        # 0005's claim
-        op.execute(CLAIM_FUNCTION.replace("{async_parameter}", "").replace("{async_commit}\n", ""))
+        op.execute(PREVIOUS_CLAIM_FUNCTION)

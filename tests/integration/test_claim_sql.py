@@ -1,0 +1,57 @@
+"""The claim and mark the migrations install are exactly router/_store/postgres_sql.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+
+from router._store.base import OPEN_STATUSES
+from router._store.postgres_sql import CLAIM_FUNCTION, CLAIM_LOCK_NAMESPACE, MARK_FUNCTION
+from router.config import DatabaseSettings
+from router.migrate import upgrade
+from router.staging import STREAM_LOCK_NAMESPACE
+from tests.conftest import PgDatabases
+
+DEFINITIONS = """
+SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid)
+FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'public' AND p.proname IN ('router_claim', 'router_mark')
+ORDER BY 1
+"""
+
+
+async def definitions(url: str, *statements: str) -> list[tuple[str, str]]:
+    """Run ``statements`` on the database at ``url``; PostgreSQL's text of its claim and mark
+    (every overload, so a function a migration forgot to drop shows up too)."""
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+        return [(r[0], r[1]) for r in await conn.fetch(DEFINITIONS)]
+    finally:
+        await conn.close()
+
+
+async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
+    pg_databases: PgDatabases,
+) -> None:
+    migrated = await pg_databases.new(migrated=False)
+    await upgrade("migrated", DatabaseSettings.model_validate({"url": migrated}), Path.cwd())
+    # The module's text, created the same way in an empty database: PostgreSQL prints both
+    # in its own layout, so only what the functions are counts (bodies byte for byte).
+    scratch = await pg_databases.new(migrated=False)
+    expected = await definitions(scratch, CLAIM_FUNCTION, MARK_FUNCTION)
+    assert [signature for signature, _ in expected] == [
+        "router_claim(text,integer,text,double precision,bigint,boolean)",
+        "router_mark(bigint,bigint[],bigint[],double precision[],text[],bigint[],text[],"
+        "bigint[],boolean)",
+    ]
+    assert await definitions(migrated) == expected
+
+
+def test_the_claim_uses_the_shared_open_states_and_its_own_lock_namespace() -> None:
+    statuses = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
+    assert CLAIM_FUNCTION.count(f"status IN ({statuses})") == 2
+    assert f"pg_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, " in CLAIM_FUNCTION
+    assert CLAIM_LOCK_NAMESPACE != STREAM_LOCK_NAMESPACE
