@@ -11,6 +11,7 @@ from envelopes import SchemaError
 
 __all__ = [
     "OPEN_STATUSES",
+    "OPEN_STATUSES_SQL",
     "SCHEMA_REVISION",
     "VERSION_TABLE",
     "Claim",
@@ -23,6 +24,8 @@ __all__ = [
 ]
 
 OPEN_STATUSES = ("pending", "processing", "failed")
+OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
+"""The open states as an SQL list, for ``status IN (...)``."""
 
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;

@@ -12,7 +12,7 @@ installed exactly this, so changing either one means changing both.
 
 from __future__ import annotations
 
-from router._store.base import OPEN_STATUSES
+from router._store.base import OPEN_STATUSES_SQL as _OPEN
 
 __all__ = ["CLAIM_FUNCTION", "CLAIM_LOCK_NAMESPACE", "MARK_FUNCTION"]
 
@@ -21,7 +21,6 @@ CLAIM_LOCK_NAMESPACE = 1869903203
 locks (``router.staging.STREAM_LOCK_NAMESPACE``, one per stream key while staging) use
 another namespace, so a claim never waits on a stager."""
 
-_OPEN = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 
 CLAIM_FUNCTION = (
     # One function, so a claim is one round trip (0002). p_token is the claim's fencing token:

@@ -21,6 +21,7 @@ import aiosqlite
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
 from router._store.base import (
+    OPEN_STATUSES_SQL,
     VERSION_TABLE,
     Claim,
     ClaimedRow,
@@ -34,7 +35,7 @@ __all__ = ["SqliteStore"]
 
 # SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
 # the predecessor check below always sees every earlier claim.
-CLAIM = """
+CLAIM = f"""
 UPDATE router_outbox
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
     attempts = attempts + 1, last_attempt_at = ?
@@ -42,7 +43,7 @@ WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused
   AND seq IN (
     SELECT o.seq FROM router_outbox o
     WHERE o.target = ?
-      AND o.status IN ('pending', 'processing', 'failed')
+      AND o.status IN ({OPEN_STATUSES_SQL})
       AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?
       AND (o.stream_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM router_outbox p
@@ -89,10 +90,10 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
-NEXT_DUE = """
+NEXT_DUE = f"""
 SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
 FROM router_outbox
-WHERE target = ? AND status IN ('pending', 'processing', 'failed')
+WHERE target = ? AND status IN ({OPEN_STATUSES_SQL})
 """
 
 
