@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from brokers import Broker, BrokerSettings
+from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError, DatabaseError
 from router._store import Claim, Marks, OutboxStore
 from router.circuit import Circuit
@@ -67,10 +67,11 @@ class Processor:
         self.stats = ProcessorStats()
         self._log = {"database": database, "target": target}
         self.circuit = Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log)
+        self._connects: set[asyncio.Future[None]] = set()
         self.delivery = Delivery(
             target=target,
             settings=settings,
-            broker=broker,
+            broker=_StoppableConnect(broker, self._connect),
             retry=outbox.retry,
             circuit=self.circuit,
             stats=self.stats,
@@ -95,9 +96,15 @@ class Processor:
         self._wake.set()
 
     def stop(self) -> None:
-        """Finish the batches in flight, then return from ``run()``."""
+        """Finish the batches in flight, then return from ``run()``.
+
+        A batch still waiting for its broker connection has sent nothing: its connect is
+        cancelled and the batch given back, rather than holding shutdown for connect_timeout.
+        """
         self._stopping = True
         self._wake.set()
+        for connect in self._connects:
+            connect.cancel()
 
     async def run(self) -> None:
         """Deliver until ``stop()``; on cancellation, give back what was claimed."""
@@ -109,6 +116,10 @@ class Processor:
                 try:
                     timeout = await (self._probe() if self.circuit.is_open else self._pump())
                     pause = _PAUSE_MIN
+                except asyncio.CancelledError:
+                    if not self._connect_stopped():
+                        raise
+                    break
                 except Exception as exc:  # the loop must outlive a database outage, or a bug
                     self._report(exc, pause)
                     timeout, pause = pause, min(pause * 2, _PAUSE_MAX)
@@ -171,7 +182,14 @@ class Processor:
         # is given back by _shutdown.
         self._in_flight[claim.token] = claim
         try:
-            marks = await self.delivery.deliver(claim.rows)
+            try:
+                marks = await self.delivery.deliver(claim.rows)
+            except asyncio.CancelledError:
+                if not self._connect_stopped():
+                    raise
+                # Stays in flight: _shutdown gives it back. A reconnect between two waves is
+                # cancelled too; the earlier waves' rows are then sent again (at-least-once).
+                return
             if marks.failed or marks.abandoned:
                 self._check_due = True
             await self._mark(claim.token, marks)
@@ -249,6 +267,26 @@ class Processor:
             return
         self._recorded_circuit = state
 
+    async def _connect(self) -> None:
+        """``broker.connect()`` in a task ``stop()`` cancels; after ``stop()``, only a broker
+        that is already connected (returns at once) gets on with its batch."""
+        connect = asyncio.ensure_future(self.broker.connect())
+        self._connects.add(connect)
+        try:
+            if self._stopping:
+                await asyncio.sleep(0)
+                connect.cancel()  # a no-op once connected
+            await connect
+        finally:
+            self._connects.discard(connect)
+            connect.cancel()  # when we were cancelled before awaiting it
+
+    def _connect_stopped(self) -> bool:
+        """True when a CancelledError came from ``stop()`` cancelling a connect, not from
+        this task being cancelled."""
+        task = asyncio.current_task()
+        return self._stopping and task is not None and not task.cancelling()
+
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):
             log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
@@ -264,6 +302,33 @@ class Processor:
                 await asyncio.shield(self.store.release(self.target, claim.token, seqs))
                 log.info("batch.released", extra={**self._log, "rows": len(seqs)})
         await self.delivery.disconnect()
+
+
+class _StoppableConnect:
+    """The processor's broker as ``Delivery`` sees it: every connect, including the one a
+    publish makes first, goes through the processor, so that ``stop()`` can cancel it."""
+
+    def __init__(self, broker: Broker, connect: Callable[[], Awaitable[None]]) -> None:
+        self.name = broker.name
+        self._broker = broker
+        self._connect = connect
+
+    async def connect(self) -> None:
+        """Connect through the processor."""
+        await self._connect()
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """Connect (cancellable), then publish."""
+        await self._connect()
+        return await self._broker.publish(batch)
+
+    async def ping(self) -> None:
+        """The broker's ping."""
+        await self._broker.ping()
+
+    async def close(self) -> None:
+        """The broker's close."""
+        await self._broker.close()
 
 
 async def _settle(*tasks: asyncio.Task[None] | None) -> None:

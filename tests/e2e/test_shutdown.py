@@ -141,6 +141,57 @@ async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
     assert await rows_of(pg_url, "partner") == [("pending", 0, None)] * 10
 
 
+def silent_nats(port: int, **extra: object) -> dict[str, object]:
+    """A NATS broker at a listener that accepts connections and never answers."""
+    return {
+        "type": "nats",
+        "url": f"nats://127.0.0.1:{port}",
+        "internal": True,
+        "destination": "silent.{event_type}",
+        "stream": {"name": "SILENT", "subjects": ["silent.>"], "storage": "memory"},
+        **extra,
+    }
+
+
+async def test_sigterm_does_not_wait_for_a_connect_that_hangs(pg_url: str, tmp_path: Path) -> None:
+    # Nothing is sent before the connection exists, so there is nothing to finish: the
+    # grace period (10 s by default) is not spent on a connect that may take 30 s.
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    await stage(pg_url, {"silent": silent_nats(port)}, 10)
+    silent = silent_nats(port, connect_timeout=30, publish_timeout=5)
+    write(
+        tmp_path,
+        {
+            "service": "shop",
+            "databases": {"main": pg_url},
+            "brokers": {"silent": silent},
+            "outbox": {"lease_seconds": 60},
+            "http": {"enabled": False},
+        },
+    )
+    serving = Serving(tmp_path)
+    try:
+        while not accepted or (await counts(pg_url)).get(("silent", "processing"), 0) < 10:
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+        elapsed = time.monotonic() - started
+    finally:
+        server.close()
+        for writer in accepted:
+            writer.close()
+    assert code == 0, serving.log.read_text()
+    assert elapsed < 2.5, (elapsed, serving.log.read_text())
+    assert "Traceback" not in serving.log.read_text()
+    assert await rows_of(pg_url, "silent") == [("pending", 0, None)] * 10
+
+
 def test_a_taken_http_port_ends_serve_at_once_with_one_line(tmp_path: Path) -> None:
     config = yaml.safe_load(copy_default_config(tmp_path).read_text())
     nats_port = free_port()
