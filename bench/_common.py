@@ -28,7 +28,7 @@ from nats.js.errors import NotFoundError
 
 from router import Event
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench._common import fresh_database, median, order, print_table, write_results
 from router import Event, Outbox
-from router.staging import StagingOptions
+from router.write.staging import StagingOptions
 from tests.conftest import make_config
 
 BROKERS: dict[int, dict[str, Any]] = {

@@ -11,9 +11,11 @@ from brokers._settings import (
     redact_url,
 )
 from brokers.memory import MemoryBroker, MemorySettings
+from brokers.ordering import NOT_SENT, publish_in_order, waves
 from brokers.settings import AnyBrokerSettings
 
 __all__ = [
+    "NOT_SENT",
     "AnyBrokerSettings",
     "Broker",
     "BrokerSettings",
@@ -26,5 +28,7 @@ __all__ = [
     "OutgoingMessage",
     "PublishResult",
     "create_broker",
+    "publish_in_order",
     "redact_url",
+    "waves",
 ]

@@ -22,10 +22,11 @@ from router.errors import (
     SchemaError,
     StagingError,
 )
-from router.events import Event, EventSpec, correlation, current_correlation_id
-from router.outbox import Outbox, Transaction
-from router.processor import Processor, ProcessorStats
-from router.supervisor import Supervisor
+from router.ops.supervisor import Supervisor
+from router.relay.processor import Processor, ProcessorStats
+from router.write.events import Event, EventSpec, correlation, current_correlation_id
+from router.write.inbox import Inbox, inbox_middleware, message_id_of
+from router.write.outbox import Outbox, Transaction
 
 __all__ = [
     "BrokerError",
@@ -37,6 +38,7 @@ __all__ = [
     "Event",
     "EventSpec",
     "HttpSettings",
+    "Inbox",
     "MissingDestination",
     "Outbox",
     "OutboxSettings",
@@ -53,6 +55,8 @@ __all__ = [
     "__version__",
     "correlation",
     "current_correlation_id",
+    "inbox_middleware",
     "load_config",
+    "message_id_of",
     "parse_config",
 ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from router.cli import main
+from router.ops.cli import main
 
 sys.exit(main())

@@ -17,7 +17,7 @@ from nats.js.errors import NotFoundError
 
 from router import RouterConfig
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
 from tests.services import NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -17,9 +17,9 @@ from faststream.kafka import KafkaBroker as FastStreamKafka
 
 from brokers._describe import describe
 from brokers._faststream import FastStreamAdapter
-from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.kafka._settings import KafkaSettings
+from brokers.ordering import publish_in_order
 from envelopes import BrokerUnavailable
 
 __all__ = ["KafkaBroker"]

@@ -19,8 +19,8 @@ from faststream.rabbit import RabbitBroker as FastStreamRabbit
 
 from brokers._describe import describe
 from brokers._faststream import FastStreamAdapter
-from brokers._ordered import publish_in_order
 from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.ordering import publish_in_order
 from brokers.rabbitmq._settings import RabbitSettings
 from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 

@@ -23,8 +23,8 @@ from faststream.redis import RedisBroker as FastStreamRedis
 
 from brokers._describe import describe
 from brokers._faststream import FastStreamAdapter
-from brokers._ordered import NOT_SENT, waves
 from brokers._protocol import OutgoingMessage, PublishResult
+from brokers.ordering import NOT_SENT, waves
 from brokers.redis._settings import RedisSettings
 from envelopes import BrokerUnavailable
 

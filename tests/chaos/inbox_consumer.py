@@ -15,7 +15,7 @@ from faststream.nats import JStream, NatsBroker, PullSub
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from router.inbox import Inbox, inbox_middleware
+from router.write.inbox import Inbox, inbox_middleware
 
 __all__ = ["InboxConsumer"]
 

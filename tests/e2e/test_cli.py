@@ -8,7 +8,7 @@ from typing import Any
 import asyncpg
 import yaml
 
-from router.migrate import head_revision
+from router.ops.migrate import head_revision
 from tests.conftest import NATS_URL, PgDatabases
 from tests.e2e.helpers import router
 from tests.services import NATS, free_port, require

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 from envelopes import INTERNAL_ONLY_FIELDS
-from router.migrate import head_revision
+from router.ops.migrate import head_revision
 from tests.e2e.helpers import Serving, copy_default_config, python, router
 from tests.services import free_port, reachable
 

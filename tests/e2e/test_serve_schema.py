@@ -14,7 +14,7 @@ from sqlalchemy import Connection
 from router import SchemaError, Supervisor, load_config
 from router._db import create_engine
 from router.config import DatabaseSettings
-from router.migrate import _alembic_config, head_revision
+from router.ops.migrate import _alembic_config, head_revision
 from tests.conftest import NATS_URL, PgDatabases, pg_fetch
 from tests.e2e.helpers import router
 
@@ -108,6 +108,6 @@ async def test_the_library_supervisor_raises_schema_error(
 
 
 def test_the_revision_the_stores_expect_is_the_newest_migration() -> None:
-    from router._store import SCHEMA_REVISION
+    from router.relay.store import SCHEMA_REVISION
 
     assert SCHEMA_REVISION == HEAD

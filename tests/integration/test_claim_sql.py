@@ -1,4 +1,4 @@
-"""The claim and mark the migrations install are exactly router/_store/postgres_sql.py's."""
+"""The claim and mark the migrations install are exactly router/relay/store/postgres_sql.py's."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from pathlib import Path
 
 import asyncpg
 
-from router._store.base import OPEN_STATUSES
-from router._store.postgres_sql import CLAIM_FUNCTION, CLAIM_LOCK_NAMESPACE, MARK_FUNCTION
 from router.config import DatabaseSettings
-from router.migrate import upgrade
-from router.staging import STREAM_LOCK_NAMESPACE
+from router.ops.migrate import upgrade
+from router.relay.store.base import OPEN_STATUSES
+from router.relay.store.postgres_sql import CLAIM_FUNCTION, CLAIM_LOCK_NAMESPACE, MARK_FUNCTION
+from router.write.staging import STREAM_LOCK_NAMESPACE
 from tests.conftest import PgDatabases
 
 DEFINITIONS = """

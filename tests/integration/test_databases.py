@@ -11,7 +11,7 @@ import asyncpg
 
 from router import Outbox
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
 from tests.conftest import PG_ADMIN, NatsStreams, PgDatabases, make_config, nats_broker
 from tests.integration.events import OrderPlaced
 from tests.integration.test_delivery import serving

@@ -18,7 +18,7 @@ from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, crea
 from envelopes import EXTERNAL_FIELDS, ExternalEnvelope, InternalEnvelope
 from router import Outbox, RouterConfig, Supervisor
 from router.config import RetrySettings
-from router.retry import delay_bounds
+from router.relay.retry import delay_bounds
 from tests.conftest import NatsStreams, make_config, nats_broker, pg_fetch
 from tests.integration.events import OrderPlaced, StockReserved
 from tests.services import free_port

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from brokers import OutgoingMessage, create_broker
 from envelopes import RouterError, make_internal_envelope, message_id_of, render, uuid7
-from router.inbox import Inbox, inbox_middleware
+from router.write.inbox import Inbox, inbox_middleware
 from tests.contract.harnesses import RABBIT_URL
 from tests.e2e.helpers import router
 from tests.services import RABBITMQ, require

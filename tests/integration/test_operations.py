@@ -16,8 +16,8 @@ import yaml
 from sqlalchemy.dialects import postgresql
 
 from router import Event, Outbox
-from router._schema import outbox as outbox_table
-from router.operations import cleanup_statement
+from router.ops._schema import outbox as outbox_table
+from router.ops.operations import cleanup_statement
 from tests.conftest import NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import router
 from tests.integration.events import OrderPlaced

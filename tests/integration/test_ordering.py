@@ -197,8 +197,8 @@ async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
 
 
 async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: str) -> None:
-    from router._store import Marks
-    from router._store.postgres import PostgresStore
+    from router.relay.store import Marks
+    from router.relay.store.postgres import PostgresStore
 
     config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
     outbox = Outbox(config)
@@ -237,8 +237,8 @@ async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_onl
     # means a delivery again); with durable_bookkeeping it waits for the flush. Either way
     # the setting ends with the transaction, or a pooled session (PgBouncer) could hand it
     # on to an application's commits.
-    from router._store import Marks
-    from router._store.postgres import PostgresStore
+    from router.relay.store import Marks
+    from router.relay.store.postgres import PostgresStore
 
     config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
     outbox = Outbox(config)

@@ -123,7 +123,7 @@ async def test_without_stream_create_the_circuit_opens_naming_the_stream_until_i
     )
     missing = f"stream {stream[0]!r} does not exist"
     outbox = Outbox(config)
-    caplog.set_level(logging.INFO, logger="router.circuit")
+    caplog.set_level(logging.INFO, logger="router.relay.circuit")
     async with serving(config) as supervisor:
         processor = supervisor.processor("main", "events")
         await stage(outbox, "before")

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
 from tests.conftest import PgDatabases, make_config
 from tests.integration.events import OrderPlaced, StockReserved
 

@@ -13,9 +13,9 @@ import pytest
 
 from brokers import MemoryBroker, OutgoingMessage, PublishResult
 from router import Event, Outbox, Processor, RouterConfig
-from router._store.sqlite import SqliteStore
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
+from router.relay.store.sqlite import SqliteStore
 from tests.conftest import make_config
 
 DATABASE_URL = "sqlite:///outbox.db"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.circuit import Circuit
 from router.config import CircuitSettings, RetrySettings
+from router.relay.circuit import Circuit
 
 RETRY = RetrySettings(max_attempts=10, base_delay=1.0, max_delay=30.0, jitter=0.2)
 

@@ -57,3 +57,34 @@ print(sorted(m for m in sys.modules if m == "router" or m.startswith("router."))
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+# Inside ``router`` the flow goes on: its root modules (config, errors, loading, database
+# helpers) <- ``write`` (the application's side) and ``relay`` (the processors) <- ``ops``
+# (serve, CLI, console). ``write`` and ``relay`` never import each other.
+ROUTER_LAYERS = {
+    "router/write": ("router.relay", "router.ops"),
+    "router/relay": ("router.write", "router.ops"),
+    "router": ("router.write", "router.relay", "router.ops"),
+}
+ROUTER_FACES = {"router/__init__.py", "router/__main__.py"}
+
+
+@pytest.mark.parametrize(("folder", "forbidden"), ROUTER_LAYERS.items())
+def test_router_layers_import_one_way(folder: str, forbidden: tuple[str, ...]) -> None:
+    names = "|".join(re.escape(name) for name in forbidden)
+    pattern = re.compile(rf"^\s*(from|import)\s+({names})\b", re.MULTILINE)
+    # The root layer is the modules directly in router/ (its subpackages are the others).
+    files = sorted((ROOT / folder).glob("*.py" if folder == "router" else "**/*.py"))
+    assert files
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if str(p.relative_to(ROOT)) not in ROUTER_FACES and pattern.search(p.read_text())
+    ]
+    assert offenders == []
+
+
+def test_router_root_holds_at_most_ten_modules() -> None:
+    modules = sorted(p.name for p in (ROOT / "router").glob("*.py"))
+    assert len(modules) <= 10, modules

@@ -11,9 +11,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from brokers import Broker, BrokerSettings, MemoryBroker
 from router import Event, Outbox, Supervisor
-from router._store.sqlite import SqliteStore
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
+from router.relay.store.sqlite import SqliteStore
 from tests.conftest import make_config
 
 

@@ -45,7 +45,7 @@ def _loaded_after(code: str) -> list[str]:
     "code",
     [
         "import router",
-        "import router.cli",
+        "import router.ops.cli",
         "import brokers, brokers.kafka, brokers.redis, brokers.rabbitmq, brokers.servicebus",
         f"import router; router.parse_config({CONFIG!r})",
     ],
@@ -56,7 +56,7 @@ def test_no_broker_sdk_is_imported(code: str) -> None:
 
 def test_help_loads_no_broker_sdk() -> None:
     code = (
-        "import sys, contextlib, io\nfrom router.cli import main\n"
+        "import sys, contextlib, io\nfrom router.ops.cli import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--help'])"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from router.metrics import LATENCY_BUCKETS, observe_all
+from router.relay.metrics import LATENCY_BUCKETS, observe_all
 
 # On bucket bounds, between them, past the last, zero and a repeat.
 VALUES = [0.0, 0.001, 0.0011, 0.003, 0.003, 0.6, 2.5, 59.0, 301.0, 1e9]

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from router._store import Marks
+from router.relay.store import Marks
 from tests.unit.conftest import (
     EVENTS_BROKER,
     OpenOutbox,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from router.config import RetrySettings
-from router.retry import delay_bounds, retry_delay
+from router.relay.retry import delay_bounds, retry_delay
 
 RETRY = RetrySettings(max_attempts=10, base_delay=1.5, max_delay=30.0, jitter=0.2)
 

@@ -10,8 +10,8 @@ import pytest
 from pydantic import BaseModel, SecretStr
 
 from router import parse_config
-from router._logs import JsonFormatter, TextFormatter
 from router._secrets import RedactingFilter, Redactor, secrets_of
+from router.ops._logs import JsonFormatter, TextFormatter
 
 CONFIG = """
 databases:

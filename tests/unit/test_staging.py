@@ -10,7 +10,7 @@ from pydantic import ConfigDict
 
 from envelopes import InternalEnvelope
 from router import Event, RouterConfig, StagingError
-from router.staging import Row, Stager, StagingOptions
+from router.write.staging import Row, Stager, StagingOptions
 from tests.conftest import make_config
 
 

@@ -9,9 +9,9 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from brokers import MemoryBroker
 from router import Event, Outbox, Processor
-from router._store.sqlite import SqliteStore
 from router.config import DatabaseSettings
-from router.migrate import upgrade
+from router.ops.migrate import upgrade
+from router.relay.store.sqlite import SqliteStore
 from tests.conftest import make_config
 
 

@@ -59,7 +59,7 @@ def upgrade() -> None:
     )
     if postgres:
         # The inserting transaction's id: a claim never passes a row whose transaction may
-        # still be open, so rows are published in commit order (see router/_store/postgres.py).
+        # still be open, so rows are published in commit order (see router/relay/store/postgres.py).
         op.execute(
             "ALTER TABLE router_outbox ADD COLUMN xid xid8 NOT NULL DEFAULT pg_current_xact_id()"
         )

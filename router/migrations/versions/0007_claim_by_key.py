@@ -25,7 +25,7 @@ branch_labels = None
 depends_on = None
 
 # Literal copies of what this revision installs (migrations are history and load nothing
-# of the project; the current text, with its reasons, is router/_store/postgres_sql.py).
+# of the project; the current text, with its reasons, is router/relay/store/postgres_sql.py).
 
 # 0006's claim, updating the picked rows by primary key.
 CLAIM_FUNCTION = """

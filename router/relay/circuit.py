@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from router.config import CircuitSettings, RetrySettings
-from router.retry import retry_delay
+from router.relay.retry import retry_delay
 
 __all__ = ["Circuit"]
 

@@ -1,24 +1,24 @@
 """The PostgreSQL claim and mark as the newest migration installs them, clause by clause.
 
-``router_claim()`` is the PostgreSQL twin of the SQLite claim (``router._store.sqlite.CLAIM``);
+``router_claim()`` is the PostgreSQL twin of the SQLite claim (``router.relay.store.sqlite.CLAIM``);
 ``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0007 built them a step at a
 time, and each keeps a literal copy of what it installed, as history. This module is the text
 head installs, in one place, with why each clause is there (the ``#`` comments: anything
 inside the strings is part of the function bodies). The router calls the functions by name
-(``router._store.postgres.CLAIM`` and ``MARK``) and never sends this text;
+(``router.relay.store.postgres.CLAIM`` and ``MARK``) and never sends this text;
 tests/integration/test_claim_sql.py upgrades a fresh database and checks that the migrations
 installed exactly this, so changing either one means changing both.
 """
 
 from __future__ import annotations
 
-from router._store.base import OPEN_STATUSES_SQL as _OPEN
+from router.relay.store.base import OPEN_STATUSES_SQL as _OPEN
 
 __all__ = ["CLAIM_FUNCTION", "CLAIM_LOCK_NAMESPACE", "MARK_FUNCTION"]
 
 CLAIM_LOCK_NAMESPACE = 1869903203
 """First key of the per-target advisory lock a claim takes. The router's other advisory
-locks (``router.staging.STREAM_LOCK_NAMESPACE``, one per stream key while staging) use
+locks (``router.write.staging.STREAM_LOCK_NAMESPACE``, one per stream key while staging) use
 another namespace, so a claim never waits on a stager."""
 
 

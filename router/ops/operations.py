@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import DatabaseError
 from router._db import create_engine
-from router._schema import inbox, outbox, targets
 from router.config import RouterConfig
+from router.ops._schema import inbox, outbox, targets
 
 __all__ = [
     "Cleanup",

@@ -26,16 +26,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from envelopes import ConfigError, RouterError, SchemaError
-from router import __version__, operations
-from router._logs import setup_logging
+from router import __version__
 from router._secrets import Redactor, secrets_of
-from router._tables import table
 from router._yaml import load_config, require_clients
-from router.check import run_checks
 from router.config import RouterConfig
-from router.migrate import upgrade
-from router.supervisor import Supervisor
-from router.workers import WorkerPool
+from router.ops import operations
+from router.ops._logs import setup_logging
+from router.ops._tables import table
+from router.ops.check import run_checks
+from router.ops.migrate import upgrade
+from router.ops.supervisor import Supervisor
+from router.ops.workers import WorkerPool
 
 __all__ = ["main"]
 

@@ -21,15 +21,14 @@ from typing import Any
 
 from brokers import Broker, BrokerSettings, create_broker
 from envelopes import DatabaseError, RouterError, SchemaError
-from router._embedded import embedded_brokers
 from router._local import database_key, register
-from router._store import OutboxStore, open_store
 from router.config import RouterConfig
-from router.http import HttpServer
-from router.metrics import Metrics
-from router.operations import cleanup
-from router.processor import Processor
-from router.web import StatusService
+from router.ops._embedded import embedded_brokers
+from router.ops.console import HttpServer, StatusService
+from router.ops.operations import cleanup
+from router.relay.metrics import Metrics
+from router.relay.processor import Processor
+from router.relay.store import OutboxStore, open_store
 
 __all__ = [
     "BrokerFactory",

@@ -2,7 +2,7 @@
 requeue, trace, pause, cleanup), which run on PostgreSQL and SQLite alike.
 
 The migrations in ``router/migrations`` create the tables; these definitions only describe
-them for queries (the hot path uses hand-written SQL in ``router/_store``).
+them for queries (the hot path uses hand-written SQL in ``router/relay/store``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Event(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    __event__: ClassVar[EventSpec] = EventSpec("Event", 1, False, None, "router.events.Event")
+    __event__: ClassVar[EventSpec] = EventSpec("Event", 1, False, None, "router.write.events.Event")
 
     def __init_subclass__(
         cls,

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router._embedded import embedded_brokers
 from router.config import RouterConfig
-from router.metrics import multiprocess_registry
-from router.supervisor import check_config_schemas, cleanup_loop
-from router.web import StatusService
+from router.ops._embedded import embedded_brokers
+from router.ops.console import StatusService
+from router.ops.supervisor import check_config_schemas, cleanup_loop
+from router.relay.metrics import multiprocess_registry
 
 __all__ = ["WorkerPool"]
 

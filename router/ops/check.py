@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from brokers import BrokerSettings, create_broker
 from envelopes import MissingDestination, RouterError
-from router._embedded import EmbeddedRun, embedded_brokers
 from router.config import RouterConfig
-from router.migrate import current_revision, head_revision
+from router.ops._embedded import EmbeddedRun, embedded_brokers
+from router.ops.migrate import current_revision, head_revision
 
 __all__ = ["CheckResult", "run_checks"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 
 from envelopes import DatabaseError
-from router._store.base import (
+from router.relay.store.base import (
     VERSION_TABLE,
     Claim,
     ClaimedRow,
@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
 
-# One round trip; router/_store/postgres_sql.py has the function and why each clause is there.
+# One round trip; router/relay/store/postgres_sql.py has the function and why each clause is there.
 CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
-# All outcomes of one batch in one round trip; the function is in router/_store/postgres_sql.py.
+# All outcomes of one batch in one round trip; the function is in postgres_sql.py.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
 RECORD_CIRCUIT = """

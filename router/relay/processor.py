@@ -26,12 +26,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError, DatabaseError
-from router._store import Claim, Marks, OutboxStore
-from router.circuit import Circuit
 from router.config import OutboxSettings
-from router.delivery import Delivery
-from router.metrics import Metrics
-from router.stats import ProcessorStats
+from router.relay.circuit import Circuit
+from router.relay.delivery import Delivery
+from router.relay.metrics import Metrics
+from router.relay.stats import ProcessorStats
+from router.relay.store import Claim, Marks, OutboxStore
 
 __all__ = ["Processor", "ProcessorStats"]
 

@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
-from brokers._ordered import waves as _waves
+from brokers import waves as _waves
 from envelopes import BrokerError, EnvelopeError, render
-from router._store import ClaimedRow, Marks
-from router.circuit import Circuit
 from router.config import RetrySettings
-from router.metrics import Metrics, observe_all
-from router.retry import retry_delay
-from router.stats import ProcessorStats
+from router.relay.circuit import Circuit
+from router.relay.metrics import Metrics, observe_all
+from router.relay.retry import retry_delay
+from router.relay.stats import ProcessorStats
+from router.relay.store import ClaimedRow, Marks
 
 __all__ = ["Delivery", "waves"]
 

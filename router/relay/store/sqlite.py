@@ -20,7 +20,7 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
-from router._store.base import (
+from router.relay.store.base import (
     OPEN_STATUSES_SQL,
     VERSION_TABLE,
     Claim,

@@ -28,11 +28,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from envelopes import StagingError
 from router._db import create_engine
 from router._local import announce, database_key, listening
-from router._tracing import current_traceparent
 from router._yaml import load_config
 from router.config import RouterConfig
-from router.events import Event, current_correlation_id
-from router.staging import Row, Stager, StagingOptions
+from router.write._tracing import current_traceparent
+from router.write.events import Event, current_correlation_id
+from router.write.staging import Row, Stager, StagingOptions
 
 __all__ = ["Outbox", "Transaction"]
 

@@ -14,8 +14,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from envelopes import DatabaseError
 from router._db import create_engine, sqlite_path
-from router._store.base import VERSION_TABLE
 from router.config import DatabaseSettings
+from router.relay.store.base import VERSION_TABLE
 
 __all__ = [
     "MIGRATIONS",
@@ -26,7 +26,7 @@ __all__ = [
     "upgrade",
 ]
 
-MIGRATIONS = str(Path(__file__).with_name("migrations"))
+MIGRATIONS = str(Path(__file__).parents[1] / "migrations")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from router._db import asyncpg_dsn, sqlite_path
-from router._store.base import (
+from router.config import DatabaseSettings
+from router.relay.store.base import (
     OPEN_STATUSES,
     SCHEMA_REVISION,
     Claim,
@@ -15,7 +16,6 @@ from router._store.base import (
     Wake,
     new_token,
 )
-from router.config import DatabaseSettings
 
 __all__ = [
     "OPEN_STATUSES",
@@ -40,10 +40,10 @@ def open_store(
 ) -> OutboxStore:
     """The store for one configured database; connections open on first use."""
     if database.kind == "sqlite":
-        from router._store.sqlite import SqliteStore
+        from router.relay.store.sqlite import SqliteStore
 
         return SqliteStore(name, sqlite_path(database, base_dir))
-    from router._store.postgres import PostgresStore
+    from router.relay.store.postgres import PostgresStore
 
     return PostgresStore(
         name,

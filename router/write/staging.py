@@ -32,7 +32,7 @@ from envelopes import (
 )
 from router._db import sqlite_time
 from router.config import RouterConfig
-from router.events import Event, EventSpec
+from router.write.events import Event, EventSpec
 
 __all__ = ["Route", "Row", "Stager", "StagingOptions"]
 
