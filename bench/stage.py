@@ -41,7 +41,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench._common import fresh_database, median, order, print_table, write_results
 from router import Event, Outbox
-from router.write.staging import StagingOptions
 from tests.conftest import make_config
 
 BROKERS: dict[int, dict[str, Any]] = {
@@ -83,11 +82,11 @@ CASES = (
 BULK_KEYS = [f"o-{n}" for n in range(BULK_EVENTS)]
 
 
-def work(case: Case, i: int, bulk: list[Event]) -> tuple[list[Event], StagingOptions]:
-    """What the i-th transaction of a case stages: its events and their options."""
+def work(case: Case, i: int, bulk: list[Event]) -> tuple[list[Event], dict[str, Any]]:
+    """What the i-th transaction of a case stages: its events and their stream keys."""
     if case.bulk:
-        return bulk, StagingOptions(stream_keys=BULK_KEYS)
-    return [order(i)], StagingOptions(stream_key=f"o-{i}")
+        return bulk, {"stream_keys": BULK_KEYS}
+    return [order(i)], {"stream_key": f"o-{i}"}
 
 
 HAND_BULK_INSERT = text(
@@ -134,19 +133,14 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
                         if by_hand:
                             await insert_by_hand(outbox, session, events, options)
                         else:
-                            await outbox.stage(
-                                session,
-                                *events,
-                                stream_key=options.stream_key,
-                                stream_keys=options.stream_keys,
-                            )
+                            await outbox.stage(session, *events, **options)
                 spent[by_hand] += time.perf_counter() - started
     await outbox.close()
     return {by_hand: seconds / transactions for by_hand, seconds in spent.items()}
 
 
 async def insert_by_hand(
-    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: StagingOptions
+    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: dict[str, Any]
 ) -> None:
     """The rows stage() would write, built by its own stager, inserted without stage().
 
@@ -157,8 +151,8 @@ async def insert_by_hand(
     advisory locks and sends no NOTIFY, both of which stage() does, for per-stream commit
     order and to wake the relay; the difference is what those cost.
     """
-    rows = outbox._stager.build_rows("main", events, options)
-    if options.stream_keys is not None:
+    rows = outbox._stager.build_rows("main", events, **options)
+    if "stream_keys" in options:
         connection = await session.connection()
         await connection.execute(
             HAND_BULK_INSERT,

@@ -13,14 +13,13 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from brokers._lazy import install_hint, missing_modules
-from envelopes import INTERNAL_ONLY_FIELDS, Profile
+from envelopes import INTERNAL_ONLY_FIELDS, PARTNER_FIELDS, Profile
 
 __all__ = ["BrokerSettings", "EmbeddedServer", "EventFilter", "EventRoute", "redact_url"]
 
 PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
-_OMITTABLE = frozenset(
-    {"stream", "correlation_id", "causation_id", "traceparent", "extensions", "headers"}
-)
+# What a broker may leave out: any metadata partners may see, and the staged headers.
+_OMITTABLE = PARTNER_FIELDS | {"headers"}
 
 
 class EmbeddedServer(Protocol):

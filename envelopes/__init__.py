@@ -14,6 +14,14 @@ from envelopes.errors import (
 )
 from envelopes.identify import message_id_of
 from envelopes.ids import uuid7
+from envelopes.metadata import (
+    PARTNER_FIELDS,
+    EnvelopeMetadata,
+    HeaderName,
+    Metadata,
+    PartnerMetadata,
+    StageOptions,
+)
 from envelopes.models import (
     EXTERNAL_FIELDS,
     INTERNAL_ONLY_FIELDS,
@@ -23,7 +31,6 @@ from envelopes.models import (
 )
 from envelopes.render import (
     PROFILES,
-    HeaderName,
     Profile,
     WireMessage,
     check_cloudevents_extensions,
@@ -35,6 +42,7 @@ from envelopes.render import (
 __all__ = [
     "EXTERNAL_FIELDS",
     "INTERNAL_ONLY_FIELDS",
+    "PARTNER_FIELDS",
     "PROFILES",
     "BrokerError",
     "BrokerUnavailable",
@@ -42,14 +50,18 @@ __all__ = [
     "ConfigError",
     "DatabaseError",
     "EnvelopeError",
+    "EnvelopeMetadata",
     "ExternalEnvelope",
     "HeaderName",
     "InternalEnvelope",
+    "Metadata",
     "MissingDestination",
+    "PartnerMetadata",
     "Profile",
     "PublishError",
     "RouterError",
     "SchemaError",
+    "StageOptions",
     "StagingError",
     "WireMessage",
     "check_cloudevents_extensions",

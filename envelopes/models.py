@@ -3,6 +3,7 @@
 The processor renders envelopes from plain dicts (see ``envelopes.render``) because that is
 several times cheaper per message; these models are the documented, validated shape of the
 same JSON, for consumers that parse what arrives and for tests that check what was sent.
+Their metadata fields come from ``envelopes.metadata``, where each is declared once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from envelopes.metadata import Metadata, PartnerMetadata
 
 __all__ = [
     "EXTERNAL_FIELDS",
@@ -21,8 +24,8 @@ __all__ = [
 ]
 
 
-class InternalEnvelope(BaseModel):
-    """Everything the owning system knows about one event; sent to the internal broker."""
+class Identity(BaseModel):
+    """What every profile carries about one event: its id, type, version, time and source."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,38 +34,22 @@ class InternalEnvelope(BaseModel):
     version: int = Field(1, description="Schema version of the payload.")
     time: datetime = Field(description="When the event was staged (UTC).")
     source: str = Field(description="The service that committed the event.")
-    stream: str | None = Field(None, description="Stream key (aggregate id); order holds per key.")
+
+
+# Bases in this order put the identity first, then the metadata, then the class's own fields
+# (pydantic collects fields from the last base to the first).
+class InternalEnvelope(Metadata, Identity):
+    """Everything the owning system knows about one event; sent to the internal broker."""
+
     sequence: int | None = Field(None, description="Outbox position of this row on its target.")
-    correlation_id: str | None = None
-    causation_id: str | None = None
-    expected_version: int | None = Field(None, description="Aggregate version the writer saw.")
-    asynchronous: bool = True
-    priority: int | None = None
-    positions: dict[str, int] | None = Field(None, description="Event-store positions, if any.")
     checksum: str = Field(description="'sha256:<hex>' of the payload's JSON bytes.")
-    traceparent: str | None = Field(None, description="W3C trace context of the writer.")
-    tenant: str | None = None
-    headers: dict[str, str] = Field(default_factory=dict)
-    extensions: dict[str, Any] = Field(default_factory=dict)
     event_class: str | None = Field(None, description="Python path of the event class.")
     payload: dict[str, Any]
 
 
-class ExternalEnvelope(BaseModel):
+class ExternalEnvelope(PartnerMetadata, Identity):
     """What partners get: the internal envelope stripped of internal-only fields, no nulls."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str
-    type: str
-    version: int = 1
-    time: datetime
-    source: str
-    stream: str | None = None
-    correlation_id: str | None = None
-    causation_id: str | None = None
-    traceparent: str | None = None
-    extensions: dict[str, Any] = Field(default_factory=dict)
     payload: dict[str, Any]
 
 

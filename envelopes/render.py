@@ -18,16 +18,16 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import orjson
 
 from envelopes.errors import EnvelopeError
+from envelopes.metadata import METADATA_DEFAULTS, EnvelopeMetadata, HeaderName, wire_of
 from envelopes.models import EXTERNAL_FIELDS
 
 __all__ = [
     "PROFILES",
-    "HeaderName",
     "Profile",
     "WireMessage",
     "check_cloudevents_extensions",
@@ -75,18 +75,14 @@ def check_cloudevents_extensions(extensions: Mapping[str, Any]) -> None:
             )
 
 
-class HeaderName:
-    """Transport header names set on every message (user headers cannot override them)."""
-
-    MESSAGE_ID = "message-id"
-    EVENT_TYPE = "event-type"
-    EVENT_VERSION = "event-version"
-    SOURCE = "source"
-    STREAM = "stream-key"
-    CORRELATION_ID = "correlation-id"
-    CAUSATION_ID = "causation-id"
-    TRACEPARENT = "traceparent"
-    CONTENT_TYPE = "content-type"
+# Envelope fields that also travel as headers or CloudEvents attributes, from their Wire marks.
+_HEADER_FIELDS: tuple[tuple[str, str], ...] = (
+    (HeaderName.SOURCE, "source"),
+    *((wire.header, name) for name, wire in wire_of().items() if wire.header),
+)
+_CLOUDEVENTS_ATTRIBUTES: tuple[tuple[str, str], ...] = tuple(
+    (name, wire.cloudevents) for name, wire in wire_of().items() if wire.cloudevents
+)
 
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, about 1 µs
@@ -117,42 +113,31 @@ def make_internal_envelope(
     time: datetime,
     source: str,
     payload_json: bytes,
-    stream: str | None = None,
-    correlation_id: str | None = None,
-    causation_id: str | None = None,
-    expected_version: int | None = None,
-    asynchronous: bool = True,
-    priority: int | None = None,
-    positions: Mapping[str, int] | None = None,
-    traceparent: str | None = None,
-    tenant: str | None = None,
-    headers: Mapping[str, str] | None = None,
-    extensions: Mapping[str, Any] | None = None,
     event_class: str | None = None,
+    **metadata: Unpack[EnvelopeMetadata],
 ) -> bytes:
-    """Serialise the full internal envelope around an already-serialised JSON payload."""
+    """Serialise the full internal envelope around an already-serialised JSON payload.
+
+    ``metadata`` takes the fields of ``envelopes.Metadata`` (each optional).
+    """
+    unknown = metadata.keys() - METADATA_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"make_internal_envelope() got unknown metadata {sorted(unknown)}")
     document: dict[str, Any] = {
         "id": message_id,
         "type": event_type,
         "version": version,
         "time": format_time(time),
         "source": source,
-        "stream": stream,
-        "correlation_id": correlation_id,
-        "causation_id": causation_id,
-        "expected_version": expected_version,
-        "asynchronous": asynchronous,
-        "priority": priority,
-        "positions": dict(positions) if positions else None,
-        "checksum": "sha256:" + hashlib.sha256(payload_json).hexdigest(),
-        "traceparent": traceparent,
-        "tenant": tenant,
-        "headers": dict(headers) if headers else {},
-        "extensions": dict(extensions) if extensions else {},
-        "event_class": event_class,
-        # The payload was serialised once by its pydantic model; embed those bytes as they are.
-        "payload": orjson.Fragment(payload_json),
     }
+    given: Mapping[str, Any] = metadata
+    for name, default in METADATA_DEFAULTS.items():
+        value = given.get(name, default)
+        document[name] = dict(value) if isinstance(value, Mapping) else value
+    document["checksum"] = "sha256:" + hashlib.sha256(payload_json).hexdigest()
+    document["event_class"] = event_class
+    # The payload was serialised once by its pydantic model; embed those bytes as they are.
+    document["payload"] = orjson.Fragment(payload_json)
     # Stored without nulls and empty maps (an absent field is null): the row is smaller, and
     # such an envelope is already the internal profile's body but for the sequence.
     compact = {k: v for k, v in document.items() if k == "payload" or _present(v)}
@@ -285,15 +270,9 @@ def _cloudevent(envelope: dict[str, Any], omitted: frozenset[str]) -> dict[str, 
         "datacontenttype": JSON,
         "eventversion": envelope.get("version", 1),
     }
-    optional = {
-        "subject": envelope.get("stream"),
-        "correlationid": envelope.get("correlation_id"),
-        "causationid": envelope.get("causation_id"),
-        "traceparent": envelope.get("traceparent"),
-    }
-    names = {"subject": "stream", "correlationid": "correlation_id", "causationid": "causation_id"}
-    for attribute, value in optional.items():
-        if value is not None and names.get(attribute, attribute) not in omitted:
+    for field_name, attribute in _CLOUDEVENTS_ATTRIBUTES:
+        value = envelope.get(field_name)
+        if value is not None and field_name not in omitted:
             event[attribute] = value
     if "extensions" not in omitted:
         extensions = envelope.get("extensions") or {}
@@ -313,14 +292,7 @@ def _headers(
     headers[HeaderName.MESSAGE_ID] = envelope["id"]
     headers[HeaderName.EVENT_TYPE] = envelope["type"]
     headers[HeaderName.EVENT_VERSION] = str(get("version", 1))
-    optional = (
-        (HeaderName.SOURCE, "source"),
-        (HeaderName.STREAM, "stream"),
-        (HeaderName.CORRELATION_ID, "correlation_id"),
-        (HeaderName.CAUSATION_ID, "causation_id"),
-        (HeaderName.TRACEPARENT, "traceparent"),
-    )
-    for name, field_name in optional:
+    for name, field_name in _HEADER_FIELDS:
         value = get(field_name)
         if value is not None and (field_name == "source" or field_name not in omitted):
             headers[name] = value

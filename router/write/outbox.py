@@ -17,22 +17,22 @@ connection inside a transaction. For code without a transaction of its own::
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from envelopes import StagingError
+from envelopes import StageOptions, StagingError
 from router._db import create_engine
 from router._local import announce, database_key, listening
 from router._yaml import load_config
 from router.config import RouterConfig
 from router.write._tracing import current_traceparent
 from router.write.events import Event, current_correlation_id
-from router.write.staging import Row, Stager, StagingOptions
+from router.write.staging import Row, Stager
 
 __all__ = ["Outbox", "Transaction"]
 
@@ -58,22 +58,15 @@ class Outbox:
         database: str | None = None,
         stream_key: str | None = None,
         stream_keys: Sequence[str | None] | None = None,
-        correlation_id: str | None = None,
-        causation_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        extensions: Mapping[str, Any] | None = None,
-        tenant: str | None = None,
-        traceparent: str | None = None,
-        expected_version: int | None = None,
-        priority: int | None = None,
-        positions: Mapping[str, int] | None = None,
-        asynchronous: bool = True,
+        **options: Unpack[StageOptions],
     ) -> list[str]:
         """Write ``events`` to the outbox in ``connection``'s transaction; returns their ids.
 
         ``stream_key`` is every event's stream; ``stream_keys`` gives one per event instead
         (None for none), so events of many streams go in one INSERT, each stream's in the
-        order given.
+        order given. ``options`` is the metadata every envelope of the call carries
+        (``correlation_id``, ``causation_id``, ``headers``, ``extensions``, ``tenant``, ...:
+        the fields of ``envelopes.StageOptions``).
 
         Raises ``StagingError`` (having written nothing) if an event cannot be serialised, is
         larger than ``outbox.max_payload_bytes``, or has no target. The correlation id defaults
@@ -83,21 +76,11 @@ class Outbox:
         if not events and not stream_keys:  # keys without events: build_rows says why
             return []
         name = self._database(database)
-        options = StagingOptions(
-            stream_key=stream_key,
-            stream_keys=stream_keys,
-            correlation_id=correlation_id or current_correlation_id(),
-            causation_id=causation_id,
-            headers=headers,
-            extensions=extensions,
-            tenant=tenant,
-            traceparent=traceparent or current_traceparent(),
-            expected_version=expected_version,
-            priority=priority,
-            positions=positions,
-            asynchronous=asynchronous,
+        options["correlation_id"] = options.get("correlation_id") or current_correlation_id()
+        options["traceparent"] = options.get("traceparent") or current_traceparent()
+        rows = self._stager.build_rows(
+            name, events, stream_key=stream_key, stream_keys=stream_keys, **options
         )
-        rows = self._stager.build_rows(name, events, options)
         await self._insert(connection, name, rows)
         return list(dict.fromkeys(row.message_id for row in rows))
 
@@ -208,9 +191,22 @@ class Transaction:
     database: str
     targets: set[str] = field(default_factory=set)
 
-    async def stage(self, *events: Event, **options: Any) -> list[str]:
+    async def stage(
+        self,
+        *events: Event,
+        stream_key: str | None = None,
+        stream_keys: Sequence[str | None] | None = None,
+        **options: Unpack[StageOptions],
+    ) -> list[str]:
         """Stage events in this transaction (same options as ``Outbox.stage``)."""
-        ids = await self.outbox.stage(self.connection, *events, database=self.database, **options)
+        ids = await self.outbox.stage(
+            self.connection,
+            *events,
+            database=self.database,
+            stream_key=stream_key,
+            stream_keys=stream_keys,
+            **options,
+        )
         self.targets.update(self.outbox.targets_of(self.database, events))
         return ids
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Unpack
 
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 from sqlalchemy import TextClause, text
 
 from brokers import EventRoute
 from envelopes import (
     EnvelopeError,
+    StageOptions,
     StagingError,
     check_cloudevents_extensions,
     make_internal_envelope,
@@ -34,7 +36,7 @@ from router._db import sqlite_time
 from router.config import RouterConfig
 from router.write.events import Event, EventSpec
 
-__all__ = ["Route", "Row", "Stager", "StagingOptions"]
+__all__ = ["Route", "Row", "Stager"]
 
 _COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
 
@@ -98,25 +100,6 @@ class Row:
     envelope: str
 
 
-@dataclass(frozen=True, slots=True)
-class StagingOptions:
-    """Per-call metadata that goes into every envelope of one ``stage()`` call."""
-
-    stream_key: str | None = None
-    # One key (or None) per event, instead of ``stream_key`` for all of them.
-    stream_keys: Sequence[str | None] | None = None
-    correlation_id: str | None = None
-    causation_id: str | None = None
-    headers: Mapping[str, str] | None = None
-    extensions: Mapping[str, Any] | None = None
-    tenant: str | None = None
-    traceparent: str | None = None
-    expected_version: int | None = None
-    priority: int | None = None
-    positions: Mapping[str, int] | None = None
-    asynchronous: bool = True
-
-
 class Stager:
     """Builds rows for events (with routes cached per event class) and inserts them."""
 
@@ -142,11 +125,21 @@ class Stager:
         return cached
 
     def build_rows(
-        self, database: str, events: Sequence[Event], options: StagingOptions
+        self,
+        database: str,
+        events: Sequence[Event],
+        *,
+        stream_key: str | None = None,
+        stream_keys: Sequence[str | None] | None = None,
+        **options: Unpack[StageOptions],
     ) -> list[Row]:
-        """Validate events and turn each into one row per target (raises StagingError)."""
-        _check_options(options)
-        keys = _keys_per_event(options, len(events))
+        """Validate events and turn each into one row per target (raises StagingError).
+
+        The keywords are ``Outbox.stage()``'s: one stream key for all events or one per event,
+        and the metadata every envelope of the call carries.
+        """
+        _check_options(stream_key, options)
+        keys = _keys_per_event(stream_key, stream_keys, len(events))
         limit = self.config.outbox.max_payload_bytes
         cloudevents = self._cloudevents_targets(database)
         now = datetime.now(UTC)
@@ -156,9 +149,10 @@ class Stager:
                 raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
             spec = type(event).__event__
             routes = self.routes(database, type(event))
-            if options.extensions and any(r.target in cloudevents for r in routes):
+            extensions = options.get("extensions")
+            if extensions and any(r.target in cloudevents for r in routes):
                 try:
-                    check_cloudevents_extensions(options.extensions)
+                    check_cloudevents_extensions(extensions)
                 except EnvelopeError as exc:
                     raise StagingError(f"event {spec.type!r}: {exc}") from None
             message_id = str(uuid7())
@@ -255,7 +249,7 @@ class Stager:
         message_id: str,
         stream_key: str | None,
         now: datetime,
-        options: StagingOptions,
+        options: StageOptions,
     ) -> bytes:
         try:
             payload = event.model_dump_json().encode()
@@ -270,41 +264,55 @@ class Stager:
                 source=self.config.service,
                 payload_json=payload,
                 stream=stream_key,
-                correlation_id=options.correlation_id,
-                causation_id=options.causation_id,
-                expected_version=options.expected_version,
-                asynchronous=options.asynchronous,
-                priority=options.priority,
-                positions=options.positions,
-                traceparent=options.traceparent,
-                tenant=options.tenant,
-                headers=options.headers,
-                extensions=options.extensions,
                 event_class=spec.class_path,
+                **options,
             )
         except EnvelopeError as exc:
             raise StagingError(str(exc)) from None
 
 
-def _check_options(options: StagingOptions) -> None:
-    for name, value in (options.headers or {}).items():
+# Checks types as mypy would: no coercion ("5" is not an int, b"x" not a string).
+_STAGE_OPTIONS = TypeAdapter(StageOptions)
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "bool_type": "a boolean",
+    "dict_type": "a mapping",
+}
+
+
+def _check_options(stream_key: object, options: Mapping[str, Any]) -> None:
+    """Raise StagingError for a metadata value of the wrong type, TypeError for an unknown
+    keyword (as Python would for a declared parameter)."""
+    for name in options.keys() - StageOptions.__optional_keys__:
+        raise TypeError(f"stage() got an unexpected keyword argument {name!r}")
+    headers = options.get("headers")
+    for name, value in headers.items() if isinstance(headers, Mapping) else ():
         if not isinstance(name, str) or not isinstance(value, str):
             raise StagingError(f"header {name!r}: header names and values must be strings")
-    for label, field_value in (
-        ("stream_key", options.stream_key),
-        ("correlation_id", options.correlation_id),
-        ("causation_id", options.causation_id),
-    ):
-        if field_value is not None and not isinstance(field_value, str):
-            raise StagingError(f"{label} must be a string, got {type(field_value).__name__}")
+    if stream_key is not None and not isinstance(stream_key, str):
+        raise StagingError(f"stream_key must be a string, got {type(stream_key).__name__}")
+    if not options:
+        return
+    # Strict mode takes only dicts for mappings; any Mapping is a valid argument.
+    plain = {k: dict(v) if isinstance(v, Mapping) else v for k, v in options.items()}
+    try:
+        _STAGE_OPTIONS.validate_python(plain, strict=True)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        place = str(error["loc"][0]) + "".join(f"[{part!r}]" for part in error["loc"][1:])
+        expected = _EXPECTED.get(error["type"], error["msg"].lower())
+        got = type(error["input"]).__name__
+        raise StagingError(f"{place} must be {expected}, got {got}") from None
 
 
-def _keys_per_event(options: StagingOptions, count: int) -> Sequence[str | None]:
+def _keys_per_event(
+    stream_key: str | None, keys: Sequence[str | None] | None, count: int
+) -> Sequence[str | None]:
     """The stream key of each event: ``stream_keys`` as given, or ``stream_key`` for all."""
-    keys = options.stream_keys
     if keys is None:
-        return [options.stream_key] * count
-    if options.stream_key is not None:
+        return [stream_key] * count
+    if stream_key is not None:
         raise StagingError(
             "pass stream_key (one key for every event) or stream_keys (one per event), not both"
         )

@@ -10,7 +10,7 @@ from pydantic import ConfigDict
 
 from envelopes import InternalEnvelope
 from router import Event, RouterConfig, StagingError
-from router.write.staging import Row, Stager, StagingOptions
+from router.write.staging import Row, Stager
 from tests.conftest import make_config
 
 
@@ -53,7 +53,7 @@ def config(
 
 
 def build(cfg: RouterConfig, *events: Event, **options: Any) -> list[Row]:
-    return Stager(cfg).build_rows("main", events, StagingOptions(**options))
+    return Stager(cfg).build_rows("main", events, **options)
 
 
 def targets(cfg: RouterConfig, *events: Event) -> list[tuple[str, str]]:
@@ -214,7 +214,7 @@ def test_malformed_options_are_rejected(options: dict[str, Any], message: str) -
 
 def test_only_events_can_be_staged() -> None:
     with pytest.raises(StagingError, match="takes router.Event instances"):
-        Stager(config()).build_rows("main", [{"order_id": "o"}], StagingOptions())  # type: ignore[list-item]
+        Stager(config()).build_rows("main", [{"order_id": "o"}])  # type: ignore[list-item]
 
 
 def test_stream_keys_give_each_event_its_own_stream_in_the_row_and_the_envelope() -> None:
