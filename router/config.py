@@ -226,6 +226,11 @@ class RouterConfig(BaseModel):
     brokers: dict[str, AnyBrokerSettings] = Field(min_length=1)
     outbox: OutboxSettings = Field(default_factory=OutboxSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    events: list[str] = Field(
+        default_factory=list,
+        description="Modules that define this service's events (imported by serve, preview "
+        "and contract; the config's folder is on the import path).",
+    )
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
@@ -236,6 +241,14 @@ class RouterConfig(BaseModel):
         if len(internal) > 1:
             raise ValueError(f"only one broker may be internal; found {internal}")
         return brokers
+
+    @field_validator("events")
+    @classmethod
+    def _module_names(cls, modules: list[str]) -> list[str]:
+        for name in modules:
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+                raise ValueError(f"{name!r} is not a module name (e.g. shop.events)")
+        return modules
 
     @field_validator("databases", "brokers")
     @classmethod

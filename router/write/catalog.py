@@ -1,0 +1,86 @@
+"""The event classes a service declares, found through the config's ``events:`` modules.
+
+Staging needs no catalog: it gets event instances. The router process does, to check what a
+config says about events (a partner's payload projection, a pinned version) and to show
+what a partner receives (``router preview``, ``router contract``): it imports the modules
+the config names and keeps every ``Event`` subclass they define or import, by type and
+version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from envelopes import ConfigError
+from router.write.events import Event
+
+__all__ = ["EventCatalog", "load_catalog"]
+
+
+@dataclass(frozen=True)
+class EventCatalog:
+    """Event classes by type, then version."""
+
+    classes: dict[str, dict[int, type[Event]]] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[type[Event]]:
+        for versions in self.classes.values():
+            yield from versions.values()
+
+    def __bool__(self) -> bool:
+        return bool(self.classes)
+
+    def versions(self, event_type: str) -> dict[int, type[Event]]:
+        """Every known version of a type (empty if the type is unknown)."""
+        return self.classes.get(event_type, {})
+
+    def get(self, event_type: str, version: int | None = None) -> type[Event]:
+        """The class of a type at ``version`` (default: the newest); ConfigError if unknown."""
+        versions = self.versions(event_type)
+        if not versions:
+            known = ", ".join(sorted(self.classes)) or "none (list modules under events:)"
+            raise ConfigError(f"unknown event type {event_type!r}; known types: {known}")
+        if version is None:
+            return versions[max(versions)]
+        if version not in versions:
+            raise ConfigError(
+                f"event type {event_type!r} has no version {version}; "
+                f"known versions: {sorted(versions)}"
+            )
+        return versions[version]
+
+
+def load_catalog(modules: Sequence[str], base_dir: Path) -> EventCatalog:
+    """Import ``modules`` (the config's folder first on the import path) and catalogue the
+    events they hold. Raises ConfigError naming ``events[i]`` for a module that fails to
+    import, and for two classes that claim one type and version."""
+    catalog = EventCatalog()
+    origin: dict[tuple[str, int], str] = {}
+    # The config's folder stays on the path: a module may import more of its package later.
+    if str(base_dir) not in sys.path:
+        sys.path.insert(0, str(base_dir))
+    for index, name in enumerate(modules):
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # any error in the user's module is a config error here
+            raise ConfigError(
+                f"events[{index}]: cannot import {name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        for value in list(vars(module).values()):
+            if not (isinstance(value, type) and issubclass(value, Event)) or value is Event:
+                continue
+            spec = value.__event__
+            key = (spec.type, spec.version)
+            seen = catalog.classes.setdefault(spec.type, {}).get(spec.version)
+            if seen is not None and seen is not value:
+                raise ConfigError(
+                    f"events[{index}]: {spec.class_path} and {origin[key]} both declare "
+                    f"event type {spec.type!r} version {spec.version}"
+                )
+            catalog.classes[spec.type][spec.version] = value
+            origin[key] = spec.class_path
+    return catalog
