@@ -2,8 +2,9 @@
 
     python examples/shop/app.py            # uses ./config.yaml (or $ROUTER_CONFIG)
 
-``OrderPlaced`` is published: the internal broker gets it in the full envelope and the
-``partners`` broker in the external one. ``StockReserved`` is internal only.
+The events are declared in ``events.py``. ``OrderPlaced`` is published: the internal broker
+gets it in the full envelope and the ``partners`` broker in the external one.
+``StockReserved`` is internal only.
 """
 
 from __future__ import annotations
@@ -13,26 +14,10 @@ import asyncio
 import uuid
 from decimal import Decimal
 
+from events import OrderPlaced, StockReserved  # examples/shop/events.py, beside this file
 from sqlalchemy import text
 
-from router import Event, Outbox, correlation
-
-
-class OrderPlaced(Event, type="order_placed", version=1, published=True):
-    """A customer placed an order (partners may see this)."""
-
-    order_id: str
-    customer: str
-    total: Decimal
-
-
-class StockReserved(Event, type="stock_reserved"):
-    """Stock was set aside for an order (internal only)."""
-
-    order_id: str
-    sku: str
-    quantity: int
-
+from router import Outbox, correlation
 
 CREATE_ORDERS = """
 CREATE TABLE IF NOT EXISTS shop_orders (

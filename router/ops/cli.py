@@ -8,6 +8,7 @@ router requeue     abandoned (or failed) rows back to pending, with filters (--d
 router trace ID    every target's row of one event
 router pause T     stop claiming target T (every worker); router resume T undoes it
 router cleanup     delete published and abandoned rows past their retention
+router preview T   the exact message each target would receive for an event of type T
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from envelopes import ConfigError, RouterError, SchemaError
+from envelopes import ConfigError, RouterError, SchemaError, StagingError
 from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
@@ -35,8 +36,10 @@ from router.ops._logs import setup_logging
 from router.ops._tables import table
 from router.ops.check import run_checks
 from router.ops.migrate import upgrade
+from router.ops.preview import preview, preview_block, side_by_side_table
 from router.ops.supervisor import Supervisor
 from router.ops.workers import WorkerPool
+from router.write.catalog import load_catalog
 
 __all__ = ["main"]
 
@@ -72,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pause": _pause,
         "resume": _pause,
         "cleanup": _cleanup,
+        "preview": _preview,
     }[args.command]
     try:
         return _run(command(config, args, redactor))
@@ -179,6 +183,32 @@ def _parser() -> argparse.ArgumentParser:
     cleanup = commands.add_parser("cleanup", help="delete rows past their retention")
     cleanup.add_argument("--database", help="only this database")
     cleanup.add_argument("--json", action="store_true")
+
+    preview = commands.add_parser(
+        "preview", help="the exact message each target would get for an event"
+    )
+    preview.add_argument("event_type", metavar="EVENT_TYPE")
+    preview.add_argument(
+        "--target", action="append", help="this target only (repeatable; default: all of them)"
+    )
+    preview.add_argument(
+        "--all-targets", action="store_true", help="every target of the event, side by side"
+    )
+    given = preview.add_mutually_exclusive_group()
+    given.add_argument("--payload", metavar="JSON", help="the event's fields as JSON")
+    given.add_argument(
+        "--example", action="store_true", help="an example made from the event class (default)"
+    )
+    preview.add_argument("--version", type=_positive, help="this version of the event type")
+    preview.add_argument("--database", help="as staged in this database")
+    preview.add_argument("--stream-key", help="the stream key to stage with")
+    preview.add_argument(
+        "--header", action="append", default=[], metavar="NAME=VALUE", help="a staged header"
+    )
+    preview.add_argument(
+        "--extension", action="append", default=[], metavar="NAME=VALUE", help="an extension"
+    )
+    preview.add_argument("--json", action="store_true")
     return parser
 
 
@@ -428,6 +458,39 @@ async def _cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Red
         human,
     )
     return EXIT_OK
+
+
+async def _preview(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    try:
+        previews = preview(
+            config,
+            load_catalog(config.events, config.base_dir),
+            args.event_type,
+            targets=None if args.all_targets else args.target,
+            database=args.database,
+            version=args.version,
+            payload=args.payload,
+            stream_key=args.stream_key,
+            headers=_pairs(args.header, "--header"),
+            extensions=_pairs(args.extension, "--extension"),
+        )
+    except (ConfigError, StagingError) as exc:
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    side_by_side = args.all_targets or len(previews) > 1
+    human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
+    _emit(args, [p.as_dict() for p in previews], human)
+    return EXIT_OK
+
+
+def _pairs(items: Sequence[str], option: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"{option} takes NAME=VALUE, got {item!r}")
+        pairs[name] = value
+    return pairs
 
 
 def _span(duration: timedelta) -> str:

@@ -1,0 +1,260 @@
+"""``router preview``: the exact message each target would receive for one event.
+
+The event goes through the real write path (``Stager.build_rows``: routes, destination, the
+stored envelope, size limit) and the real render path (``BrokerSettings.render``, what the
+processor calls), but is neither written nor sent.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from enum import Enum
+from typing import Any, TypeVar
+from uuid import UUID
+
+from pydantic import BaseModel, ValidationError
+
+from brokers import BrokerSettings
+from envelopes import ConfigError, WireMessage, render
+from router.config import RouterConfig
+from router.ops._tables import table
+from router.write.catalog import EventCatalog
+from router.write.events import Event
+from router.write.staging import Stager
+
+M = TypeVar("M", bound=BaseModel)
+
+__all__ = ["Preview", "example_of", "preview", "preview_block", "side_by_side_table"]
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What one target receives."""
+
+    target: str
+    kind: str
+    profile: str
+    destination: str
+    wire: WireMessage
+
+    def body_document(self) -> Any:
+        """The body parsed as JSON (every profile's body is JSON)."""
+        return json.loads(self.wire.body)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``--json``."""
+        return {
+            "target": self.target,
+            "kind": self.kind,
+            "profile": self.profile,
+            "destination": self.destination,
+            "content_type": self.wire.content_type,
+            "headers": self.wire.headers,
+            "body": self.body_document(),
+        }
+
+
+def preview(
+    config: RouterConfig,
+    catalog: EventCatalog,
+    event_type: str,
+    *,
+    targets: Sequence[str] | None = None,
+    database: str | None = None,
+    version: int | None = None,
+    payload: str | None = None,
+    stream_key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    extensions: Mapping[str, Any] | None = None,
+) -> list[Preview]:
+    """The messages ``targets`` (default: every target of the event) would receive.
+
+    ``payload`` is the event as JSON; without it an example is made from the event class.
+    Raises ConfigError for an unknown type, target or database, or an invalid payload, and
+    StagingError for what ``stage()`` would refuse.
+    """
+    event_class = catalog.get(event_type, version)
+    event = _event(event_class, payload)
+    name = _database(config, database)
+    rows = Stager(config).build_rows(
+        name,
+        [event],
+        stream_key=stream_key,
+        headers=headers,
+        extensions=extensions,
+    )
+    by_target = {row.target: row for row in rows}
+    wanted = list(targets) if targets else list(by_target)
+    result = []
+    for target in wanted:
+        if target not in config.brokers:
+            raise ConfigError(f"unknown target {target!r}; configured: {sorted(config.brokers)}")
+        row = by_target.get(target)
+        if row is None:
+            raise ConfigError(_not_routed(config.brokers[target], target, event_class, name))
+        settings = config.brokers[target]
+        wire = render_for(settings, row.envelope, sequence=1)
+        result.append(Preview(target, settings.type, settings.profile, row.destination, wire))
+    return result
+
+
+def render_for(settings: BrokerSettings, stored: str, *, sequence: int) -> WireMessage:
+    """Render a stored envelope as the processor does for this broker."""
+    return render(
+        stored,
+        settings.profile,
+        sequence=sequence,
+        omit=frozenset(settings.omit),
+        cloudevents_prefix=settings.binary_prefix,
+    )
+
+
+def _event(event_class: type[Event], payload: str | None) -> Event:
+    if payload is None:
+        return example_of(event_class)
+    try:
+        return event_class.model_validate_json(payload)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc']) or 'payload'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ConfigError(
+            f"--payload is not a valid {event_class.__event__.type}: {problems}"
+        ) from None
+
+
+def _database(config: RouterConfig, database: str | None) -> str:
+    if database is None:
+        if len(config.databases) == 1:
+            return next(iter(config.databases))
+        raise ConfigError(
+            f"several databases are configured ({sorted(config.databases)}); pass --database"
+        )
+    if database not in config.databases:
+        raise ConfigError(f"unknown database {database!r}; configured: {sorted(config.databases)}")
+    return database
+
+
+def _not_routed(settings: BrokerSettings, target: str, event_class: type[Event], db: str) -> str:
+    spec = event_class.__event__
+    if not settings.internal and not spec.published:
+        why = "the event is not published (published=True), so only the internal broker gets it"
+    elif not settings.wants(spec.type, published=spec.published):
+        why = "the broker's events filter does not take it"
+    else:
+        why = f"database {db!r} does not publish to it"
+    return f"target {target!r} does not receive {spec.type!r}: {why}"
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def preview_block(item: Preview) -> str:
+    """One target's message, as it would be sent."""
+    width = max((len(name) for name in item.wire.headers), default=0)
+    lines = [
+        f"target       {item.target} ({item.kind}, {item.profile} profile)",
+        f"destination  {item.destination}",
+        "headers",
+        *(f"  {name.ljust(width)}  {value}" for name, value in item.wire.headers.items()),
+        f"body ({item.wire.content_type}, {len(item.wire.body):,} bytes)",
+        json.dumps(item.body_document(), indent=2, ensure_ascii=False),
+    ]
+    return "\n".join(lines)
+
+
+def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
+    """Every target in a column; a row per destination, header and body member, with '-'
+    where a target does not get it."""
+    rows: dict[str, list[str | None]] = {}
+
+    def put(key: str, column: int, value: Any) -> None:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        cut = text if len(text) <= width else text[: width - 1] + "…"
+        rows.setdefault(key, [None] * len(items))[column] = cut
+
+    for column, item in enumerate(items):
+        put("destination", column, item.destination)
+        put("profile", column, item.profile)
+        for name, value in item.wire.headers.items():
+            put(f"header {name}", column, value)
+        for path, value in _flatten(item.body_document()):
+            put(f"body {path}", column, value)
+    header = ["", *(f"{item.target} ({item.kind})" for item in items)]
+    return table(header, [[key, *values] for key, values in rows.items()])
+
+
+def _flatten(document: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted path, value)`` for every leaf of a JSON document (an empty map is a leaf)."""
+    if isinstance(document, dict) and document:
+        return [
+            pair
+            for key, value in document.items()
+            for pair in _flatten(value, f"{prefix}.{key}" if prefix else key)
+        ]
+    return [(prefix or ".", document)]
+
+
+# --- example payloads -------------------------------------------------------------------------
+
+
+def example_of(model: type[M]) -> M:
+    """An instance of ``model`` with a plausible value in every field: the field's first
+    ``examples`` entry where it has one, else a value made from its type. Deterministic, so
+    a preview can be compared from one run to the next."""
+    values = {
+        name: _example_field(name, info.annotation, info.examples)
+        for name, info in model.model_fields.items()
+    }
+    return model.model_validate(values)
+
+
+def _example_field(name: str, annotation: Any, examples: list[Any] | None) -> Any:
+    if examples:
+        return examples[0]
+    return _example_value(name, annotation)
+
+
+_SCALARS: dict[Any, Any] = {
+    str: None,  # the field's name, see below
+    int: 1,
+    float: 1.5,
+    bool: True,
+    Decimal: Decimal("9.99"),
+    datetime: datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+    date: date(2026, 1, 2),
+    time: time(3, 4, 5),
+    timedelta: timedelta(minutes=5),
+    UUID: UUID("01890a5d-ac96-774b-bcce-b302099a8057"),
+    bytes: b"bytes",
+}
+
+
+def _example_value(name: str, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is str:
+        return f"{name}-1"
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return next(iter(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return example_of(annotation)
+    if origin is typing.Literal:
+        return args[0]
+    if origin is typing.Annotated:
+        return _example_value(name, args[0])
+    if origin in (list, set, frozenset, tuple, Sequence) and args:
+        return [_example_value(name, args[0])]
+    if origin in (dict, Mapping) and len(args) == 2:
+        return {_example_value("key", args[0]): _example_value(name, args[1])}
+    if args:  # a union: its first member that is not None
+        return _example_value(name, next(a for a in args if a is not type(None)))
+    return None
