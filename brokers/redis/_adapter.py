@@ -1,9 +1,16 @@
-"""Redis Streams adapter (FastStream's RedisBroker).
+"""Redis Streams adapter (redis-py's asyncio client).
 
-One ``XADD`` per message to the destination stream, in FastStream's message format (so
-FastStream subscribers read it as they read their own), with the message id, type and
-correlation id among its headers. Redis answers each XADD with the entry id once the entry
-is in the stream.
+One ``XADD`` per message to the destination stream (``MAXLEN ~ maxlen`` when set). Redis
+answers each XADD with the entry id once the entry is in the stream. An entry's fields depend
+on the broker's ``format``:
+
+- ``plain`` (the default), readable by any Redis client (redis-py, ioredis, go-redis):
+  ``body`` = the rendered body bytes (the JSON envelope or CloudEvent), then one field per
+  transport header (``message-id``, ``event-type``, ``content-type``, ``correlation-id``,
+  ...), its value as text. The body wins: a staged header named ``body`` is left out;
+- ``faststream`` (the internal broker only): one field ``__data__`` holding FastStream's
+  binary frame (``BinaryMessageFormatV1``) of the body and headers, so FastStream
+  subscribers read it as they read their own. Only this format imports FastStream.
 
 A batch goes out in waves (no two messages of one stream key in a wave), each wave as one
 pipeline: one round trip and one pooled connection for up to ``max_in_flight`` XADDs, which
@@ -14,23 +21,30 @@ connection per XADD in flight ran the client's pool dry under load.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.exceptions
-from faststream.redis import RedisBroker as FastStreamRedis
+from redis.asyncio import ConnectionPool, Redis
+from redis.typing import EncodableT, FieldT
 
-from brokers._describe import describe
-from brokers._faststream import FastStreamAdapter
+from brokers._describe import describe, refused
+from brokers._lazy import MissingClient, install_hint
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.ordering import NOT_SENT, waves
 from brokers.redis._settings import RedisSettings
-from envelopes import BrokerUnavailable
+from envelopes import BrokerUnavailable, WireMessage
 
 __all__ = ["RedisBroker"]
 
 log = logging.getLogger(__name__)
+
+_BODY_FIELD = "body"
+_FASTSTREAM_FIELD = "__data__"  # where FastStream's stream subscribers look for the frame
+
+_Fields = dict[FieldT, EncodableT]  # what XADD takes
+_Frame = Callable[[WireMessage], Awaitable[_Fields]]
 
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
@@ -51,45 +65,84 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "OOM")
 
 
-class RedisBroker(FastStreamAdapter):
+class RedisBroker:
     """Appends to Redis streams; see ``brokers._protocol`` for the contract."""
 
     kind = "Redis"
-    settings: RedisSettings
 
     def __init__(self, name: str, settings: RedisSettings) -> None:
-        super().__init__(name, settings)
+        self.name = name
+        self.settings = settings
+        self._client: Redis | None = None
+        # Two batches may publish at once: one connect, which the other waits for.
+        self._connecting = asyncio.Lock()
+        self._frame = _faststream_frame() if settings.format == "faststream" else None
 
-    def _make(self) -> Any:
-        options: dict[str, Any] = {
-            "socket_timeout": self.settings.publish_timeout,
-            "socket_connect_timeout": self.settings.connect_timeout,
-            "logger": None,  # library code logs through its own loggers only
-        }
-        return FastStreamRedis(self.settings.url.get_secret_value(), **options)
+    async def connect(self) -> None:
+        """Connect and PING, within connect_timeout."""
+        if self._client is not None:
+            return
+        async with self._connecting:
+            if self._client is None:
+                self._client = await self._open()
+                log.info("broker.connected", extra={"broker": self.name, "kind": self.kind})
 
-    async def _prepare(self, broker: Any) -> None:
-        await self._ping(broker)
+    async def _open(self) -> Redis:
+        # No retries in the client: a pipeline sent again could append its entries twice;
+        # the router retries what failed, with its own backoff.
+        pool = ConnectionPool.from_url(
+            self.settings.url.get_secret_value(),
+            socket_timeout=self.settings.publish_timeout,
+            socket_connect_timeout=self.settings.connect_timeout,
+            retry_on_error=[],
+        )
+        client = Redis.from_pool(pool)
+        try:
+            await asyncio.wait_for(client.ping(), self.settings.connect_timeout + 1)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise BrokerUnavailable(
+                f"{self.name}: cannot connect to Redis: {self._reason(exc)}"
+            ) from exc
+        return client
+
+    async def _connected(self) -> Redis:
+        await self.connect()
+        assert self._client is not None  # connect() set it or raised
+        return self._client
+
+    def _reason(self, exc: BaseException) -> str:
+        """Why Redis cannot be reached; a refused connection or a silence names where."""
+        where = f"{self.settings.public_url()}: "  # without credentials
+        if refused(exc):
+            return f"{where}connection refused"
+        if type(exc) is TimeoutError:  # our own limit ran out; the client said nothing
+            return f"{where}no answer within {self.settings.connect_timeout:g} s"
+        return describe(exc)
 
     async def ping(self) -> None:
         """PING; a failure says why (refused, timed out, refused the password)."""
-        broker = await self._connected()
+        client = await self._connected()
         try:
-            await self._ping(broker)
+            await asyncio.wait_for(client.ping(), self.settings.connect_timeout)
         except _PING_FAILED as exc:
             raise BrokerUnavailable(
                 f"{self.name}: Redis does not answer: {self._reason(exc)}"
             ) from exc
 
-    async def _ping(self, broker: Any) -> None:
-        # FastStream's ping() turns every failure into False; the client's raises what it was.
-        client = await broker.connect()  # the redis client; it connects on its first command
-        await asyncio.wait_for(client.ping(), self.settings.connect_timeout)
+    async def close(self) -> None:
+        """Close the connection pool; safe to call more than once."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.aclose(), 10)
 
     async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
         """XADD every message, a pipeline per wave; streams in order."""
-        broker = await self._connected()
-        client = await broker.connect()  # the connected redis client; no new connection
+        client = await self._connected()
         results: list[PublishResult | None] = [None] * len(batch)
         held: set[str] = set()
         step = self.settings.max_in_flight
@@ -97,7 +150,7 @@ class RedisBroker(FastStreamAdapter):
             for start in range(0, len(wave), step):
                 chunk = [i for i in wave[start : start + step] if not self._held(batch[i], held)]
                 try:
-                    await self._pipeline(broker, client, batch, chunk, results)
+                    await self._pipeline(client, batch, chunk, results)
                 except BrokerUnavailable as exc:
                     await self.close()
                     if not any(r is not None and r.ok for r in results):
@@ -115,8 +168,7 @@ class RedisBroker(FastStreamAdapter):
 
     async def _pipeline(
         self,
-        broker: Any,
-        client: Any,
+        client: Redis,
         batch: Sequence[OutgoingMessage],
         chunk: list[int],
         results: list[PublishResult | None],
@@ -126,14 +178,8 @@ class RedisBroker(FastStreamAdapter):
         pipe = client.pipeline(transaction=False)
         for i in chunk:
             wire = batch[i].wire
-            await broker.publish(
-                wire.body,
-                stream=batch[i].destination,
-                maxlen=self.settings.maxlen,
-                headers=dict(wire.headers),
-                correlation_id=wire.correlation_id or wire.message_id,
-                pipeline=pipe,
-            )
+            fields = _plain_fields(wire) if self._frame is None else await self._frame(wire)
+            pipe.xadd(batch[i].destination, fields, maxlen=self.settings.maxlen, approximate=True)
         try:
             replies = await asyncio.wait_for(
                 pipe.execute(raise_on_error=False), self.settings.publish_timeout
@@ -142,6 +188,34 @@ class RedisBroker(FastStreamAdapter):
             raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
         for i, reply in zip(chunk, replies, strict=True):
             results[i] = _classify(reply) if isinstance(reply, Exception) else PublishResult.acked()
+
+
+def _plain_fields(wire: WireMessage) -> _Fields:
+    """The ``plain`` entry: ``body``, then each header but one named ``body`` (the body wins)."""
+    fields: _Fields = {_BODY_FIELD: wire.body}
+    for name, value in wire.headers.items():
+        if name != _BODY_FIELD:
+            fields[name] = value
+    return fields
+
+
+def _faststream_frame() -> _Frame:
+    """The ``faststream`` entry's encoder; FastStream is imported here, for this format only."""
+    try:
+        from faststream.redis import BinaryMessageFormatV1
+    except ImportError as exc:
+        raise MissingClient(install_hint("redis", RedisSettings.extra, exc.name)) from exc
+
+    async def frame(wire: WireMessage) -> _Fields:
+        data = await BinaryMessageFormatV1.encode(
+            message=wire.body,
+            reply_to=None,
+            headers=dict(wire.headers),
+            correlation_id=wire.correlation_id or wire.message_id,
+        )
+        return {_FASTSTREAM_FIELD: data}
+
+    return frame
 
 
 def _fill(results: list[PublishResult | None], missing: PublishResult) -> list[PublishResult]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
+from brokers._lazy import install_hint, missing_modules
 from brokers._settings import BrokerSettings, redact_url
 
 __all__ = ["RedisSettings"]
@@ -17,14 +18,36 @@ class RedisSettings(BrokerSettings):
     type: Literal["redis"]
     adapter: ClassVar[str] = "brokers.redis._adapter:RedisBroker"
     extra: ClassVar[str | None] = "redis"
-    client_modules: ClassVar[tuple[str, ...]] = ("faststream", "redis")
-    cloudevents_prefix: ClassVar[str] = "ce_"
+    # What every format needs; ``format: faststream`` also needs FastStream (missing_client).
+    client_modules: ClassVar[tuple[str, ...]] = ("redis",)
 
     url: SecretStr = Field(SecretStr("redis://127.0.0.1:6379/0"))
     maxlen: int | None = Field(
         None, ge=1, description="Trim each stream to about this many entries (XADD MAXLEN ~)."
     )
     max_in_flight: int = Field(256, ge=1, description="XADDs awaiting their reply at most.")
+    format: Literal["plain", "faststream"] = Field(
+        "plain",
+        description="plain: each entry has a 'body' field and one field per header, for any "
+        "Redis client; faststream: FastStream's binary frame (internal broker only).",
+    )
+
+    @model_validator(mode="after")
+    def _faststream_only_internal(self) -> RedisSettings:
+        if self.format == "faststream" and not self.internal:
+            raise ValueError(
+                "format: faststream is for the internal broker (internal: true) only; "
+                "partners read format: plain with any Redis client"
+            )
+        return self
+
+    def missing_client(self) -> str | None:
+        """What to install when a client library this format needs is missing; else None."""
+        modules = self.client_modules
+        if self.format == "faststream":
+            modules = ("faststream", *modules)
+        missing = missing_modules(modules)
+        return install_hint(self.type, self.extra, missing[0]) if missing else None
 
     def check_destination(self, destination: str) -> None:
         """Any non-empty key of reasonable length."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,6 @@ import aio_pika
 import nats
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
-from faststream.redis.parser import BinaryMessageFormatV1
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -46,6 +46,9 @@ class Arrived:
     headers: dict[str, str]
     native_id: str | None  # the broker's own message id / dedup key
     key: str | None  # the partition key or session id, where the broker has one
+    # The broker's own message properties besides the headers, where it has them
+    # (AMQP 0-9-1 properties on RabbitMQ; message_id, subject, ... on Service Bus).
+    properties: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Harness:
@@ -296,7 +299,13 @@ class RabbitHarness(Harness):
                     k: (v.decode() if isinstance(v, bytes) else str(v))
                     for k, v in (message.headers or {}).items()
                 }
-                found.append(Arrived(message.body, headers, message.message_id, None))
+                properties = _present(
+                    message_id=message.message_id,
+                    correlation_id=message.correlation_id,
+                    content_type=message.content_type,
+                    type=message.type,
+                )
+                found.append(Arrived(message.body, headers, message.message_id, None, properties))
         return list(found)
 
     async def cleanup(self) -> None:
@@ -339,7 +348,8 @@ class RedisHarness(Harness):
             await client.set(destination, "not a stream")
             await client.aclose()
 
-    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+    async def entries(self, destination: str, count: int, timeout: float = 10) -> list[Any]:
+        """Wait for ``count`` entries at ``destination``; each one's fields, as XRANGE gives."""
         client = aioredis.Redis.from_url(REDIS_URL)
         try:
             deadline = time.monotonic() + timeout
@@ -351,11 +361,14 @@ class RedisHarness(Harness):
                 await asyncio.sleep(0.05)
         finally:
             await client.aclose()
+        return [fields for _, fields in entries]
+
+    async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        # As any Redis client reads the plain format: a body field, every other one a header.
         found = []
-        for _, fields in entries:
-            body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
-            headers = {k: str(v) for k, v in headers.items()}
-            found.append(Arrived(body, headers, headers.get("message-id"), None))
+        for fields in await self.entries(destination, count, timeout):
+            headers = {k.decode(): v.decode() for k, v in fields.items() if k != b"body"}
+            found.append(Arrived(fields[b"body"], headers, headers.get("message-id"), None))
         return found
 
     async def cleanup(self) -> None:
@@ -401,10 +414,24 @@ class ServiceBusHarness(Harness):
         received = await asyncio.to_thread(self.peer.wait_for, destination, count, timeout)
         return [
             Arrived(
-                r.body, {k: str(v) for k, v in r.properties.items()}, r.message_id, r.session_id
+                r.body,
+                {k: str(v) for k, v in r.properties.items()},
+                r.message_id,
+                r.session_id,
+                _present(
+                    message_id=r.message_id,
+                    correlation_id=r.correlation_id,
+                    subject=r.subject,
+                    content_type=r.content_type,
+                ),
             )
             for r in received
         ]
+
+
+def _present(**properties: str | None) -> dict[str, str]:
+    """The properties that are set."""
+    return {k: v for k, v in properties.items() if v is not None}
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,6 @@
 """Redis-only: error replies that pass (out of memory, a failover, a load) are retried, not
 abandoned; only a reply about the message itself (a key of the wrong type) is final; a refused
-connection says so."""
+connection says so; ``maxlen`` trims each stream."""
 
 from __future__ import annotations
 
@@ -69,3 +69,22 @@ async def test_a_refused_connection_says_so_with_the_address_and_without_the_pas
     assert str(caught.value) == (
         f"cache: cannot connect to Redis: redis://***@127.0.0.1:{port}/0: connection refused"
     )
+
+
+async def test_maxlen_trims_the_stream_to_about_that_many_entries(harness: RedisHarness) -> None:
+    settings = harness.settings(maxlen=10)
+    destination = harness.destination("trimmed")
+    batch = [message(settings, destination, n, stream=None) for n in range(500)]
+    broker = create_broker("partner", settings)
+    try:
+        results = await broker.publish(batch)
+    finally:
+        await broker.close()
+    assert all(r.ok for r in results)
+    admin = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        length = await admin.xlen(destination)
+    finally:
+        await admin.aclose()
+    # MAXLEN ~ trims whole nodes of the stream (100 entries each by default), never below 10.
+    assert 10 <= length <= 110
