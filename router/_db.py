@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from envelopes import ConfigError
 from router.config import DatabaseSettings
 
 __all__ = [
+    "MYSQL_DRIVER",
     "SQLITE_BUSY_TIMEOUT",
     "asyncpg_dsn",
     "create_engine",
+    "mysql_connect_args",
+    "mysql_driver",
     "sqlalchemy_url",
     "sqlite_path",
     "sqlite_time",
@@ -22,6 +29,10 @@ __all__ = [
 
 # Seconds a SQLite writer waits for the lock; the app and the router share one file.
 SQLITE_BUSY_TIMEOUT = 30.0
+
+# The MySQL/MariaDB driver, for the application's engine and the router's store alike (the
+# `mysql` extra; pyproject.toml says why this one). Imported only when such a database opens.
+MYSQL_DRIVER = "asyncmy"
 
 
 def asyncpg_dsn(database: DatabaseSettings) -> str:
@@ -42,15 +53,57 @@ def sqlite_path(database: DatabaseSettings, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path).resolve()
 
 
+def mysql_driver(where: str) -> ModuleType:
+    """The MySQL driver module; ``ConfigError`` naming ``where`` (the database's YAML path,
+    ``databases.<name>``) and the extra to install when it is missing."""
+    try:
+        return importlib.import_module(MYSQL_DRIVER)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where}: a MySQL or MariaDB database needs the {MYSQL_DRIVER} driver "
+            f"({exc.name or MYSQL_DRIVER} is not installed): pip install 'outbox-router[mysql]'"
+        ) from None
+
+
+def mysql_connect_args(database: DatabaseSettings) -> dict[str, Any]:
+    """The driver's connect arguments for a ``mysql://`` or ``mariadb://`` URL:
+    ``user:password@host:port/database``, with ``?charset=`` and ``?unix_socket=``."""
+    parts = urlsplit(database.url.get_secret_value())
+    query = dict(parse_qsl(parts.query))
+    args: dict[str, Any] = {
+        "host": parts.hostname or "127.0.0.1",
+        "port": parts.port or 3306,
+        "user": unquote(parts.username or "root"),
+        "password": unquote(parts.password or ""),
+        "database": unquote(parts.path.lstrip("/")) or None,
+        # Envelopes are UTF-8 JSON; a server whose default is latin1 would mangle them.
+        "charset": query.get("charset", "utf8mb4"),
+    }
+    if "unix_socket" in query:
+        args["unix_socket"] = query["unix_socket"]
+    return args
+
+
 def sqlalchemy_url(database: DatabaseSettings, base_dir: Path) -> str:
-    """The SQLAlchemy async URL for a database (asyncpg or aiosqlite driver)."""
+    """The SQLAlchemy async URL for a database (asyncpg, asyncmy or aiosqlite driver)."""
     if database.kind == "sqlite":
         return f"sqlite+aiosqlite:///{sqlite_path(database, base_dir)}"
+    if database.kind == "mysql":
+        # mysql+ for MariaDB too: the dialect's name is then "mysql", the kind stage() expects.
+        rest = database.url.get_secret_value().partition("://")[2]
+        query = urlsplit(f"mysql://{rest}").query
+        charset = "" if "charset=" in query else ("&" if query else "?") + "charset=utf8mb4"
+        return f"mysql+{MYSQL_DRIVER}://{rest}{charset}"
     return "postgresql+asyncpg://" + asyncpg_dsn(database).partition("://")[2]
 
 
-def create_engine(database: DatabaseSettings, base_dir: Path, **kwargs: Any) -> AsyncEngine:
-    """An async engine for application code that stages events in this database."""
+def create_engine(
+    database: DatabaseSettings, base_dir: Path, *, name: str | None = None, **kwargs: Any
+) -> AsyncEngine:
+    """An async engine for application code that stages events in this database (``name``,
+    its key under ``databases:``, names it in a missing driver's error)."""
+    if database.kind == "mysql":
+        mysql_driver(f"databases.{name}" if name else f"database {database.public_url()}")
     if database.kind == "sqlite":
         sqlite_path(database, base_dir).parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_TIMEOUT})

@@ -179,12 +179,25 @@ class HttpSettings(BaseModel):
         return int(self.bind.rpartition(":")[2])
 
 
+# URL scheme -> kind of database. MariaDB speaks MySQL's protocol and SQL; one store serves both.
+_KINDS = {
+    "postgresql": "postgresql",
+    "postgres": "postgresql",
+    "mysql": "mysql",
+    "mariadb": "mysql",
+    "sqlite": "sqlite",
+}
+
+
 class DatabaseSettings(BaseModel):
     """One database holding a ``router_outbox`` table."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: SecretStr = Field(description="postgresql://... or sqlite:///path (relative to config).")
+    url: SecretStr = Field(
+        description="postgresql://..., mysql://... (or mariadb://...) or sqlite:///path "
+        "(relative to config)."
+    )
     brokers: list[str] | None = Field(
         None, description="Brokers this database publishes to; default: all of them."
     )
@@ -199,15 +212,18 @@ class DatabaseSettings(BaseModel):
     @classmethod
     def _supported_scheme(cls, url: SecretStr) -> SecretStr:
         scheme = url.get_secret_value().partition("://")[0].partition("+")[0]
-        if scheme not in ("postgresql", "postgres", "sqlite"):
-            raise ValueError("only postgresql:// and sqlite:/// databases are supported")
+        if scheme not in _KINDS:
+            raise ValueError(
+                "only postgresql://, mysql:// (or mariadb://) and sqlite:/// databases "
+                "are supported"
+            )
         return url
 
     @property
     def kind(self) -> str:
-        """'postgresql' or 'sqlite'."""
+        """'postgresql', 'mysql' (MySQL or MariaDB) or 'sqlite'."""
         scheme = self.url.get_secret_value().partition("://")[0].partition("+")[0]
-        return "sqlite" if scheme == "sqlite" else "postgresql"
+        return _KINDS[scheme]
 
     def public_url(self) -> str:
         """The URL without credentials, for logs and status output."""

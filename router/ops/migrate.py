@@ -51,7 +51,7 @@ async def upgrade(name: str, database: DatabaseSettings, base_dir: Path) -> Migr
     """Bring one database to the newest revision; running it again changes nothing."""
     if database.kind == "sqlite":
         sqlite_path(database, base_dir).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(database, base_dir, pool_pre_ping=False)
+    engine = create_engine(database, base_dir, name=name, pool_pre_ping=False)
     try:
         async with engine.begin() as conn:
             return await conn.run_sync(_upgrade)
@@ -94,7 +94,7 @@ async def current_revision(name: str, database: DatabaseSettings, base_dir: Path
     """The revision a database is at (``None``: the router's tables were never created)."""
     if database.kind == "sqlite" and not sqlite_path(database, base_dir).exists():
         raise DatabaseError(f"{name}: {sqlite_path(database, base_dir)} does not exist")
-    engine = create_engine(database, base_dir, pool_pre_ping=False)
+    engine = create_engine(database, base_dir, name=name, pool_pre_ping=False)
     try:
         async with engine.connect() as conn:
             return await conn.run_sync(_current)

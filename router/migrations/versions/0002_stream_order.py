@@ -11,6 +11,14 @@
   before it: a row can never be claimed while an earlier row of its stream is in flight
   under a claim that committed a moment ago.
 
+On MySQL (see 0001): the same column and index (in full, as MySQL has no partial index; with
+``status`` before ``seq``, so the claim's look for an earlier in-flight or failed row of a
+stream reads only such rows), and ``router_streams``, one row per stream key. MySQL has no
+transaction-scoped advisory lock (``GET_LOCK`` belongs to the session and outlives COMMIT and
+ROLLBACK, and a pooled session would keep it), so ``stage()`` locks its stream keys' rows in
+this table instead, which InnoDB releases exactly when the caller commits or rolls back (see
+router/write/staging.py). The claim is the store's own SQL (router/relay/store/mysql_sql.py).
+
 Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-22
@@ -67,7 +75,25 @@ $$
 """
 
 
+STREAM_INDEX_MYSQL = """
+ALTER TABLE router_outbox
+    ADD COLUMN lease_token BIGINT NULL,
+    ADD KEY ix_router_outbox_stream (target, stream_key, status, seq)
+"""
+
+STREAMS_MYSQL = """
+CREATE TABLE router_streams (
+    stream_key VARCHAR(512) NOT NULL,
+    PRIMARY KEY (stream_key)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin
+"""
+
+
 def upgrade() -> None:
+    if op.get_bind().dialect.name == "mysql":
+        op.execute(STREAM_INDEX_MYSQL)
+        op.execute(STREAMS_MYSQL)
+        return
     postgres = op.get_bind().dialect.name == "postgresql"
     with op.batch_alter_table("router_outbox") as table:
         table.add_column(sa.Column("lease_token", sa.BigInteger(), nullable=True))
@@ -84,6 +110,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    if op.get_bind().dialect.name == "mysql":
+        op.execute("DROP TABLE router_streams")
+        op.execute(
+            "ALTER TABLE router_outbox DROP KEY ix_router_outbox_stream, DROP COLUMN lease_token"
+        )
+        return
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP FUNCTION router_claim(text, integer, text, double precision, bigint)")
     op.drop_index("ix_router_outbox_stream", "router_outbox")

@@ -6,6 +6,10 @@
 - ``ix_router_outbox_published`` / ``ix_router_outbox_abandoned``: cleanup deletes old rows
   in bounded batches through these, without scanning the table.
 
+On MySQL (see 0001) the same table and column; the cleanup indexes lead with ``status`` in
+place of PostgreSQL's ``WHERE status = ...``. The claim locks the target's row here, so the
+claims of one target take turns (router/relay/store/mysql_sql.py).
+
 Revision ID: 0003
 Revises: 0002
 Create Date: 2026-11-22
@@ -64,7 +68,33 @@ $$
 """
 
 
+TARGETS_MYSQL = """
+CREATE TABLE router_targets (
+    target VARCHAR(64) NOT NULL,
+    paused BOOLEAN NOT NULL DEFAULT FALSE,
+    paused_at DATETIME(6) NULL,
+    paused_by TEXT NULL,
+    circuit VARCHAR(16) NOT NULL DEFAULT 'closed',
+    circuit_since DATETIME(6) NULL,
+    circuit_worker TEXT NULL,
+    circuit_error TEXT NULL,
+    PRIMARY KEY (target)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin
+"""
+
+RETENTION_MYSQL = """
+ALTER TABLE router_outbox
+    ADD COLUMN last_attempt_at DATETIME(6) NULL,
+    ADD KEY ix_router_outbox_published (status, published_at),
+    ADD KEY ix_router_outbox_abandoned (status, last_attempt_at)
+"""
+
+
 def upgrade() -> None:
+    if op.get_bind().dialect.name == "mysql":
+        op.execute(TARGETS_MYSQL)
+        op.execute(RETENTION_MYSQL)
+        return
     postgres = op.get_bind().dialect.name == "postgresql"
     op.create_table(
         "router_targets",
@@ -101,6 +131,13 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    if op.get_bind().dialect.name == "mysql":
+        op.execute(
+            "ALTER TABLE router_outbox DROP KEY ix_router_outbox_abandoned, "
+            "DROP KEY ix_router_outbox_published, DROP COLUMN last_attempt_at"
+        )
+        op.execute("DROP TABLE router_targets")
+        return
     op.drop_index("ix_router_outbox_abandoned", "router_outbox")
     op.drop_index("ix_router_outbox_published", "router_outbox")
     with op.batch_alter_table("router_outbox") as table:

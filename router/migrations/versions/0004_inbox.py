@@ -4,6 +4,8 @@ A consumer records an event's message id in its own transaction, next to the wri
 event causes; the primary key makes a second delivery (or a concurrent one) find it there
 and skip. ``ix_router_inbox_received`` lets cleanup remove old records in bounded batches.
 
+On MySQL (see 0001) the key columns are ``VARCHAR(255)``, as InnoDB indexes no whole ``TEXT``.
+
 Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-22
@@ -20,7 +22,21 @@ branch_labels = None
 depends_on = None
 
 
+INBOX_MYSQL = """
+CREATE TABLE router_inbox (
+    consumer VARCHAR(255) NOT NULL,
+    message_id VARCHAR(255) NOT NULL,
+    received_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    PRIMARY KEY (consumer, message_id),
+    KEY ix_router_inbox_received (received_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin
+"""
+
+
 def upgrade() -> None:
+    if op.get_bind().dialect.name == "mysql":
+        op.execute(INBOX_MYSQL)
+        return
     postgres = op.get_bind().dialect.name == "postgresql"
     now = sa.text("now()") if postgres else sa.text("(strftime('%Y-%m-%d %H:%M:%f', 'now'))")
     op.create_table(
