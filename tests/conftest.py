@@ -1,4 +1,5 @@
-"""Fixtures shared by every test: real PostgreSQL databases, NATS streams, SQLite files."""
+"""Fixtures shared by every test: real PostgreSQL and MariaDB databases, NATS streams, SQLite
+files."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from nats.js.errors import NotFoundError
 from router import RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
-from tests.services import NATS, POSTGRES, require
+from tests.services import MARIADB, NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 NATS_URL = "nats://127.0.0.1:4222"
@@ -100,6 +101,68 @@ async def _drop_database(name: str) -> None:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await admin.close()
+
+
+MYSQL_ADMIN = {"host": MARIADB[0], "port": MARIADB[1], "user": "root", "password": ""}
+
+
+def mysql_database_url(name: str) -> str:
+    """URL of a database on the MariaDB test server."""
+    return f"mysql://root@{MARIADB[0]}:{MARIADB[1]}/{name}"
+
+
+@dataclass
+class MysqlDatabases:
+    """Creates MariaDB databases for one test and drops them afterwards.
+
+    MariaDB has no template databases: each is migrated with ``router init-db``'s own
+    ``upgrade`` (a tenth of a second). The server is required when a test asks for a database,
+    so a test parametrised over every kind needs MariaDB only for its MariaDB case.
+    """
+
+    created: list[str]
+
+    async def new(self, *, migrated: bool = True) -> str:
+        """A fresh database, migrated unless told otherwise; returns its URL."""
+        require("MariaDB", MARIADB)
+        name = f"router_t_{uuid.uuid4().hex[:10]}"
+        await mysql_fetch(None, f"CREATE DATABASE `{name}`")
+        self.created.append(name)
+        url = mysql_database_url(name)
+        if migrated:
+            await upgrade(name, DatabaseSettings.model_validate({"url": url}), Path.cwd())
+        return url
+
+
+@pytest.fixture
+async def mysql_databases() -> AsyncIterator[MysqlDatabases]:
+    """Make as many fresh MariaDB databases as a test needs."""
+    databases = MysqlDatabases([])
+    yield databases
+    for name in databases.created:
+        await mysql_fetch(None, f"DROP DATABASE IF EXISTS `{name}`")
+
+
+@pytest.fixture
+async def mysql_url(mysql_databases: MysqlDatabases) -> str:
+    """One fresh, migrated MariaDB database."""
+    return await mysql_databases.new()
+
+
+async def mysql_fetch(url: str | None, query: str, *args: Any) -> list[dict[str, Any]]:
+    """Run one statement on a fresh connection to ``url`` (None: the server, no database)
+    and return its rows as dicts."""
+    import asyncmy
+    from asyncmy.cursors import DictCursor
+
+    database = url.rpartition("/")[2] if url else None
+    conn = await asyncmy.connect(**MYSQL_ADMIN, database=database, autocommit=True)
+    try:
+        async with conn.cursor(DictCursor) as cursor:
+            await cursor.execute(query, args or None)
+            return list(await cursor.fetchall())
+    finally:
+        await conn.ensure_closed()
 
 
 @dataclass

@@ -13,12 +13,18 @@ import pytest
 
 POSTGRES = ("127.0.0.1", 5432)
 NATS = ("127.0.0.1", 4222)
+MARIADB = ("127.0.0.1", 3306)
 
 START = {
     "PostgreSQL": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
     "NATS": (
         "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- "
         "-a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log"
+    ),
+    # /etc/mysql/my.cnf has the rest: user mysql, 127.0.0.1:3306, /var/lib/mysql.
+    "MariaDB": (
+        "install -d -o mysql -g mysql /run/mysqld && "
+        "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
     ),
 }
 

@@ -76,6 +76,28 @@ SELECT pg_notify('router_outbox', :notify)
 """
 )
 
+# Per-stream commit order on MySQL and MariaDB, which have no transaction-scoped advisory lock.
+# GET_LOCK() would be one, but it belongs to the session: it outlives COMMIT and ROLLBACK, so
+# stage() (which never sees the caller's commit) could not release it, and a pooled session
+# would hold it for the next user. So the transaction locks one row per stream key in
+# router_streams instead (migration 0002): an upsert of the keys, in sorted order, before the
+# rows get their seq. On a key that exists ON DUPLICATE KEY UPDATE takes the row's exclusive
+# lock (a record lock on the primary key, no gap lock, even in REPEATABLE READ); on a new key
+# the inserted row is locked. InnoDB holds row locks until the transaction ends, so a second
+# transaction staging on the same key waits for the first's COMMIT or ROLLBACK, and per stream
+# key seq order is commit order, as with PostgreSQL's advisory locks.
+_MYSQL_STREAM_LOCKS = (
+    "INSERT INTO router_streams (stream_key) VALUES {values} "
+    "ON DUPLICATE KEY UPDATE stream_key = stream_key"
+)
+_MYSQL_INSERT = f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {{values}}"
+_MYSQL_ROW = "(%s, %s, %s, %s, %s, %s)"
+# One statement per stage() call, split only past a few MB of envelopes: a statement must fit
+# the server's max_allowed_packet (4 MB on older servers, 16 MB on MariaDB, 64 MB on MySQL 8).
+_MYSQL_MAX_BYTES = 4 << 20
+MYSQL_MAX_STREAM_KEY = 512
+"""The longest stream key MySQL keeps (``router_streams`` and ``router_outbox`` index it)."""
+
 _SQLITE_FIELDS = ("m", "t", "d", "e", "k", "v", "a", "c")
 _SQLITE_MAX_ROWS = 1000  # stays far below SQLite's 32,766 bound variables
 
@@ -189,6 +211,9 @@ class Stager:
                     "locks": _stream_keys(rows),
                 },
             )
+            return
+        if dialect == "mysql":
+            await _insert_mysql(conn, rows)
             return
         stamp = sqlite_time(datetime.now(UTC))
         for start in range(0, len(rows), _SQLITE_MAX_ROWS):
@@ -330,6 +355,49 @@ def _keys_per_event(
         if key is not None and not isinstance(key, str):
             raise StagingError(f"stream_keys[{i}] must be a string, got {type(key).__name__}")
     return keys
+
+
+async def _insert_mysql(conn: Any, rows: Sequence[Row]) -> None:
+    """Lock the rows' stream keys (see ``_MYSQL_STREAM_LOCKS``), then insert the rows."""
+    keys = _stream_keys(rows)
+    for key in keys:
+        if len(key) > MYSQL_MAX_STREAM_KEY:
+            raise StagingError(
+                f"stream key {key[:40]!r}... is {len(key):,} characters; "
+                f"a MySQL outbox keeps stream keys of at most {MYSQL_MAX_STREAM_KEY}"
+            )
+    if keys:
+        values = ", ".join(["(%s)"] * len(keys))
+        await conn.exec_driver_sql(_MYSQL_STREAM_LOCKS.format(values=values), tuple(keys))
+    for chunk in _mysql_chunks(rows):
+        params = [
+            value
+            for r in chunk
+            for value in (
+                r.message_id,
+                r.target,
+                r.destination,
+                r.event_type,
+                r.stream_key,
+                r.envelope,
+            )
+        ]
+        values = ", ".join([_MYSQL_ROW] * len(chunk))
+        await conn.exec_driver_sql(_MYSQL_INSERT.format(values=values), tuple(params))
+
+
+def _mysql_chunks(rows: Sequence[Row]) -> list[Sequence[Row]]:
+    """The rows in order, cut where a statement would pass ``_MYSQL_MAX_BYTES``."""
+    chunks: list[Sequence[Row]] = []
+    start, size = 0, 0
+    for i, row in enumerate(rows):
+        length = len(row.envelope) + len(row.destination) + len(row.event_type) + 200
+        if i > start and size + length > _MYSQL_MAX_BYTES:
+            chunks.append(rows[start:i])
+            start, size = i, 0
+        size += length
+    chunks.append(rows[start:])
+    return chunks
 
 
 def _columns(

@@ -1,5 +1,5 @@
-"""stage() against real databases: rows per target, one NOTIFY at commit, rollbacks,
-rejections, autocommit refused, keyed bulk staging."""
+"""stage() against real databases (PostgreSQL, SQLite, MariaDB): rows per target, one NOTIFY at
+commit, rollbacks, rejections, autocommit refused, keyed bulk staging, stream locks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from router import Outbox, StagingError, correlation
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
-from tests.conftest import PgDatabases, make_config
+from router.write.staging import MYSQL_MAX_STREAM_KEY
+from tests.conftest import MysqlDatabases, PgDatabases, make_config
 from tests.integration.events import OrderPlaced, StockReserved
 
 BROKERS = {
@@ -42,36 +43,55 @@ class Database:
     url: str
     base_dir: Path
 
-    def outbox(self) -> Outbox:
-        return Outbox(make_config({"main": self.url}, BROKERS, base_dir=self.base_dir))
+    def outbox(self, brokers: dict[str, Any] | None = None) -> Outbox:
+        return Outbox(make_config({"main": self.url}, brokers or BROKERS, base_dir=self.base_dir))
 
-    async def rows(self) -> list[dict[str, Any]]:
-        """Every row, in seq order, with its envelope parsed."""
+    async def fetch(self, query: str) -> list[dict[str, Any]]:
+        """The rows of one query, on a connection of its own."""
         outbox = self.outbox()
         try:
             async with outbox.engine().connect() as conn:
-                result = await conn.execute(
-                    text(
-                        "SELECT seq, target, event_type, stream_key, "
-                        "CAST(envelope AS TEXT) AS envelope FROM router_outbox ORDER BY seq"
-                    )
-                )
-                return [{**row._asdict(), "envelope": json.loads(row.envelope)} for row in result]
+                return [row._asdict() for row in await conn.execute(text(query))]
         finally:
             await outbox.close()
 
+    async def rows(self) -> list[dict[str, Any]]:
+        """Every row, in seq order, with its envelope parsed."""
+        # MySQL's envelope is text already, and it has no CAST(... AS TEXT).
+        envelope = "envelope" if self.kind == "mysql" else "CAST(envelope AS TEXT) AS envelope"
+        found = await self.fetch(
+            f"SELECT seq, message_id, target, destination, event_type, stream_key, {envelope}, "
+            "status, attempts FROM router_outbox ORDER BY seq"
+        )
+        return [
+            {**row, "message_id": str(row["message_id"]), "envelope": json.loads(row["envelope"])}
+            for row in found
+        ]
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def database(
-    request: pytest.FixtureRequest, pg_databases: PgDatabases, tmp_path: Path
+
+async def make_database(
+    kind: str, pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
 ) -> Database:
-    """The same test on a fresh PostgreSQL database and on a fresh SQLite file (a test may
-    pick the kinds with ``parametrize(..., indirect=["database"])``)."""
-    if request.param == "postgresql":
-        return Database("postgresql", await pg_databases.new(), tmp_path)
+    """A fresh, migrated database of ``kind``."""
+    if kind == "postgresql":
+        return Database(kind, await pg_databases.new(), tmp_path)
+    if kind == "mysql":
+        return Database(kind, await mysql_databases.new(), tmp_path)
     url = "sqlite:///outbox.db"
     await upgrade("main", DatabaseSettings.model_validate({"url": url}), tmp_path)
-    return Database("sqlite", url, tmp_path)
+    return Database(kind, url, tmp_path)
+
+
+@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+async def database(
+    request: pytest.FixtureRequest,
+    pg_databases: PgDatabases,
+    mysql_databases: MysqlDatabases,
+    tmp_path: Path,
+) -> Database:
+    """The same test on a fresh PostgreSQL database, SQLite file and MariaDB database (a test
+    may pick the kinds with ``parametrize(..., indirect=["database"])``)."""
+    return await make_database(request.param, pg_databases, mysql_databases, tmp_path)
 
 
 async def rows(url: str) -> list[asyncpg.Record]:
@@ -86,55 +106,58 @@ async def rows(url: str) -> list[asyncpg.Record]:
         await conn.close()
 
 
-async def test_published_event_makes_one_row_per_target_with_the_same_id(pg_url: str) -> None:
-    outbox = outbox_for(pg_url)
+async def test_published_event_makes_one_row_per_target_with_the_same_id(
+    database: Database,
+) -> None:
+    outbox = database.outbox()
     async with outbox.transaction() as tx:
         ids = await tx.stage(OrderPlaced(order_id="o-1", total=Decimal("9.50")), stream_key="o-1")
     await outbox.close()
 
-    stored = await rows(pg_url)
+    stored = await database.rows()
     assert [r["target"] for r in stored] == ["events", "analytics", "billing"]
     assert {r["message_id"] for r in stored} == set(ids)
     assert {r["status"] for r in stored} == {"pending"}
     assert {r["stream_key"] for r in stored} == {"o-1"}
     assert [r["destination"] for r in stored] == ["order_placed"] * 3
-    envelope = json.loads(stored[0]["envelope"])
+    envelope = stored[0]["envelope"]
     assert envelope["payload"] == {"order_id": "o-1", "total": "9.50", "note": None}
     assert envelope["type"] == "order_placed" and envelope["version"] == 2
 
 
-async def test_internal_only_event_makes_one_row(pg_url: str) -> None:
-    outbox = outbox_for(pg_url)
+async def test_internal_only_event_makes_one_row(database: Database) -> None:
+    outbox = database.outbox()
     async with outbox.transaction() as tx:
         await tx.stage(StockReserved(order_id="o-1", quantity=2))
     await outbox.close()
-    assert [r["target"] for r in await rows(pg_url)] == ["events"]
+    assert [r["target"] for r in await database.rows()] == ["events"]
 
 
-async def test_rolled_back_transaction_leaves_no_row(pg_url: str) -> None:
-    outbox = outbox_for(pg_url)
+async def test_rolled_back_transaction_leaves_no_row(database: Database) -> None:
+    outbox = database.outbox()
     with pytest.raises(RuntimeError, match="business rule"):
         async with outbox.transaction() as tx:
             await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
             raise RuntimeError("business rule failed")
     await outbox.close()
-    assert await rows(pg_url) == []
+    assert await database.rows() == []
 
 
-async def test_stage_with_an_async_session_commits_with_the_session(pg_url: str) -> None:
-    outbox = outbox_for(pg_url)
+async def test_stage_with_an_async_session_commits_with_the_session(database: Database) -> None:
+    outbox = database.outbox()
     sessions = async_sessionmaker(outbox.engine(), class_=AsyncSession)
     with correlation("req-7"):
         async with sessions() as session, session.begin():
             await outbox.stage(session, StockReserved(order_id="o-2", quantity=1))
-            assert await rows(pg_url) == []  # not visible before commit
+            assert await database.rows() == []  # not visible before commit
     await outbox.close()
-    stored = await rows(pg_url)
+    stored = await database.rows()
     assert len(stored) == 1
-    assert json.loads(stored[0]["envelope"])["correlation_id"] == "req-7"
+    assert stored[0]["envelope"]["correlation_id"] == "req-7"
 
 
 async def test_stage_with_a_raw_asyncpg_connection(pg_url: str) -> None:
+    # PostgreSQL only: stage() takes a raw asyncpg connection; other drivers go through SQLAlchemy.
     outbox = outbox_for(pg_url)
     conn = await asyncpg.connect(pg_url)
     try:
@@ -159,6 +182,7 @@ async def test_stage_with_a_raw_asyncpg_connection(pg_url: str) -> None:
 
 
 async def test_notify_arrives_once_and_only_at_commit(pg_url: str) -> None:
+    # PostgreSQL only: NOTIFY is PostgreSQL's; the other databases have no wake-up to check.
     listener = await asyncpg.connect(pg_url)
     received: list[str] = []
     await listener.add_listener("router_outbox", lambda *args: received.append(args[3]))
@@ -193,30 +217,45 @@ async def test_notify_arrives_once_and_only_at_commit(pg_url: str) -> None:
     ],
 )
 async def test_rejected_event_leaves_the_callers_transaction_usable(
-    pg_url: str, event: OrderPlaced, message: str
+    database: Database, event: OrderPlaced, message: str
 ) -> None:
-    outbox = outbox_for(pg_url)
+    outbox = database.outbox()
     async with outbox.transaction() as tx:
         with pytest.raises(StagingError, match=message):
             await tx.stage(StockReserved(order_id="ok", quantity=1), event)
         # Nothing of the rejected call was written, and the transaction goes on.
         await tx.stage(StockReserved(order_id="after", quantity=1))
     await outbox.close()
-    stored = await rows(pg_url)
-    assert [json.loads(r["envelope"])["payload"]["order_id"] for r in stored] == ["after"]
+    stored = await database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["after"]
 
 
-async def test_a_published_event_no_broker_takes_is_rejected(pg_url: str) -> None:
-    config = make_config(
-        {"main": pg_url},
-        {"partner": {"type": "memory", "events": {"include": ["billing.*"]}}},
-    )
-    outbox = Outbox(config)
+async def test_a_published_event_no_broker_takes_is_rejected(database: Database) -> None:
+    outbox = database.outbox({"partner": {"type": "memory", "events": {"include": ["billing.*"]}}})
     async with outbox.transaction() as tx:
         with pytest.raises(StagingError, match="has no target"):
             await tx.stage(OrderPlaced(order_id="o", total=Decimal(1)))
     await outbox.close()
-    assert await rows(pg_url) == []
+    assert await database.rows() == []
+
+
+async def test_a_stream_key_longer_than_mysql_keeps_is_rejected_before_anything_is_written(
+    mysql_url: str, tmp_path: Path
+) -> None:
+    # MySQL indexes stream keys, so it keeps them up to a length; PostgreSQL and SQLite do not.
+    database = Database("mysql", mysql_url, tmp_path)
+    outbox = database.outbox()
+    async with outbox.transaction() as tx:
+        with pytest.raises(StagingError, match=f"at most {MYSQL_MAX_STREAM_KEY}"):
+            await tx.stage(
+                StockReserved(order_id="long", quantity=1),
+                stream_key="k" * (MYSQL_MAX_STREAM_KEY + 1),
+            )
+        await tx.stage(
+            StockReserved(order_id="longest", quantity=1), stream_key="k" * MYSQL_MAX_STREAM_KEY
+        )
+    await outbox.close()
+    assert [len(r["stream_key"]) for r in await database.rows()] == [MYSQL_MAX_STREAM_KEY]
 
 
 AUTOCOMMIT = "AUTOCOMMIT"
@@ -356,6 +395,9 @@ async def counting(outbox: Outbox) -> AsyncIterator[list[str]]:
         ("sqlite", bulk_via_connection),
         ("sqlite", bulk_via_session),
         ("sqlite", bulk_via_transaction),
+        ("mysql", bulk_via_connection),
+        ("mysql", bulk_via_session),
+        ("mysql", bulk_via_transaction),
     ],
     indirect=["database"],
     ids=lambda value: getattr(value, "__name__", value),
@@ -399,33 +441,68 @@ async def test_stream_keys_of_unequal_length_are_refused_and_nothing_is_written(
     assert await database.rows() == []
 
 
-async def test_stream_keys_lock_every_stream_of_the_call_until_it_commits(pg_url: str) -> None:
+@pytest.mark.parametrize(
+    "database",
+    # Not SQLite: it has one writer, so the second transaction waits for the first whatever
+    # its stream keys.
+    ["postgresql", "mysql"],
+    indirect=True,
+)
+async def test_stream_keys_lock_every_stream_of_the_call_until_it_commits(
+    database: Database,
+) -> None:
     # A second transaction staging on any one of the first's streams waits for its commit,
     # so its row comes after the first's in seq order: per-stream commit order holds.
-    outbox = outbox_for(pg_url)
-    first, second = await asyncpg.connect(pg_url), await asyncpg.connect(pg_url)
+    outbox = database.outbox()
+    engine = outbox.engine()
     try:
-        open_tx = first.transaction()
-        await open_tx.start()
-        await outbox.stage(
-            first,
-            *[StockReserved(order_id=f"first-{k}", quantity=1) for k in "abc"],
-            stream_keys=["a", "b", "c"],
-        )
+        async with engine.connect() as first, engine.connect() as second:
+            open_tx = await first.begin()
+            await outbox.stage(
+                first,
+                *[StockReserved(order_id=f"first-{k}", quantity=1) for k in "abc"],
+                stream_keys=["a", "b", "c"],
+            )
 
-        async def stage_later() -> None:
-            async with second.transaction():
-                await outbox.stage(
-                    second, StockReserved(order_id="second-c", quantity=2), stream_key="c"
-                )
+            async def stage_later(key: str) -> None:
+                async with second.begin():
+                    await outbox.stage(
+                        second, StockReserved(order_id=f"second-{key}", quantity=2), stream_key=key
+                    )
 
-        later = asyncio.create_task(stage_later())
-        await asyncio.sleep(0.3)
-        assert not later.done()  # waits on stream "c", taken by the first transaction
-        await open_tx.commit()
-        await asyncio.wait_for(later, 5)
+            # A stream the first transaction did not stage on is not held up...
+            await asyncio.wait_for(stage_later("d"), 5)
+            later = asyncio.create_task(stage_later("c"))
+            await asyncio.sleep(0.3)
+            assert not later.done()  # ...but "c" is: it waits for the first transaction
+            await open_tx.commit()
+            await asyncio.wait_for(later, 5)
     finally:
-        await first.close()
-        await second.close()
-    order_ids = [json.loads(r["envelope"])["payload"]["order_id"] for r in await rows(pg_url)]
-    assert order_ids == ["first-a", "first-b", "first-c", "second-c"]
+        await outbox.close()
+    order_ids = [r["envelope"]["payload"]["order_id"] for r in await database.rows()]
+    assert order_ids == ["first-a", "first-b", "first-c", "second-d", "second-c"]
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+async def test_a_rolled_back_transaction_releases_its_streams(database: Database) -> None:
+    outbox = database.outbox()
+    engine = outbox.engine()
+    try:
+        async with engine.connect() as first, engine.connect() as second:
+            open_tx = await first.begin()
+            await outbox.stage(first, StockReserved(order_id="undone", quantity=1), stream_key="a")
+
+            async def stage_later() -> None:
+                async with second.begin():
+                    await outbox.stage(
+                        second, StockReserved(order_id="after", quantity=2), stream_key="a"
+                    )
+
+            later = asyncio.create_task(stage_later())
+            await asyncio.sleep(0.3)
+            assert not later.done()
+            await open_tx.rollback()
+            await asyncio.wait_for(later, 5)
+    finally:
+        await outbox.close()
+    assert [r["envelope"]["payload"]["order_id"] for r in await database.rows()] == ["after"]

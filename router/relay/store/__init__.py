@@ -1,10 +1,10 @@
-"""Outbox stores: the processor's view of one database (PostgreSQL or SQLite)."""
+"""Outbox stores: the processor's view of one database (PostgreSQL, MySQL/MariaDB or SQLite)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from router._db import asyncpg_dsn, sqlite_path
+from router._db import asyncpg_dsn, mysql_connect_args, mysql_driver, sqlite_path
 from router.config import DatabaseSettings
 from router.relay.store.base import (
     OPEN_STATUSES,
@@ -43,6 +43,11 @@ def open_store(
         from router.relay.store.sqlite import SqliteStore
 
         return SqliteStore(name, sqlite_path(database, base_dir))
+    if database.kind == "mysql":
+        mysql_driver(f"databases.{name}")  # missing: a ConfigError naming the extra
+        from router.relay.store.mysql import MysqlStore
+
+        return MysqlStore(name, mysql_connect_args(database), pool_size=database.pool_size)
     from router.relay.store.postgres import PostgresStore
 
     return PostgresStore(

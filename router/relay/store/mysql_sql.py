@@ -1,0 +1,186 @@
+"""The MySQL and MariaDB claim and mark, statement by statement, with why each is there.
+
+MySQL has no ``UPDATE ... RETURNING`` and takes ``SKIP LOCKED`` only on a ``SELECT``, so the
+claim that PostgreSQL runs as one function (``router.relay.store.postgres_sql``) is four
+statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore``:
+
+1. ``LOCK_TARGET``: the target's row in ``router_targets``, ``FOR UPDATE``. Claims of one target
+   take turns on it, as PostgreSQL's take turns on an advisory lock, and it says whether the
+   target is paused. (``ENSURE_TARGET`` first makes the row, the first time.)
+2. ``CANDIDATES``: a plain read of the due rows, streams in order. The store's sessions run
+   in READ COMMITTED, so this statement sees every claim committed before the lock was
+   granted: a row is never picked while an earlier row of its stream is in flight under a
+   claim that committed a moment ago.
+3. ``LOCK_ROWS``: the candidates again by primary key, ``FOR UPDATE SKIP LOCKED``, each still
+   open and due: any number of processors never hold the same row, nor wait on each other.
+4. ``LEASE``: the lease, fenced by the claim's token.
+
+Times come from the server's clock (``UTC_TIMESTAMP(6)``, the columns are UTC ``DATETIME(6)``).
+"""
+
+from __future__ import annotations
+
+from router.relay.store.base import OPEN_STATUSES_SQL as _OPEN
+
+__all__ = [
+    "CANDIDATES",
+    "CHECK_SCHEMA",
+    "ENSURE_TARGET",
+    "LATEST",
+    "LEASE",
+    "LOCK_ROWS",
+    "LOCK_TARGET",
+    "MARK_ABANDONED",
+    "MARK_FAILED",
+    "MARK_PUBLISHED",
+    "NEXT_DUE",
+    "RECORD_CIRCUIT",
+    "RELEASE",
+    "SESSION",
+    "in_list",
+]
+
+SESSION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+"""Every store connection's first statement. READ COMMITTED gives each statement a fresh
+snapshot (step 2 above relies on it) and takes no gap locks, so a claim never makes an
+application's INSERT wait (in REPEATABLE READ its scans would lock the gap new rows go in)."""
+
+LOCK_TARGET = "SELECT paused FROM router_targets WHERE target = %s FOR UPDATE"
+
+# A target whose circuit never changed and that was never paused has no row yet. Repeating
+# the key makes the upsert take the row's lock without changing it.
+ENSURE_TARGET = """
+INSERT INTO router_targets (target) VALUES (%s)
+ON DUPLICATE KEY UPDATE target = target
+"""
+
+# The predecessor check of the PostgreSQL claim: a row waits while an earlier row of its
+# stream is in flight under a live lease or waiting to retry (ix_router_outbox_stream reads
+# only rows of those two statuses).
+_IN_ORDER = """\
+       AND (o.stream_key IS NULL OR NOT EXISTS (
+             SELECT 1 FROM router_outbox p
+             WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
+               AND p.status IN ('processing', 'failed')
+               AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
+                   > UTC_TIMESTAMP(6)))"""
+
+
+def _due(status: str, due_column: str) -> str:
+    # One status at a time, each in ix_router_outbox_claim's order (target, status, seq): with
+    # no partial index, this is how a claim skips the published history instead of walking it.
+    return f"""
+    (SELECT o.seq, o.stream_key FROM router_outbox o
+     WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6)
+{_IN_ORDER}
+     ORDER BY o.seq LIMIT %s)"""
+
+
+# The first `limit` due rows of each open status, then the first `limit` of those: the rows
+# the PostgreSQL claim would pick. Parameters: (target, limit) three times, then limit.
+CANDIDATES = f"""
+SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at")}
+    UNION ALL {_due("failed", "available_at")}
+    UNION ALL {_due("processing", "locked_until")}
+) AS c
+ORDER BY c.seq
+LIMIT %s
+"""
+
+
+def in_list(count: int) -> str:
+    """``%s, %s, ...``: ``count`` placeholders for ``IN (...)``."""
+    return ", ".join(["%s"] * count)
+
+
+# Still open and due once locked (a late mark may have changed a row since step 2); the rows
+# another transaction holds are skipped, not waited for. Parameters: target, then the seqs.
+LOCK_ROWS = f"""
+SELECT seq, message_id, destination, envelope, attempts, stream_key, created_at
+FROM router_outbox
+WHERE target = %s AND seq IN ({{seqs}})
+  AND status IN ({_OPEN})
+  AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END
+      <= UTC_TIMESTAMP(6)
+ORDER BY seq
+FOR UPDATE SKIP LOCKED
+"""
+
+# attempts counts this attempt; last_attempt_at feeds the retry rate and abandoned-row
+# retention. Parameters: worker, token, lease in microseconds, then the seqs.
+LEASE = """
+UPDATE router_outbox
+SET status = 'processing', locked_by = %s, lease_token = %s,
+    locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND,
+    attempts = attempts + 1, last_attempt_at = UTC_TIMESTAMP(6)
+WHERE seq IN ({seqs})
+"""
+
+# Every mark is fenced by the claim's token and 'processing': a worker that lost its lease
+# (paused, partitioned, expired) cannot mark rows another claim now holds.
+_HELD = "{row}lease_token = %s AND {row}status = 'processing'"
+
+MARK_PUBLISHED = f"""
+UPDATE router_outbox
+SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
+    locked_by = NULL, locked_until = NULL
+WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+# Each failed row with its own delay and error, in one statement: the outcomes travel as one
+# JSON array of [seq, delay in seconds, error] (JSON_TABLE: MariaDB 10.6, MySQL 8.0, the
+# versions SKIP LOCKED needs anyway). Parameters: the JSON, then the token.
+MARK_FAILED = f"""
+UPDATE router_outbox o
+JOIN JSON_TABLE(%s, '$[*]' COLUMNS (
+    seq BIGINT PATH '$[0]', wait_s DOUBLE PATH '$[1]', message LONGTEXT PATH '$[2]')) t
+  ON o.seq = t.seq
+SET o.status = 'failed',
+    o.available_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(t.wait_s * 1000000) MICROSECOND,
+    o.last_error = t.message, o.locked_by = NULL, o.locked_until = NULL
+WHERE {_HELD.format(row="o.")}
+"""
+
+# No longer open, so never claimed again. Parameters: the JSON of [seq, error], the token.
+MARK_ABANDONED = f"""
+UPDATE router_outbox o
+JOIN JSON_TABLE(%s, '$[*]' COLUMNS (seq BIGINT PATH '$[0]', message LONGTEXT PATH '$[1]')) t
+  ON o.seq = t.seq
+SET o.status = 'abandoned', o.last_error = t.message, o.locked_by = NULL, o.locked_until = NULL
+WHERE {_HELD.format(row="o.")}
+"""
+
+# Claimed but not sent: back to what it was before the claim, and the attempt does not count.
+RELEASE = f"""
+UPDATE router_outbox
+SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+    attempts = attempts - 1, available_at = UTC_TIMESTAMP(6), locked_by = NULL,
+    locked_until = NULL
+WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+# The earliest due time of each open status, each one index lookup in ix_router_outbox_due
+# (a MIN over an IN list would read every open row); the store takes the smallest.
+NEXT_DUE = """
+SELECT UTC_TIMESTAMP(6),
+    (SELECT MIN(available_at) FROM router_outbox WHERE target = %s AND status = 'pending'),
+    (SELECT MIN(available_at) FROM router_outbox WHERE target = %s AND status = 'failed'),
+    (SELECT MIN(locked_until) FROM router_outbox WHERE target = %s AND status = 'processing')
+"""
+
+# The new values are given twice rather than through VALUES(), which MySQL 8.0.20 deprecated
+# and whose replacement (a row alias) MariaDB does not have.
+RECORD_CIRCUIT = """
+INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
+VALUES (%s, %s, UTC_TIMESTAMP(6), %s, %s)
+ON DUPLICATE KEY UPDATE circuit = %s, circuit_since = UTC_TIMESTAMP(6),
+    circuit_worker = %s, circuit_error = %s
+"""
+
+CHECK_SCHEMA = """
+SELECT COUNT(*) FROM information_schema.TABLES
+WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s
+"""
+
+# What the watcher polls: the newest committed row, read from the end of the primary key.
+LATEST = "SELECT MAX(seq) FROM router_outbox"
