@@ -1,5 +1,5 @@
-"""Per-stream order on PostgreSQL: commit order per stream key, and a failing row holds back
-only its own stream on its own target."""
+"""Per-stream order on PostgreSQL and MariaDB: commit order per stream key, and a failing row
+holds back only its own stream on its own target."""
 
 from __future__ import annotations
 
@@ -7,38 +7,74 @@ import asyncio
 import json
 from collections.abc import Sequence
 from decimal import Decimal
+from pathlib import Path
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from router import Outbox
-from tests.conftest import NatsStreams, make_config, nats_broker
+from router.config import DatabaseSettings
+from tests.conftest import MysqlDatabases, NatsStreams, PgDatabases, make_config, nats_broker
 from tests.integration.events import OrderPlaced
-from tests.integration.test_delivery import serving, statuses
+from tests.integration.test_delivery import serving
+from tests.integration.test_write_path import Database, make_database
+
+
+@pytest.fixture(params=["postgresql", "mysql"])
+async def database(
+    request: pytest.FixtureRequest,
+    pg_databases: PgDatabases,
+    mysql_databases: MysqlDatabases,
+    tmp_path: Path,
+) -> Database:
+    """A fresh database of each kind that takes concurrent writers (not SQLite: it has one
+    writer at a time, so the open transactions these tests interleave would wait on each
+    other whatever their stream keys)."""
+    return await make_database(request.param, pg_databases, mysql_databases, tmp_path)
 
 
 def order_ids(messages: Sequence[object]) -> list[str]:
     return [json.loads(m.data)["payload"]["order_id"] for m in messages]  # type: ignore[attr-defined]
 
 
+async def statuses(database: Database) -> dict[str, list[str]]:
+    by_target: dict[str, list[str]] = {}
+    for row in await database.fetch("SELECT target, status FROM router_outbox ORDER BY seq"):
+        by_target.setdefault(row["target"], []).append(row["status"])
+    return by_target
+
+
+# A business table whose rows number themselves in insert order.
+ORDERS = {
+    "postgresql": "CREATE TABLE orders (id text PRIMARY KEY, created serial)",
+    "mysql": "CREATE TABLE orders (id VARCHAR(32) PRIMARY KEY, "
+    "created BIGINT NOT NULL AUTO_INCREMENT UNIQUE)",
+}
+
+
 async def test_two_transactions_on_one_stream_key_are_published_in_commit_order(
-    pg_url: str, nats_streams: NatsStreams
+    database: Database, nats_streams: NatsStreams
 ) -> None:
     stream = nats_streams.stream("int")
-    config = make_config({"main": pg_url}, {"events": nats_broker(stream, internal=True)})
+    config = make_config(
+        {"main": database.url},
+        {"events": nats_broker(stream, internal=True)},
+        base_dir=database.base_dir,
+    )
     outbox = Outbox(config)
-    early, late = await asyncpg.connect(pg_url), await asyncpg.connect(pg_url)
-    await early.execute("CREATE TABLE orders (id text PRIMARY KEY, created serial)")
+    engine = outbox.engine()
+    async with engine.begin() as conn:
+        await conn.execute(text(ORDERS[database.kind]))
     try:
-        async with serving(config):
+        async with serving(config), engine.connect() as early, engine.connect() as late:
             # "early" writes its business row first but commits last...
-            tx_early = early.transaction()
-            await tx_early.start()
-            await early.execute("INSERT INTO orders (id) VALUES ('early')")
+            tx_early = await early.begin()
+            await early.execute(text("INSERT INTO orders (id) VALUES ('early')"))
             # ...while "late" writes, stages and commits in between.
-            async with late.transaction():
-                await late.execute("INSERT INTO orders (id) VALUES ('late')")
+            async with late.begin():
+                await late.execute(text("INSERT INTO orders (id) VALUES ('late')"))
                 await outbox.stage(
                     late, OrderPlaced(order_id="late", total=Decimal(2)), stream_key="order-1"
                 )
@@ -49,13 +85,11 @@ async def test_two_transactions_on_one_stream_key_are_published_in_commit_order(
 
             # Now the other way round: a transaction that staged first holds the stream key,
             # so one that stages on it later waits for it and commits after it.
-            holder = early.transaction()
-            await holder.start()
+            holder = await early.begin()
             await outbox.stage(
                 early, OrderPlaced(order_id="holder", total=Decimal(3)), stream_key="order-1"
             )
-            waiting = late.transaction()
-            await waiting.start()
+            waiting = await late.begin()
             staging = asyncio.create_task(
                 outbox.stage(
                     late, OrderPlaced(order_id="waiter", total=Decimal(4)), stream_key="order-1"
@@ -75,26 +109,27 @@ async def test_two_transactions_on_one_stream_key_are_published_in_commit_order(
             await staging
             await waiting.commit()
             arrived = await nats_streams.messages(stream[0], 5)
-            business = await early.fetch("SELECT id FROM orders ORDER BY created")
+            business = (await early.execute(text("SELECT id FROM orders ORDER BY created"))).all()
+            await early.rollback()
     finally:
-        await early.close()
-        await late.close()
         await outbox.close()
-    assert [r["id"] for r in business] == ["early", "late"]  # row order of the business data
+    assert [row.id for row in business] == ["early", "late"]  # row order of the business data
     assert order_ids(arrived) == ["late", "early", "other-stream", "holder", "waiter"]
 
 
 async def test_a_rolled_back_transaction_releases_the_stream(
-    pg_url: str, nats_streams: NatsStreams
+    database: Database, nats_streams: NatsStreams
 ) -> None:
     stream = nats_streams.stream("int")
-    config = make_config({"main": pg_url}, {"events": nats_broker(stream, internal=True)})
+    config = make_config(
+        {"main": database.url},
+        {"events": nats_broker(stream, internal=True)},
+        base_dir=database.base_dir,
+    )
     outbox = Outbox(config)
-    holder = await asyncpg.connect(pg_url)
     try:
-        async with serving(config):
-            tx = holder.transaction()
-            await tx.start()
+        async with serving(config), outbox.engine().connect() as holder:
+            tx = await holder.begin()
             await outbox.stage(
                 holder, OrderPlaced(order_id="rolled-back", total=Decimal(1)), stream_key="order-1"
             )
@@ -105,7 +140,6 @@ async def test_a_rolled_back_transaction_releases_the_stream(
             await waiting
             arrived = await nats_streams.messages(stream[0], 1)
     finally:
-        await holder.close()
         await outbox.close()
     assert order_ids(arrived) == ["after"]
 
@@ -149,12 +183,13 @@ def _order(message: OutgoingMessage) -> str:
 
 
 async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
-    pg_url: str, nats_streams: NatsStreams
+    database: Database, nats_streams: NatsStreams
 ) -> None:
     internal, partner = nats_streams.stream("int"), nats_streams.stream("ext")
     config = make_config(
-        {"main": pg_url},
+        {"main": database.url},
         {"events": nats_broker(internal, internal=True), "partner": nats_broker(partner)},
+        base_dir=database.base_dir,
         outbox={"retry": {"base_delay": 0.2, "max_delay": 0.2, "jitter": 0, "max_attempts": 100}},
     )
     failing = {"a-1"}
@@ -179,7 +214,7 @@ async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
         held = await nats_streams.messages(partner[0], 5)
         await asyncio.sleep(1.0)  # several retry rounds of a-1 while a-2 must keep waiting
         still_held = await nats_streams.messages(partner[0], 6, timeout=0.1)
-        by_status = await statuses(pg_url)
+        by_status = await statuses(database)
 
         failing.clear()  # the partner recovers: a-1, then a-2
         released = await nats_streams.messages(partner[0], 7)
@@ -196,17 +231,24 @@ async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
     assert order_ids(released)[5:] == ["a-1", "a-2"]
 
 
-async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: str) -> None:
-    from router.relay.store import Marks
-    from router.relay.store.postgres import PostgresStore
+async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(
+    database: Database,
+) -> None:
+    from router.relay.store import Marks, open_store
 
-    config = make_config({"main": pg_url}, {"events": {"type": "memory", "internal": True}})
+    config = make_config(
+        {"main": database.url},
+        {"events": {"type": "memory", "internal": True}},
+        base_dir=database.base_dir,
+    )
     outbox = Outbox(config)
     async with outbox.transaction() as tx:
         await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
     await outbox.close()
-    paused = PostgresStore("main", pg_url)
-    healthy = PostgresStore("main", pg_url)
+    settings = DatabaseSettings.model_validate({"url": database.url})
+    paused = open_store("main", settings, database.base_dir)
+    healthy = open_store("main", settings, database.base_dir)
+    query = "SELECT status, locked_by, attempts, last_error FROM router_outbox"
     try:
         stale = await paused.claim("events", 10, "paused-worker", 0.05)
         await asyncio.sleep(0.2)  # the paused worker's lease runs out
@@ -214,16 +256,10 @@ async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: s
         assert [r.seq for r in fresh.rows] == [r.seq for r in stale.rows]
         # The paused worker wakes up and reports a failure: it must change nothing.
         await paused.mark("events", stale.token, Marks(failed=[(stale.rows[0].seq, 60, "late")]))
-        conn = await asyncpg.connect(pg_url)
-        try:
-            row = await conn.fetchrow(
-                "SELECT status, locked_by, attempts, last_error FROM router_outbox"
-            )
-            assert tuple(row) == ("processing", "healthy-worker", 2, None)
-            await healthy.mark("events", fresh.token, Marks(published=[fresh.rows[0].seq]))
-            assert await conn.fetchval("SELECT status FROM router_outbox") == "published"
-        finally:
-            await conn.close()
+        [row] = await database.fetch(query)
+        assert tuple(row.values()) == ("processing", "healthy-worker", 2, None)
+        await healthy.mark("events", fresh.token, Marks(published=[fresh.rows[0].seq]))
+        assert [r["status"] for r in await database.fetch(query)] == ["published"]
     finally:
         await paused.close()
         await healthy.close()
@@ -233,6 +269,7 @@ async def test_a_worker_whose_lease_was_taken_over_cannot_mark_the_row(pg_url: s
 async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_only(
     pg_url: str, durable: bool
 ) -> None:
+    # PostgreSQL only: synchronous_commit is PostgreSQL's (MySQL's flush setting is global).
     # By default the router's bookkeeping commits asynchronously (a lost claim or mark only
     # means a delivery again); with durable_bookkeeping it waits for the flush. Either way
     # the setting ends with the transaction, or a pooled session (PgBouncer) could hand it
