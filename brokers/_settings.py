@@ -1,4 +1,5 @@
-"""Settings shared by every broker kind: role, envelope profile, event filter, destinations."""
+"""Settings shared by every broker kind: role, envelope profile, what a partner receives
+(``expose``), event filter, destinations."""
 
 from __future__ import annotations
 
@@ -6,16 +7,39 @@ import fnmatch
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, Self
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from brokers._lazy import install_hint, missing_modules
-from envelopes import INTERNAL_ONLY_FIELDS, PARTNER_FIELDS, Profile
+from envelopes import (
+    EXPOSABLE_FIELDS,
+    EXTERNAL_FIELDS,
+    INTERNAL_ONLY_FIELDS,
+    PARTNER_FIELDS,
+    Exposure,
+    Profile,
+)
 
-__all__ = ["BrokerSettings", "EmbeddedServer", "EventFilter", "EventRoute", "redact_url"]
+__all__ = [
+    "BrokerSettings",
+    "EmbeddedServer",
+    "EventFilter",
+    "EventRoute",
+    "Expose",
+    "redact_url",
+]
 
 PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
 # What a broker may leave out: any metadata partners may see, and the staged headers.
@@ -74,6 +98,84 @@ class EventFilter(BaseModel):
         )
 
 
+def _glob(pattern: str) -> str:
+    if not pattern:
+        raise ValueError("an empty pattern matches no name")
+    return pattern
+
+
+def _exposable(name: str) -> str:
+    if name in EXPOSABLE_FIELDS:
+        return name
+    if name in EXTERNAL_FIELDS:
+        problem = f"{name!r} reaches partners anyway"
+    elif name == "headers":
+        problem = "staged headers are exposed by name, in 'expose.headers'"
+    elif name in INTERNAL_ONLY_FIELDS:
+        problem = f"{name!r} is the router's bookkeeping and never leaves"
+    else:
+        problem = f"unknown field {name!r}"
+    raise ValueError(f"{problem}; 'fields' takes {', '.join(sorted(EXPOSABLE_FIELDS))}")
+
+
+def _top_level(name: str) -> str:
+    if not name:
+        raise ValueError("a payload field name cannot be empty")
+    if "." in name:
+        raise ValueError(
+            f"{name!r}: only top-level payload fields can be kept (a kept field keeps all of "
+            "its contents)"
+        )
+    return name
+
+
+def _some_fields(names: list[str]) -> list[str]:
+    if not names:
+        raise ValueError(
+            "an empty list would send this event type without a payload; list the fields to "
+            "keep, leave the type out to send its whole payload, or keep it from this broker "
+            "with 'events.exclude'"
+        )
+    return names
+
+
+_Glob = Annotated[str, AfterValidator(_glob)]
+
+
+class Expose(BaseModel):
+    """What a partner receives besides the external envelope (default: nothing more)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    headers: list[_Glob] = Field(
+        default_factory=list,
+        description="Staged header names sent as transport headers (globs, any case).",
+    )
+    extensions: list[_Glob] = Field(
+        default_factory=list, description="Extension names sent (globs, any case)."
+    )
+    fields: list[Annotated[str, AfterValidator(_exposable)]] = Field(
+        default_factory=list, description="Internal-only fields added to the external body."
+    )
+    payload: dict[
+        str,
+        Annotated[list[Annotated[str, AfterValidator(_top_level)]], AfterValidator(_some_fields)],
+    ] = Field(
+        default_factory=dict,
+        description="Per event type, the top-level payload fields kept (types not listed "
+        "keep their whole payload).",
+    )
+
+    def compile(self) -> Exposure:
+        """The allow-list as ``render`` applies it."""
+        return Exposure(
+            headers=tuple(self.headers),
+            extensions=tuple(self.extensions),
+            fields=frozenset(self.fields),
+            payload={type_: frozenset(names) for type_, names in self.payload.items()},
+        )
+
+
 class BrokerSettings(BaseModel):
     """Fields every broker kind has; each kind adds its connection and destination settings."""
 
@@ -88,6 +190,12 @@ class BrokerSettings(BaseModel):
     )
     omit: list[str] = Field(
         default_factory=list, description="Envelope fields to leave out for this broker."
+    )
+    expose: Expose | None = Field(
+        None,
+        description="Partners only: the staged headers, extensions, internal-only fields and "
+        "payload fields this broker receives; default: no header, extension or field beyond "
+        "the external envelope, and whole payloads.",
     )
     events: EventFilter | None = Field(
         None, description="External brokers only: which published event types to send."
@@ -123,6 +231,27 @@ class BrokerSettings(BaseModel):
             raise ValueError(f"unknown placeholder(s) {sorted(unknown)}; use {known}")
         return template
 
+    @field_validator("expose")
+    @classmethod
+    def _expose_only_partners(cls, expose: Expose | None, info: ValidationInfo) -> Expose | None:
+        # internal and envelope come before expose, so they are validated by now (unless
+        # invalid: then their own error is reported, and this check has nothing to go on).
+        if expose is None or "internal" not in info.data or "envelope" not in info.data:
+            return expose
+        if info.data["internal"]:
+            raise ValueError("the internal broker gets everything; 'expose' is for partners")
+        if info.data["envelope"] == "internal":
+            raise ValueError(
+                "envelope: internal sends everything; 'expose' is for the external and "
+                "cloudevents envelopes"
+            )
+        if info.data["envelope"] == "cloudevents" and expose.fields:
+            raise ValueError(
+                "'fields' adds internal-only fields to the external body, and a cloudevents "
+                "envelope has none; stage what this partner needs as an extension instead"
+            )
+        return expose
+
     @field_validator("omit")
     @classmethod
     def _omittable(cls, fields: list[str]) -> list[str]:
@@ -152,6 +281,15 @@ class BrokerSettings(BaseModel):
         if self.profile == "cloudevents" and self.cloudevents_mode == "binary":
             return self.cloudevents_prefix
         return None
+
+    @cached_property
+    def exposure(self) -> Exposure:
+        """What this broker receives of each event, compiled once: everything on the internal
+        broker or profile; otherwise what ``expose`` allows (by default nothing more than the
+        external envelope)."""
+        if self.internal or self.profile == "internal":
+            return Exposure.EVERYTHING
+        return (self.expose or Expose()).compile()
 
     @property
     def profile(self) -> Profile:

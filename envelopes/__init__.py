@@ -12,6 +12,7 @@ from envelopes.errors import (
     SchemaError,
     StagingError,
 )
+from envelopes.exposure import EXPOSABLE_FIELDS, Exposure
 from envelopes.identify import message_id_of
 from envelopes.ids import uuid7
 from envelopes.metadata import (
@@ -40,6 +41,7 @@ from envelopes.render import (
 )
 
 __all__ = [
+    "EXPOSABLE_FIELDS",
     "EXTERNAL_FIELDS",
     "INTERNAL_ONLY_FIELDS",
     "PARTNER_FIELDS",
@@ -51,6 +53,7 @@ __all__ = [
     "DatabaseError",
     "EnvelopeError",
     "EnvelopeMetadata",
+    "Exposure",
     "ExternalEnvelope",
     "HeaderName",
     "InternalEnvelope",

@@ -7,6 +7,9 @@ processor renders it for the row's broker:
 - ``external``: only the fields partners need (``EXTERNAL_FIELDS``), no nulls, no empty maps;
 - ``cloudevents``: CloudEvents 1.0 structured mode (``application/cloudevents+json``).
 
+The two partner profiles also pass through the broker's allow-list (``envelopes.Exposure``):
+staged headers and extensions by name, internal-only fields, payload fields per event type.
+
 Every profile also yields transport headers, so a consumer can route or deduplicate without
 parsing the body. Brokers map ``WireMessage`` to their native metadata.
 """
@@ -23,8 +26,8 @@ from typing import Any, Literal, Unpack
 import orjson
 
 from envelopes.errors import EnvelopeError
+from envelopes.exposure import Exposure
 from envelopes.metadata import METADATA_DEFAULTS, EnvelopeMetadata, HeaderName, wire_of
-from envelopes.models import EXTERNAL_FIELDS
 
 __all__ = [
     "PROFILES",
@@ -156,8 +159,14 @@ def render(
     sequence: int | None = None,
     omit: Iterable[str] = (),
     cloudevents_prefix: str | None = None,
+    exposure: Exposure = Exposure.NOTHING,
 ) -> WireMessage:
     """Render a stored internal envelope for one broker profile.
+
+    The partner profiles send only what ``exposure`` allows of the staged headers, the
+    extensions, the internal-only fields and the payload (by default: no staged header, no
+    extension, no internal-only field, the whole payload); ``omit`` applies after it. The
+    internal profile sends everything and ignores ``exposure``.
 
     With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
     mode: the body is the data alone and every other attribute becomes a header named with
@@ -183,13 +192,15 @@ def render(
         }
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "external":
+        exposure.restrict(envelope)
         body_fields = {
             k: envelope[k]
-            for k in EXTERNAL_FIELDS
+            for k in exposure.body_fields
             if _kept(k, envelope.get(k)) and k not in omitted
         }
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "cloudevents" and cloudevents_prefix is not None:
+        exposure.restrict(envelope)
         event = _cloudevent(envelope, omitted)
         body, content_type = orjson.dumps(event.pop("data")), JSON
         headers = _headers(envelope, content_type, omitted)
@@ -198,6 +209,7 @@ def render(
         )
         return _wire(envelope, body, content_type, headers)
     elif profile == "cloudevents":
+        exposure.restrict(envelope)
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")

@@ -75,6 +75,7 @@ class Delivery:
                         sequence=row.seq,
                         omit=self._omit,
                         cloudevents_prefix=self.settings.binary_prefix,
+                        exposure=self.settings.exposure,  # compiled once per broker
                     )
                 except EnvelopeError as exc:
                     marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))

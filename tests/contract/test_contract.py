@@ -53,6 +53,7 @@ def message(
         sequence=n,
         omit=settings.omit,
         cloudevents_prefix=settings.binary_prefix,
+        exposure=settings.exposure,
     )
     return OutgoingMessage(destination, wire)
 
@@ -64,19 +65,22 @@ async def publish(broker: Broker, batch: list[OutgoingMessage]) -> list[Any]:
         await broker.close()
 
 
+# Partners get staged headers and extensions only when their allow-list names them.
+SHARED = {"headers": ["channel"], "extensions": ["region"]}
 PROFILES = [
     pytest.param({"envelope": "internal"}, id="internal"),
-    pytest.param({"envelope": "external"}, id="external"),
-    pytest.param({"envelope": "cloudevents"}, id="cloudevents-structured"),
+    pytest.param({"envelope": "external", "expose": SHARED}, id="external"),
+    pytest.param({"envelope": "cloudevents", "expose": SHARED}, id="cloudevents-structured"),
     pytest.param(
-        {"envelope": "cloudevents", "cloudevents_mode": "binary"}, id="cloudevents-binary"
+        {"envelope": "cloudevents", "cloudevents_mode": "binary", "expose": SHARED},
+        id="cloudevents-binary",
     ),
 ]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 async def test_a_batch_arrives_complete_with_identity_headers_and_body(
-    harness: Harness, profile: dict[str, str]
+    harness: Harness, profile: dict[str, Any]
 ) -> None:
     settings = harness.settings(**profile)
     destination = harness.destination()

@@ -54,12 +54,14 @@ async def test_internal_gets_full_envelope_and_partners_the_stripped_one(
     pg_url: str, nats_streams: NatsStreams
 ) -> None:
     internal, partner_a, partner_b = (nats_streams.stream(n) for n in ("int", "pa", "pb"))
+    # Partners get staged headers and extensions only when their allow-list names them.
+    shared = {"headers": ["channel"], "extensions": ["region"]}
     config = make_config(
         {"main": pg_url},
         {
             "events": nats_broker(internal, internal=True),
-            "analytics": nats_broker(partner_a),
-            "billing": nats_broker(partner_b, omit=["causation_id"]),
+            "analytics": nats_broker(partner_a, expose=shared),
+            "billing": nats_broker(partner_b, omit=["causation_id"], expose=shared),
         },
     )
     outbox = Outbox(config)

@@ -17,6 +17,7 @@ from envelopes import (
     INTERNAL_ONLY_FIELDS,
     CloudEvent,
     EnvelopeError,
+    Exposure,
     ExternalEnvelope,
     InternalEnvelope,
     make_internal_envelope,
@@ -43,6 +44,8 @@ EVERYTHING: dict[str, Any] = {
     "extensions": {"region": "eu"},
     "event_class": "shop.events.OrderPlaced",
 }
+# A partner allowed the staged header and every extension (partners get neither by default).
+SHARED = Exposure(headers=("channel",), extensions=("*",))
 
 
 def stored(payload: bytes = PAYLOAD, **fields: Any) -> bytes:
@@ -131,7 +134,7 @@ def test_an_envelope_stored_with_nulls_by_an_earlier_version_renders_the_same() 
 
 
 def test_external_profile_keeps_exactly_the_fields_partners_need() -> None:
-    document = body(stored(**EVERYTHING), "external", sequence=42)
+    document = body(stored(**EVERYTHING), "external", sequence=42, exposure=SHARED)
     assert list(document) == list(EXTERNAL_FIELDS)
     assert not set(document) & INTERNAL_ONLY_FIELDS
     envelope = ExternalEnvelope.model_validate(document)
@@ -155,7 +158,7 @@ def test_external_profile_leaves_absent_fields_out_instead_of_sending_nulls() ->
 @pytest.mark.parametrize("profile", ["internal", "external"])
 def test_omit_removes_fields_from_the_body_and_the_headers(profile: str) -> None:
     omit = ["stream", "causation_id", "traceparent", "headers", "extensions"]
-    wire = render(stored(**EVERYTHING), profile, omit=omit)  # type: ignore[arg-type]
+    wire = render(stored(**EVERYTHING), profile, omit=omit, exposure=SHARED)  # type: ignore[arg-type]
     document = orjson.loads(wire.body)
     assert not set(document) & set(omit)
     assert "correlation_id" in document
@@ -172,7 +175,7 @@ def test_omit_can_drop_internal_only_fields_from_the_internal_profile() -> None:
 
 
 def test_cloudevents_structured_mode() -> None:
-    wire = render(stored(**EVERYTHING), "cloudevents")
+    wire = render(stored(**EVERYTHING), "cloudevents", exposure=SHARED)
     event = orjson.loads(wire.body)
     CloudEvent.model_validate(event)
     assert wire.content_type == "application/cloudevents+json"
@@ -194,7 +197,9 @@ def test_cloudevents_structured_mode() -> None:
 
 
 def test_cloudevents_leaves_out_absent_and_omitted_attributes() -> None:
-    event = body(stored(**EVERYTHING), "cloudevents", omit=["stream", "extensions"])
+    event = body(
+        stored(**EVERYTHING), "cloudevents", omit=["stream", "extensions"], exposure=SHARED
+    )
     CloudEvent.model_validate(event)
     assert "subject" not in event
     assert "region" not in event
@@ -203,7 +208,7 @@ def test_cloudevents_leaves_out_absent_and_omitted_attributes() -> None:
 
 
 def test_cloudevents_binary_mode_sends_the_data_as_body_and_attributes_as_headers() -> None:
-    wire = render(stored(**EVERYTHING), "cloudevents", cloudevents_prefix="ce_")
+    wire = render(stored(**EVERYTHING), "cloudevents", cloudevents_prefix="ce_", exposure=SHARED)
     assert orjson.loads(wire.body) == orjson.loads(PAYLOAD)
     assert wire.content_type == "application/json"
     assert wire.headers["ce_specversion"] == "1.0"
@@ -217,17 +222,17 @@ def test_cloudevents_binary_mode_sends_the_data_as_body_and_attributes_as_header
 @pytest.mark.parametrize("name", ["Region", "region-code", "x" * 21, "", "id", "type", "subject"])
 def test_cloudevents_rejects_extension_names_it_cannot_carry(name: str) -> None:
     with pytest.raises(EnvelopeError, match="not a valid CloudEvents attribute name"):
-        render(stored(stream="o-1", extensions={name: "v"}), "cloudevents")
+        render(stored(stream="o-1", extensions={name: "v"}), "cloudevents", exposure=SHARED)
 
 
 @pytest.mark.parametrize("name", ["subject", "data"])
 def test_cloudevents_rejects_reserved_names_even_when_the_event_lacks_them(name: str) -> None:
     with pytest.raises(EnvelopeError, match="not a valid CloudEvents attribute name"):
-        render(stored(extensions={name: "v"}), "cloudevents")
+        render(stored(extensions={name: "v"}), "cloudevents", exposure=SHARED)
 
 
 def test_headers_carry_the_identity_of_the_event() -> None:
-    wire = render(stored(**EVERYTHING), "external")
+    wire = render(stored(**EVERYTHING), "external", exposure=SHARED)
     assert wire.headers == {
         "channel": "web",
         "message-id": MESSAGE_ID,
