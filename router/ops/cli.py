@@ -9,6 +9,7 @@ router trace ID    every target's row of one event
 router pause T     stop claiming target T (every worker); router resume T undoes it
 router cleanup     delete published and abandoned rows past their retention
 router preview T   the exact message each target would receive for an event of type T
+router contract    what partners receive: export (AsyncAPI 3.0), lock, check against the lock
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError, RouterError, SchemaError, StagingError
@@ -31,7 +33,7 @@ from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
 from router.config import RouterConfig
-from router.ops import operations
+from router.ops import contract, operations
 from router.ops._logs import setup_logging
 from router.ops._tables import table
 from router.ops.check import run_checks
@@ -39,7 +41,7 @@ from router.ops.migrate import upgrade
 from router.ops.preview import preview, preview_block, side_by_side_table
 from router.ops.supervisor import Supervisor
 from router.ops.workers import WorkerPool
-from router.write.catalog import load_catalog
+from router.write.catalog import check_partners, load_catalog
 
 __all__ = ["main"]
 
@@ -50,6 +52,9 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 # Commands that talk to brokers: they need every configured kind's client library. The others
 # only touch databases and work with a config that names brokers this host cannot reach.
 _OPENS_BROKERS = frozenset({"serve", "check"})
+# Commands that import the config's events: modules and check what the config says of them
+# (payload projections, pinned versions) before anything starts.
+_READS_EVENTS = frozenset({"serve", "check", "preview"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         if args.command in _OPENS_BROKERS:
             require_clients(config, args.config)
+        if args.command in _READS_EVENTS:
+            check_partners(config, load_catalog(config.events, config.base_dir))
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -76,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "resume": _pause,
         "cleanup": _cleanup,
         "preview": _preview,
+        "contract": _contract,
     }[args.command]
     try:
         return _run(command(config, args, redactor))
@@ -209,7 +217,43 @@ def _parser() -> argparse.ArgumentParser:
         "--extension", action="append", default=[], metavar="NAME=VALUE", help="an extension"
     )
     preview.add_argument("--json", action="store_true")
+    _contract_parser(commands)
     return parser
+
+
+def _contract_parser(commands: Any) -> None:
+    group = commands.add_parser(
+        "contract",
+        help="what partners receive: export, lock, check (internal brokers are not in it)",
+        description="The partner contract: per partner broker, each published event version "
+        "it receives, its destination, envelope, headers and payload schema. Internal brokers "
+        "are not in it: what the owning system's own broker gets is no partner's contract.",
+    )
+    actions = group.add_subparsers(dest="contract_command", required=True, metavar="ACTION")
+    export = actions.add_parser(
+        "export",
+        help="the contract as an AsyncAPI 3.0 document",
+        description="Write the partner contract as an AsyncAPI 3.0 document: a server per "
+        "partner broker, a channel per destination, a message per event version. Internal "
+        "brokers are not in it.",
+    )
+    export.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write to FILE (YAML if it ends in .yaml or .yml; default: JSON on stdout)",
+    )
+    lock_file = f"the lock file (default: {contract.LOCK_FILE} next to the config)"
+    lock = actions.add_parser("lock", help="write the contract to the lock file, to commit")
+    lock.add_argument("--file", metavar="FILE", help=lock_file)
+    verify = actions.add_parser(
+        "check",
+        help="compare the contract with the lock: exit 1 on a breaking change",
+        description="Compare the contract of the code and config with the lock. Exit 0 when "
+        "nothing changed or only additively, 1 on a breaking change to an event version "
+        "partners already get, 2 without a lock.",
+    )
+    verify.add_argument("--file", metavar="FILE", help=lock_file)
+    verify.add_argument("--json", action="store_true")
 
 
 async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
@@ -481,6 +525,30 @@ async def _preview(config: RouterConfig, args: argparse.Namespace, redactor: Red
     human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
     _emit(args, [p.as_dict() for p in previews], human)
     return EXIT_OK
+
+
+async def _contract(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    path = Path(args.file) if getattr(args, "file", None) else config.base_dir / contract.LOCK_FILE
+    try:
+        catalog = load_catalog(config.events, config.base_dir)
+        if args.contract_command == "export":
+            print(contract.export(config, catalog, args.out), end="")
+            return EXIT_OK
+        if args.contract_command == "lock":
+            print(contract.lock(config, catalog, path))
+            return EXIT_OK
+        result = contract.check(config, catalog, path)
+    except ConfigError as exc:
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    if result is None:
+        print(
+            f"router: no contract lock at {contract.shown(path)}; run `router contract lock`",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    _emit(args, result.as_dict(), result.human())
+    return EXIT_FAILED if result.breaking else EXIT_OK
 
 
 def _pairs(items: Sequence[str], option: str) -> dict[str, str]:

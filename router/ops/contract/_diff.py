@@ -1,0 +1,194 @@
+"""Comparing two contract locks: what a partner relying on the old one would notice.
+
+At an unchanged event version the contract is exact: a partner may rely on every field being
+there, of its type, with its values, in every message that had it. So these are breaking:
+
+- an event version, envelope member or header no longer sent; a field removed or renamed;
+- a type narrowed (number -> integer, a union losing a member, no longer nullable) or
+  widened (integer -> number, a new union member: a reader written for the old type gets a
+  value it does not expect), or changed;
+- an enum value removed or added (a strict reader rejects an unknown one), a format,
+  pattern or bound changed;
+- optional made required, or required made optional (no longer in every message);
+- a destination, content type, broker kind or envelope profile changed; a staged header or
+  extension name pattern no longer allowed.
+
+Additive (listed, not breaking): a new partner, event type, version, field, envelope member,
+header, or allowed header or extension pattern. A new version of an event type is a new
+contract beside the old one, never a change of it; titles, descriptions and examples are
+documentation, not contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.ops.contract._schema_diff import compare_schemas
+
+__all__ = ["Change", "compare"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference between the lock and the code, for one partner."""
+
+    breaking: bool
+    partner: str
+    event_type: str | None
+    version: int | None
+    field: str  # "payload.total", "destination", "header stream-key", ... ("" for the event)
+    what: str
+
+    def line(self) -> str:
+        """One line: kind, partner, event type and version, field, what changed."""
+        event = f"{self.event_type} v{self.version}" if self.event_type else "every event"
+        where = f"{self.field}: " if self.field else ""
+        kind = "breaking" if self.breaking else "additive"
+        return f"{kind}  {self.partner}  {event}  {where}{self.what}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``--json``."""
+        return {
+            "breaking": self.breaking,
+            "partner": self.partner,
+            "event_type": self.event_type,
+            "version": self.version,
+            "field": self.field,
+            "change": self.what,
+        }
+
+
+def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """Every change from the ``old`` lock document to the ``new`` one, breaking first."""
+    changes: list[Change] = []
+    old_partners, new_partners = old.get("partners", {}), new.get("partners", {})
+    for partner in sorted(old_partners.keys() | new_partners.keys()):
+        before, after = old_partners.get(partner), new_partners.get(partner)
+        if after is None:
+            for event_type, version, _ in _entries(before):
+                changes.append(
+                    Change(
+                        True,
+                        partner,
+                        event_type,
+                        version,
+                        "",
+                        "no longer sent: the partner "
+                        "is gone (from the config, or from every database's brokers)",
+                    )
+                )
+        elif before is None:
+            for event_type, version, _ in _entries(after):
+                changes.append(Change(False, partner, event_type, version, "", "new partner"))
+        else:
+            changes.extend(_partner(partner, before, after))
+    return sorted(changes, key=lambda c: not c.breaking)
+
+
+def _entries(partner: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
+    for event_type, versions in sorted(partner.get("events", {}).items()):
+        for version, entry in sorted(versions.items(), key=lambda item: int(item[0])):
+            yield event_type, int(version), entry
+
+
+def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Change]:
+    changes = []
+    for key in ("kind", "envelope"):
+        if before.get(key) != after.get(key):
+            what = f"{'broker kind' if key == 'kind' else 'envelope'} changed: "
+            changes.append(Change(True, name, None, None, key, what + _pair(before, after, key)))
+    same_envelope = before.get("envelope") == after.get("envelope")
+    old_events, new_events = before.get("events", {}), after.get("events", {})
+    for event_type, version, entry in _entries(before):
+        now = new_events.get(event_type, {}).get(str(version))
+        if now is None:
+            changes.append(
+                Change(
+                    True,
+                    name,
+                    event_type,
+                    version,
+                    "",
+                    "no longer sent (the event class "
+                    "is gone or unpublished, or the broker's events filter leaves it out)",
+                )
+            )
+            continue
+        diff = _EntryDiff(name, event_type, version, _data(after))
+        diff.entry(entry, now, same_envelope=same_envelope)
+        changes.extend(diff.changes)
+    for event_type, version, _ in _entries(after):
+        if str(version) not in old_events.get(event_type, {}):
+            what = "new version" if event_type in old_events else "new event type"
+            changes.append(Change(False, name, event_type, version, "", what))
+    return changes
+
+
+def _pair(before: Mapping[str, Any], after: Mapping[str, Any], key: str) -> str:
+    return f"{before.get(key)} -> {after.get(key)}"
+
+
+def _data(partner: Mapping[str, Any]) -> str:
+    """What a partner calls the payload: CloudEvents say data."""
+    return "data" if str(partner.get("envelope", "")).startswith("cloudevents") else "payload"
+
+
+@dataclass
+class _EntryDiff:
+    """The changes of one event version for one partner."""
+
+    partner: str
+    event_type: str
+    version: int
+    payload_name: str
+    changes: list[Change] = field(default_factory=list)
+
+    def add(self, breaking: bool, where: str, what: str) -> None:
+        self.changes.append(
+            Change(breaking, self.partner, self.event_type, self.version, where, what)
+        )
+
+    def entry(self, old: Mapping[str, Any], new: Mapping[str, Any], *, same_envelope: bool) -> None:
+        for key in ("destination", "content_type"):
+            if old.get(key) != new.get(key) and (same_envelope or key == "destination"):
+                self.add(True, key.replace("_", "-"), f"changed: {_pair(old, new, key)}")
+        if same_envelope:
+            self.envelope(old.get("envelope", {}), new.get("envelope", {}))
+            self.headers(old.get("headers", {}), new.get("headers", {}))
+        old_payload, new_payload = old.get("payload", {}), new.get("payload", {})
+        compare_schemas(old_payload, new_payload, self.payload_name, self.add)
+
+    def envelope(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        as_object = [
+            {"type": "object", "properties": e.get("fields", {}), "required": e.get("required", [])}
+            for e in (old, new)
+        ]
+        compare_schemas(as_object[0], as_object[1], "envelope", self.add)
+        self.patterns(old, new, "extensions", "envelope.extensions", "extensions named")
+
+    def headers(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        old_required, new_required = set(old.get("required", [])), set(new.get("required", []))
+        old_all = old_required | set(old.get("optional", []))
+        new_all = new_required | set(new.get("optional", []))
+        for name in sorted(old_all | new_all):
+            where = f"header {name}"
+            if name not in new_all:
+                self.add(True, where, "no longer sent")
+            elif name not in old_all:
+                self.add(False, where, "new header")
+            elif name in old_required and name not in new_required:
+                self.add(True, where, "required made optional (no longer in every message)")
+            elif name in new_required and name not in old_required:
+                self.add(True, where, "optional made required")
+        self.patterns(old, new, "staged", "headers", "staged headers named")
+
+    def patterns(
+        self, old: Mapping[str, Any], new: Mapping[str, Any], key: str, where: str, named: str
+    ) -> None:
+        before, after = set(old.get(key, [])), set(new.get(key, []))
+        for glob in sorted(before - after):
+            self.add(True, where, f"{named} {glob!r} no longer sent")
+        for glob in sorted(after - before):
+            self.add(False, where, f"{named} {glob!r} now sent")
