@@ -30,6 +30,8 @@ from envelopes import (
     PARTNER_FIELDS,
     Exposure,
     Profile,
+    WireMessage,
+    render,
 )
 
 __all__ = [
@@ -200,6 +202,11 @@ class BrokerSettings(BaseModel):
     events: EventFilter | None = Field(
         None, description="External brokers only: which published event types to send."
     )
+    versions: dict[str, int] = Field(
+        default_factory=dict,
+        description="Partners only: event type -> the version this broker receives, older than "
+        "the current one; the event's downcasters make it (Event.downcaster).",
+    )
     destination: str = Field(
         "{destination}", description="Template for where each event goes on this broker."
     )
@@ -252,6 +259,16 @@ class BrokerSettings(BaseModel):
             )
         return expose
 
+    @field_validator("versions")
+    @classmethod
+    def _pins(cls, versions: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        if versions and info.data.get("internal"):
+            raise ValueError("the internal broker gets every event as staged; pin partners only")
+        for event_type, version in versions.items():
+            if isinstance(version, bool) or version < 1:
+                raise ValueError(f"{event_type}: a version is a positive integer")
+        return versions
+
     @field_validator("omit")
     @classmethod
     def _omittable(cls, fields: list[str]) -> list[str]:
@@ -290,6 +307,23 @@ class BrokerSettings(BaseModel):
         if self.internal or self.profile == "internal":
             return Exposure.EVERYTHING
         return (self.expose or Expose()).compile()
+
+    @cached_property
+    def _omitted(self) -> frozenset[str]:
+        return frozenset(self.omit)  # render() takes a frozenset as it is
+
+    def render(self, stored: str | bytes, *, sequence: int | None) -> WireMessage:
+        """A stored envelope as this broker receives it: its profile, CloudEvents mode,
+        allow-list and omissions. What the processor publishes and ``router preview`` shows.
+        Raises EnvelopeError for an envelope that cannot be rendered."""
+        return render(
+            stored,
+            self.profile,
+            sequence=sequence,
+            omit=self._omitted,
+            cloudevents_prefix=self.binary_prefix,
+            exposure=self.exposure,
+        )
 
     @property
     def profile(self) -> Profile:

@@ -20,7 +20,7 @@ from uuid import UUID
 from pydantic import BaseModel, ValidationError
 
 from brokers import BrokerSettings
-from envelopes import ConfigError, WireMessage, render
+from envelopes import ConfigError, WireMessage
 from router.config import RouterConfig
 from router.ops._tables import table
 from router.write.catalog import EventCatalog
@@ -98,20 +98,9 @@ def preview(
         if row is None:
             raise ConfigError(_not_routed(config.brokers[target], target, event_class, name))
         settings = config.brokers[target]
-        wire = render_for(settings, row.envelope, sequence=1)
+        wire = settings.render(row.envelope, sequence=1)
         result.append(Preview(target, settings.type, settings.profile, row.destination, wire))
     return result
-
-
-def render_for(settings: BrokerSettings, stored: str, *, sequence: int) -> WireMessage:
-    """Render a stored envelope as the processor does for this broker."""
-    return render(
-        stored,
-        settings.profile,
-        sequence=sequence,
-        omit=frozenset(settings.omit),
-        cloudevents_prefix=settings.binary_prefix,
-    )
 
 
 def _event(event_class: type[Event], payload: str | None) -> Event:

@@ -29,6 +29,8 @@ from router.ops.operations import cleanup
 from router.relay.metrics import Metrics
 from router.relay.processor import Processor
 from router.relay.store import OutboxStore, open_store
+from router.write.catalog import check_partners, load_catalog
+from router.write.pinning import Pinning
 
 __all__ = [
     "BrokerFactory",
@@ -80,6 +82,7 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        check_partners(config, load_catalog(config.events, config.base_dir))
         for name in databases or list(config.databases):
             store = open_store(
                 name,
@@ -100,6 +103,7 @@ class Supervisor:
                         outbox=config.outbox,
                         worker_id=self.worker_id,
                         metrics=self.metrics,
+                        transform=Pinning(settings.versions) if settings.versions else None,
                     )
                 )
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from brokers import waves as _waves
-from envelopes import BrokerError, EnvelopeError, render
+from envelopes import BrokerError, EnvelopeError
 from router.config import RetrySettings
 from router.relay.circuit import Circuit
 from router.relay.metrics import Metrics, observe_all
@@ -41,7 +41,10 @@ class Delivery:
         rand: Callable[[], float],
         labels: dict[str, str],
         metrics: Metrics | None = None,
+        transform: Callable[[str], str] | None = None,
     ) -> None:
+        """``transform`` rewrites each stored envelope before it is rendered (a pinned
+        partner's downcasts); when it raises, that row fails and retries alone."""
         self.target = target
         self.settings = settings
         self.broker = broker
@@ -51,7 +54,7 @@ class Delivery:
         self._rand = rand
         self._log = labels
         self._metrics = metrics
-        self._omit = frozenset(settings.omit)  # render() takes a frozenset as it is
+        self._transform = transform
 
     async def deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
@@ -69,14 +72,16 @@ class Delivery:
                     marks.untried.append(row.seq)
                     continue
                 try:
-                    wire = render(
-                        row.envelope,
-                        self.settings.profile,
-                        sequence=row.seq,
-                        omit=self._omit,
-                        cloudevents_prefix=self.settings.binary_prefix,
-                        exposure=self.settings.exposure,  # compiled once per broker
+                    stored = (
+                        row.envelope if self._transform is None else self._transform(row.envelope)
                     )
+                except Exception as exc:  # the user's downcaster: this row alone retries
+                    failed = PublishResult.failed(f"cannot downcast: {exc}", retryable=True)
+                    if not self._classify(row, failed, marks) and row.stream_key is not None:
+                        held.add(row.stream_key)
+                    continue
+                try:
+                    wire = self.settings.render(stored, sequence=row.seq)
                 except EnvelopeError as exc:
                     marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
                     continue

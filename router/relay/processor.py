@@ -56,6 +56,7 @@ class Processor:
         worker_id: str,
         rand: Callable[[], float] = random.random,
         metrics: Metrics | None = None,
+        transform: Callable[[str], str] | None = None,
     ) -> None:
         self.database = database
         self.target = target
@@ -78,6 +79,7 @@ class Processor:
             rand=rand,
             labels=self._log,
             metrics=metrics,
+            transform=transform,
         )
         self._recorded_circuit = "closed"
         self._wake = asyncio.Event()

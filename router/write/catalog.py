@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from envelopes import ConfigError
+from router.config import RouterConfig
 from router.write.events import Event
+from router.write.pinning import check_pins
 
-__all__ = ["EventCatalog", "load_catalog"]
+__all__ = ["EventCatalog", "check_partners", "load_catalog"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,29 @@ def load_catalog(modules: Sequence[str], base_dir: Path) -> EventCatalog:
             catalog.classes[spec.type][spec.version] = value
             origin[key] = spec.class_path
     return catalog
+
+
+def check_partners(config: RouterConfig, catalog: EventCatalog) -> None:
+    """What the config says about event classes holds for the catalogued ones: a payload
+    projection names fields the event declares, and each pinned version is declared and
+    reachable by downcasters. ConfigError names the YAML path. Without an ``events:`` list
+    there is nothing to check projections against (staging still checks pins)."""
+    pins = {name: broker.versions for name, broker in config.brokers.items() if broker.versions}
+    if catalog:
+        for name, broker in config.brokers.items():
+            projections = broker.expose.payload if broker.expose else {}
+            for event_type, kept in projections.items():
+                where = f"brokers.{name}.expose.payload.{event_type}"
+                versions = catalog.versions(event_type)
+                if not versions:
+                    known = ", ".join(sorted(catalog.classes))
+                    raise ConfigError(f"{where}: unknown event type; known types: {known}")
+                version = broker.versions.get(event_type, max(versions))
+                declared = catalog.get(event_type, version).model_fields
+                unknown = [field for field in kept if field not in declared]
+                if unknown:
+                    raise ConfigError(
+                        f"{where}: version {version} has no field {', '.join(map(repr, unknown))}; "
+                        f"its fields: {', '.join(declared)}"
+                    )
+    check_pins(pins)

@@ -35,6 +35,7 @@ from envelopes import (
 from router._db import sqlite_time
 from router.config import RouterConfig
 from router.write.events import Event, EventSpec
+from router.write.pinning import check_pin
 
 __all__ = ["Route", "Row", "Stager"]
 
@@ -252,6 +253,9 @@ class Stager:
         for name, broker in self.config.brokers_of(database).items():
             if not broker.wants(spec.type, published=spec.published):
                 continue
+            pinned = broker.versions.get(spec.type)
+            if pinned is not None and pinned != spec.version:
+                check_pin(spec, name, pinned)
             try:
                 routes.append(Route(name, broker.destination_for(route)))
             except ValueError as exc:

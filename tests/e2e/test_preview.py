@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from envelopes import INTERNAL_ONLY_FIELDS
 from tests.e2e.helpers import ROOT, router
@@ -76,3 +81,30 @@ def test_what_preview_cannot_show_is_a_one_line_error() -> None:
     for args, message in cases.items():
         result = router("preview", *args, cwd=ROOT)
         assert (result.returncode, result.stderr.strip(), result.stdout) == (2, message, ""), args
+
+
+def shop_copy(folder: Path, partners: dict[str, Any]) -> Path:
+    """The shipped example in ``folder``, its partners broker with ``partners`` added."""
+    shutil.copytree(ROOT / "examples", folder / "examples")
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["brokers"]["partners"].update(partners)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    return folder
+
+
+def test_a_projection_is_checked_against_the_event_class_and_applied(tmp_path: Path) -> None:
+    good = shop_copy(tmp_path / "good", {"expose": {"payload": {"order_placed": ["order_id"]}}})
+    bad = shop_copy(tmp_path / "bad", {"expose": {"payload": {"order_placed": ["price"]}}})
+
+    shown = router("preview", "order_placed", "--target", "partners", "--json", cwd=good)
+    refused = router("preview", "order_placed", cwd=bad)
+
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)[0]["body"]["payload"] == {
+        "order_id": "7c3fb8ef-bb1a-49f7-a3c3-00d539e5fb6e"
+    }
+    assert (refused.returncode, refused.stderr.strip()) == (
+        2,
+        "router: brokers.partners.expose.payload.order_placed: version 1 has no field "
+        "'price'; its fields: order_id, customer, total",
+    )

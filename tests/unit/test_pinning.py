@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from envelopes import ConfigError, StagingError, make_internal_envelope
-from router import Event
+from router import Event, parse_config
 from router.write.events import downcast, downcast_path
 from router.write.pinning import Pinning, check_pin, check_pins
 
@@ -116,4 +116,21 @@ def test_start_up_refuses_a_pin_to_an_undeclared_version_or_without_a_path() -> 
     assert str(undeclared.value) == (
         "brokers.partner.versions.test.pin.shipped: no class declares 'test.pin.shipped' "
         "version 7 (list its module under events:)"
+    )
+
+
+def test_pins_in_the_config_are_checked_where_they_are_written() -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config(
+            "databases: {main: sqlite:///x.db}\n"
+            "brokers:\n"
+            "  events: {type: memory, internal: true, versions: {a: 1}}\n"
+            "  partner: {type: memory, versions: {a: 0}}\n"
+        )
+
+    assert str(error.value) == (
+        "config.yaml: 2 problems:\n"
+        "  - brokers.events.versions: the internal broker gets every event as staged; "
+        "pin partners only\n"
+        "  - brokers.partner.versions: a: a version is a positive integer"
     )
