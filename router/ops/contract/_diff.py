@@ -75,8 +75,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
                         event_type,
                         version,
                         "",
-                        "no longer sent: the partner "
-                        "is gone (from the config, or from every database's brokers)",
+                        "no longer sent: nothing goes to this partner any more",
                     )
                 )
         elif before is None:

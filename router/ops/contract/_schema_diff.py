@@ -63,14 +63,20 @@ class _Walk:
 
     def __init__(self, report: Report, old_root: Schema, new_root: Schema) -> None:
         self.report, self.old_root, self.new_root = report, old_root, new_root
-        self.seen: set[tuple[str, str]] = set()
+        self.inside: set[tuple[str, str]] = set()  # the references being compared
 
     def schema(self, old: Schema, new: Schema, path: str) -> None:
         refs = (str(old.get("$ref")), str(new.get("$ref")))
-        if "$ref" in old and "$ref" in new:
-            if refs in self.seen:  # a recursive model: its fields were compared already
-                return
-            self.seen.add(refs)
+        if "$ref" not in old or "$ref" not in new:
+            self._compare(old, new, path)
+        elif refs not in self.inside:  # else a recursive model, being compared further up
+            self.inside.add(refs)
+            try:
+                self._compare(old, new, path)
+            finally:
+                self.inside.discard(refs)
+
+    def _compare(self, old: Schema, new: Schema, path: str) -> None:
         a, b = _node(old, self.old_root), _node(new, self.new_root)
         self.types(a, b, path)
         self.values(a, b, path)
