@@ -1,5 +1,6 @@
 """The connection lifecycle shared by the adapters that drive a FastStream broker (Kafka,
-RabbitMQ, Redis): connect within the timeout, prepare (declare, check), ping, close."""
+RabbitMQ): connect within the timeout, prepare (declare, check), ping, close. (Redis Streams
+writes plain entries with redis-py; FastStream only frames its ``format: faststream``.)"""
 
 from __future__ import annotations
 

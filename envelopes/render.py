@@ -193,11 +193,14 @@ def render(
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "external":
         exposure.restrict(envelope)
-        body_fields = {
-            k: envelope[k]
-            for k in exposure.body_fields
-            if _kept(k, envelope.get(k)) and k not in omitted
-        }
+        # _kept inlined, and the absent fields skipped by one lookup: this runs once per
+        # message on the processor's hot path (it was a third of a partner's render).
+        get = envelope.get
+        body_fields = {}
+        for k in exposure.body_fields:
+            v = get(k)
+            if ((v is not None and v != {}) or k == "payload") and k not in omitted:
+                body_fields[k] = v
         body, content_type = orjson.dumps(body_fields), JSON
     elif profile == "cloudevents" and cloudevents_prefix is not None:
         exposure.restrict(envelope)
