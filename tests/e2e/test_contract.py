@@ -1,0 +1,247 @@
+"""``router contract``: the partner contract exported as AsyncAPI 3.0 (valid against the
+official schema, and describing what ``router preview`` shows a partner gets), locked, and
+checked after the example's events change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from referencing import Registry
+from referencing.jsonschema import DRAFT7
+
+from tests.e2e.helpers import ROOT, router
+
+ASYNCAPI_SCHEMA = ROOT / "tests" / "schemas" / "asyncapi-3.0.0.json"
+MESSAGE = "partners.order_placed.v1"  # the shipped partner's one message
+KAFKA_PARTNER = """
+  analytics:
+    type: kafka
+    bootstrap_servers: "analytics.example.com:9093"
+    sasl: {mechanism: PLAIN, username: shop, password: "${KAFKA_PASSWORD:-hunter2}"}
+    envelope: cloudevents
+    cloudevents_mode: binary
+    destination: "shop.{event_type}.v{version}"
+    expose: {headers: ["x-tenant", "x-trace-*"], extensions: [region]}
+"""
+
+
+def assert_valid_asyncapi(document: dict[str, Any]) -> None:
+    schema = json.loads(ASYNCAPI_SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(document))
+    assert error is None, f"{error.json_path}: {error.message}"
+
+
+def part_of(document: dict[str, Any], pointer: str) -> jsonschema.Draft7Validator:
+    """A validator for the schema at ``pointer`` in the document (its $refs resolved there)."""
+    registry: Registry[Any] = Registry().with_resource(
+        "urn:contract", DRAFT7.create_resource(document)
+    )
+    return jsonschema.Draft7Validator({"$ref": f"urn:contract#{pointer}"}, registry=registry)
+
+
+def shop(folder: Path, partner: str = "", events: str | None = None) -> Path:
+    """A copy of the shipped example in ``folder``: its events as module shop_events (edited
+    by ``events``, a function of the text, when given), its config with ``partner`` lines
+    added to the partners broker."""
+    text = (ROOT / "examples" / "shop" / "events.py").read_text()
+    (folder / "shop_events.py").write_text(text if events is None else events)
+    config = (ROOT / "config.yaml").read_text()
+    for old, new in (
+        ("events: [examples.shop.events]", "events: [shop_events]"),
+        ("    envelope: external\n", f"    envelope: external\n{partner}"),
+    ):
+        assert old in config
+        config = config.replace(old, new)
+    (folder / "config.yaml").write_text(config)
+    return folder
+
+
+def exported(cwd: Path, *args: str) -> dict[str, Any]:
+    result = router("contract", "export", *args, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
+def test_the_shipped_example_exports_a_valid_asyncapi_document_of_its_partner() -> None:
+    document = exported(ROOT)
+
+    assert_valid_asyncapi(document)
+    assert document["asyncapi"] == "3.0.0"
+    assert document["info"]["title"] == "shop"
+    # The internal broker ("events") is not a partner contract.
+    assert list(document["servers"]) == ["partners"]
+    assert document["servers"]["partners"]["protocol"] == "nats"
+    [channel] = document["channels"].values()
+    assert channel["address"] == "partners.order_placed"
+    assert list(channel["messages"]) == ["order_placed.v1"]
+    [operation] = document["operations"].values()
+    assert operation["action"] == "send"
+    message = document["components"]["messages"][MESSAGE]
+    assert message["payload"]["properties"]["payload"]["required"] == [
+        "order_id",
+        "customer",
+        "total",
+    ]
+    assert not {"tenant", "checksum", "event_class", "headers", "extensions"} & set(
+        message["payload"]["properties"]
+    )
+
+
+def test_what_preview_shows_the_partner_is_what_the_exported_message_describes() -> None:
+    document = exported(ROOT)
+    preview = router(
+        "preview",
+        "order_placed",
+        "--target",
+        "partners",
+        "--stream-key",
+        "o-1",
+        "--json",
+        cwd=ROOT,
+    )
+    assert preview.returncode == 0, preview.stderr
+    [sent] = json.loads(preview.stdout)
+
+    pointer = f"/components/messages/{MESSAGE}"
+    part_of(document, f"{pointer}/payload").validate(sent["body"])
+    part_of(document, f"{pointer}/headers").validate(sent["headers"])
+    # And the contract is strict enough to refuse what the partner does not get.
+    broken = {**sent["body"], "payload": {**sent["body"]["payload"], "total": 42.5}}
+    assert not part_of(document, f"{pointer}/payload").is_valid(broken)
+
+
+def test_a_cloudevents_partner_on_kafka_is_exported_with_its_attribute_headers(
+    tmp_path: Path,
+) -> None:
+    folder = shop(tmp_path)
+    config = folder / "config.yaml"
+    config.write_text(config.read_text().replace("\noutbox:", f"{KAFKA_PARTNER}\noutbox:", 1))
+
+    result = router("contract", "export", "--out", "asyncapi.yaml", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert (
+        result.stdout == "asyncapi.yaml: AsyncAPI 3.0.0, 2 partner(s), 2 channel(s), 2 message(s)\n"
+    )
+    document = yaml.safe_load((folder / "asyncapi.yaml").read_text())
+
+    assert_valid_asyncapi(document)
+    assert document == exported(folder)
+    server = document["servers"]["analytics"]
+    # The host comes from the redacted address: never a credential.
+    assert (server["host"], server["protocol"]) == ("analytics.example.com:9093", "kafka")
+    assert "hunter2" not in (folder / "asyncapi.yaml").read_text()
+    message = document["components"]["messages"]["analytics.order_placed.v1"]
+    assert document["channels"]["analytics.shop.order_placed.v1"]["address"] == (
+        "shop.order_placed.v1"
+    )
+    headers = message["headers"]
+    assert {"ce_id", "ce_source", "ce_type", "ce_specversion", "message-id"} <= set(
+        headers["required"]
+    )
+    assert headers["properties"]["ce_type"]["const"] == "order_placed"
+    assert set(headers["patternProperties"]) == {
+        "^[xX]-[tT][eE][nN][aA][nN][tT]$",
+        "^[xX]-[tT][rR][aA][cC][eE]-.*$",
+        "^[cC][eE]_[rR][eE][gG][iI][oO][nN]$",
+    }
+    # Binary mode: the body is the data alone.
+    assert message["payload"]["title"] == "OrderPlaced"
+
+
+def test_a_payload_projection_hides_a_field_from_the_exported_schema(tmp_path: Path) -> None:
+    folder = shop(tmp_path, "    expose: {payload: {order_placed: [order_id, total]}}\n")
+
+    document = exported(folder)
+
+    assert_valid_asyncapi(document)
+    payload = document["components"]["messages"][MESSAGE]["payload"]["properties"]["payload"]
+    assert list(payload["properties"]) == ["order_id", "total"]
+    assert payload["required"] == ["order_id", "total"]
+
+
+def test_lock_then_check_passes(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+
+    locked = router("contract", "lock", cwd=folder)
+    checked = router("contract", "check", cwd=folder)
+
+    assert (locked.returncode, locked.stdout) == (
+        0,
+        "contracts.lock.json: written, 1 event version(s) for 1 partner(s)\n",
+    )
+    lock = json.loads((folder / "contracts.lock.json").read_text())
+    entry = lock["partners"]["partners"]["events"]["order_placed"]["1"]
+    assert entry["destination"] == "partners.order_placed"
+    assert "events" not in lock["partners"]
+    assert (checked.returncode, checked.stdout) == (
+        0,
+        "contract check: the code matches contracts.lock.json\n",
+    )
+
+
+def test_renaming_a_field_of_a_published_event_fails_the_check(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    events = (folder / "shop_events.py").read_text()
+    (folder / "shop_events.py").write_text(events.replace("    customer: str", "    buyer: str"))
+
+    result = router("contract", "check", cwd=folder)
+    as_json = router("contract", "check", "--json", cwd=folder)
+
+    assert result.returncode == 1, result.stderr
+    assert (
+        "breaking  partners  order_placed v1  payload.customer: renamed to payload.buyer "
+        "(removed, and added with its schema)"
+    ) in result.stdout.splitlines()
+    assert as_json.returncode == 1
+    [change] = json.loads(as_json.stdout)["changes"]
+    assert change == {
+        "breaking": True,
+        "partner": "partners",
+        "event_type": "order_placed",
+        "version": 1,
+        "field": "payload.customer",
+        "change": "renamed to payload.buyer (removed, and added with its schema)",
+    }
+
+
+def test_a_new_optional_field_passes_the_check_and_is_listed(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    events = (folder / "shop_events.py").read_text()
+    (folder / "shop_events.py").write_text(
+        events.replace("    total: Decimal", "    coupon: str | None = None\n    total: Decimal")
+    )
+
+    result = router("contract", "check", cwd=folder)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "contract check against contracts.lock.json: 0 breaking, 1 additive change(s)",
+        "additive  partners  order_placed v1  payload.coupon: new optional field",
+        "No breaking change: run `router contract lock` to record these.",
+    ]
+
+
+def test_check_without_a_lock_says_how_to_make_one(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+
+    result = router("contract", "check", "--file", "elsewhere.json", cwd=folder)
+
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "router: no contract lock at elsewhere.json; run `router contract lock`\n"
+    )
+
+
+def test_contract_help_says_internal_brokers_are_not_in_it() -> None:
+    result = router("contract", "--help", cwd=ROOT)
+
+    assert result.returncode == 0
+    assert "Internal brokers are not in it" in " ".join(result.stdout.split())
