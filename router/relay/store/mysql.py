@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -123,11 +122,25 @@ class MysqlStore:
                     [*marks.published, token],
                 )
             if marks.failed:
-                outcomes = [[seq, delay, error] for seq, delay, error in marks.failed]
-                await cursor.execute(sql.MARK_FAILED, [json.dumps(outcomes), token])
+                seqs = [seq for seq, _, _ in marks.failed]
+                delays = [(seq, round(delay * 1_000_000)) for seq, delay, _ in marks.failed]
+                errors = [(seq, error) for seq, _, error in marks.failed]
+                await cursor.execute(
+                    sql.MARK_FAILED.format(
+                        delays=sql.when_seq(len(seqs)),
+                        errors=sql.when_seq(len(seqs)),
+                        seqs=sql.in_list(len(seqs)),
+                    ),
+                    [*_flat(delays), *_flat(errors), *seqs, token],
+                )
             if marks.abandoned:
-                outcomes = [[seq, error] for seq, error in marks.abandoned]
-                await cursor.execute(sql.MARK_ABANDONED, [json.dumps(outcomes), token])
+                seqs = [seq for seq, _ in marks.abandoned]
+                await cursor.execute(
+                    sql.MARK_ABANDONED.format(
+                        errors=sql.when_seq(len(seqs)), seqs=sql.in_list(len(seqs))
+                    ),
+                    [*_flat(marks.abandoned), *seqs, token],
+                )
             if marks.untried:
                 await self._release(cursor, token, marks.untried)
 
@@ -317,6 +330,10 @@ def _in_stream_order(
         if record is not None:
             leased.append(record)
     return leased
+
+
+def _flat(pairs: Sequence[tuple[int, object]]) -> list[object]:
+    return [value for pair in pairs for value in pair]
 
 
 def _epoch(moment: datetime | None) -> float | None:

@@ -15,7 +15,16 @@ statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore
    open and due: any number of processors never hold the same row, nor wait on each other.
 4. ``LEASE``: the lease, fenced by the claim's token.
 
+Before all this the store runs ``CANDIDATES`` once on its own, outside any transaction: when it
+finds nothing (an idle target, the fallback poll), the claim ends there, one statement.
+Marks, releases and the rest are single statements, each committing on its own.
+
 Times come from the server's clock (``UTC_TIMESTAMP(6)``, the columns are UTC ``DATETIME(6)``).
+
+Every statement names its index. The retention indexes lead with ``status``, and with few rows
+in flight the optimizer takes them for ``status = 'processing'``: it then reads (and in an
+UPDATE locks its way through) every in-flight row of every target, rather than the few rows
+the statement names by key, and two marks of different targets could wait on each other.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ __all__ = [
     "RELEASE",
     "SESSION",
     "in_list",
+    "when_seq",
 ]
 
 SESSION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
@@ -54,34 +64,46 @@ INSERT INTO router_targets (target) VALUES (%s)
 ON DUPLICATE KEY UPDATE target = target
 """
 
+
 # The predecessor check of the PostgreSQL claim: a row waits while an earlier row of its
-# stream is in flight under a live lease or waiting to retry (ix_router_outbox_stream reads
-# only rows of those two statuses).
-_IN_ORDER = """\
-       AND (o.stream_key IS NULL OR NOT EXISTS (
-             SELECT 1 FROM router_outbox p
-             WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
-               AND p.status IN ('processing', 'failed')
-               AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
-                   > UTC_TIMESTAMP(6)))"""
+# stream is in flight under a live lease or waiting to retry. One NOT EXISTS per status, so
+# each reads ix_router_outbox_stream by (target, stream_key, status) and only that stream's
+# rows of that status, never its published history.
+def _none_earlier(status: str, due_column: str) -> str:
+    return f"""NOT EXISTS (
+             SELECT 1 FROM router_outbox p FORCE INDEX (ix_router_outbox_stream)
+             WHERE p.target = o.target AND p.stream_key = o.stream_key
+               AND p.status = '{status}' AND p.seq < o.seq
+               AND p.{due_column} > UTC_TIMESTAMP(6))"""
 
 
-def _due(status: str, due_column: str) -> str:
+_IN_ORDER = f"""\
+       AND (o.stream_key IS NULL
+            OR {_none_earlier("processing", "locked_until")}
+               AND {_none_earlier("failed", "available_at")})"""
+
+
+def _due(status: str, due_column: str, indexes: str) -> str:
     # One status at a time, each in ix_router_outbox_claim's order (target, status, seq): with
     # no partial index, this is how a claim skips the published history instead of walking it.
     return f"""
-    (SELECT o.seq, o.stream_key FROM router_outbox o
+    (SELECT o.seq, o.stream_key FROM router_outbox o {indexes}
      WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6)
 {_IN_ORDER}
      ORDER BY o.seq LIMIT %s)"""
 
 
+_CLAIM_ORDER = "FORCE INDEX (ix_router_outbox_claim)"
+# Failed rows: in outbox order, or the due ones by due time and then sorted (few are due at
+# once, however many wait): whichever the statistics make cheaper.
+_FAILED = "USE INDEX (ix_router_outbox_claim, ix_router_outbox_due)"
+
 # The first `limit` due rows of each open status, then the first `limit` of those: the rows
 # the PostgreSQL claim would pick. Parameters: (target, limit) three times, then limit.
 CANDIDATES = f"""
-SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at")}
-    UNION ALL {_due("failed", "available_at")}
-    UNION ALL {_due("processing", "locked_until")}
+SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at", _CLAIM_ORDER)}
+    UNION ALL {_due("failed", "available_at", _FAILED)}
+    UNION ALL {_due("processing", "locked_until", _CLAIM_ORDER)}
 ) AS c
 ORDER BY c.seq
 LIMIT %s
@@ -97,7 +119,7 @@ def in_list(count: int) -> str:
 # another transaction holds are skipped, not waited for. Parameters: target, then the seqs.
 LOCK_ROWS = f"""
 SELECT seq, message_id, destination, envelope, attempts, stream_key, created_at
-FROM router_outbox
+FROM router_outbox FORCE INDEX (PRIMARY)
 WHERE target = %s AND seq IN ({{seqs}})
   AND status IN ({_OPEN})
   AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END
@@ -109,7 +131,7 @@ FOR UPDATE SKIP LOCKED
 # attempts counts this attempt; last_attempt_at feeds the retry rate and abandoned-row
 # retention. Parameters: worker, token, lease in microseconds, then the seqs.
 LEASE = """
-UPDATE router_outbox
+UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = 'processing', locked_by = %s, lease_token = %s,
     locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND,
     attempts = attempts + 1, last_attempt_at = UTC_TIMESTAMP(6)
@@ -121,38 +143,40 @@ WHERE seq IN ({seqs})
 _HELD = "{row}lease_token = %s AND {row}status = 'processing'"
 
 MARK_PUBLISHED = f"""
-UPDATE router_outbox
+UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
     locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
 
-# Each failed row with its own delay and error, in one statement: the outcomes travel as one
-# JSON array of [seq, delay in seconds, error] (JSON_TABLE: MariaDB 10.6, MySQL 8.0, the
-# versions SKIP LOCKED needs anyway). Parameters: the JSON, then the token.
+# Each failed row with its own delay (in microseconds) and error, in one statement: the
+# values come as CASE seq WHEN ... lists (``when_seq``). Parameters: the delays' list, the
+# errors' list, the seqs, the token.
 MARK_FAILED = f"""
-UPDATE router_outbox o
-JOIN JSON_TABLE(%s, '$[*]' COLUMNS (
-    seq BIGINT PATH '$[0]', wait_s DOUBLE PATH '$[1]', message LONGTEXT PATH '$[2]')) t
-  ON o.seq = t.seq
-SET o.status = 'failed',
-    o.available_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(t.wait_s * 1000000) MICROSECOND,
-    o.last_error = t.message, o.locked_by = NULL, o.locked_until = NULL
-WHERE {_HELD.format(row="o.")}
+UPDATE router_outbox FORCE INDEX (PRIMARY)
+SET status = 'failed',
+    available_at = UTC_TIMESTAMP(6) + INTERVAL (CASE seq {{delays}} END) MICROSECOND,
+    last_error = CASE seq {{errors}} END, locked_by = NULL, locked_until = NULL
+WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
 
-# No longer open, so never claimed again. Parameters: the JSON of [seq, error], the token.
+# No longer open, so never claimed again. Parameters: the errors' list, the seqs, the token.
 MARK_ABANDONED = f"""
-UPDATE router_outbox o
-JOIN JSON_TABLE(%s, '$[*]' COLUMNS (seq BIGINT PATH '$[0]', message LONGTEXT PATH '$[1]')) t
-  ON o.seq = t.seq
-SET o.status = 'abandoned', o.last_error = t.message, o.locked_by = NULL, o.locked_until = NULL
-WHERE {_HELD.format(row="o.")}
+UPDATE router_outbox FORCE INDEX (PRIMARY)
+SET status = 'abandoned', last_error = CASE seq {{errors}} END,
+    locked_by = NULL, locked_until = NULL
+WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
+
+
+def when_seq(count: int) -> str:
+    """``WHEN %s THEN %s ...``: one (seq, value) pair per row, for ``CASE seq ... END``."""
+    return " ".join(["WHEN %s THEN %s"] * count)
+
 
 # Claimed but not sent: back to what it was before the claim, and the attempt does not count.
 RELEASE = f"""
-UPDATE router_outbox
+UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = UTC_TIMESTAMP(6), locked_by = NULL,
     locked_until = NULL
@@ -163,9 +187,12 @@ WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 # (a MIN over an IN list would read every open row); the store takes the smallest.
 NEXT_DUE = """
 SELECT UTC_TIMESTAMP(6),
-    (SELECT MIN(available_at) FROM router_outbox WHERE target = %s AND status = 'pending'),
-    (SELECT MIN(available_at) FROM router_outbox WHERE target = %s AND status = 'failed'),
-    (SELECT MIN(locked_until) FROM router_outbox WHERE target = %s AND status = 'processing')
+    (SELECT MIN(available_at) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+     WHERE target = %s AND status = 'pending'),
+    (SELECT MIN(available_at) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+     WHERE target = %s AND status = 'failed'),
+    (SELECT MIN(locked_until) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+     WHERE target = %s AND status = 'processing')
 """
 
 # The new values are given twice rather than through VALUES(), which MySQL 8.0.20 deprecated
