@@ -308,3 +308,40 @@ def test_decimal_is_a_string_on_the_wire_and_every_field_is_sent() -> None:
 
     assert payload["properties"]["total"]["type"] == "string"
     assert payload["required"] == ["total", "note"]
+
+
+class PinnedV1(Event, type="pinned_order", version=1, published=True):
+    """The old shape, which a pinned partner keeps getting."""
+
+    order_id: str
+
+
+class PinnedV2(Event, type="pinned_order", version=2, published=True):
+    """The new shape."""
+
+    order_id: str
+    total: int
+
+
+@PinnedV2.downcaster(to=1)
+def _to_v1(event: PinnedV2) -> PinnedV1:
+    return PinnedV1(order_id=event.order_id)
+
+
+def test_a_partner_pinned_to_a_version_has_that_version_in_its_contract_only() -> None:
+    pin = "    versions: {pinned_order: 1}"
+
+    before, after = lock(PinnedV1, partner=pin), lock(PinnedV1, PinnedV2, partner=pin)
+
+    # Staging v2 reaches the pinned partner as v1 (downcast): nothing changes for it.
+    assert compare(before, after) == []
+    entry = after["partners"]["billing"]["events"]["pinned_order"]
+    assert list(entry) == ["1"]
+    assert list(entry["1"]["payload"]["properties"]) == ["order_id"]
+    # Unpinned, the partner would get v2 as well.
+    assert lines(compare(before, lock(PinnedV1, PinnedV2))) == [
+        "additive  billing  pinned_order v2  new version"
+    ]
+    # Pinned to the newest, an older class (staging refuses it: no upcasts) is skipped.
+    newest = lock(PinnedV1, PinnedV2, partner="    versions: {pinned_order: 2}")
+    assert list(newest["partners"]["billing"]["events"]["pinned_order"]) == ["2"]

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.ops.contract._members import named_object
 from router.ops.contract._schema import Schema, glob_pattern, hoist_definitions
-from router.ops.contract._wire import PartnerMessage, named_object
+from router.ops.contract._wire import PartnerMessage
 
 __all__ = ["ASYNCAPI_VERSION", "asyncapi_document"]
 

@@ -1,12 +1,13 @@
 """What each partner receives of each event version: found by staging and rendering samples.
 
 Which partners get an event and where is what staging resolves (``Stager.build_rows``:
-``BrokerSettings.wants`` and ``destination_for``); which envelope members and headers they
-get is what ``envelopes.render`` sends with the broker's profile, ``omit`` and ``expose``,
-read off two rendered samples: one with every metadata field set (what may be sent), one
-with none (what is always sent). Nothing here restates those rules, so the contract cannot
-drift from the wire. Staged headers and extensions are allowed by name globs
-(``expose.headers``, ``expose.extensions``) and are described by those globs.
+``BrokerSettings.wants`` and ``destination_for``); which version a partner gets is what the
+processor makes of the row (``Pinning`` for a broker's ``versions:``); which envelope members
+and headers it gets is what ``BrokerSettings.render`` sends, read off two samples: one with
+every metadata field set (what may be sent), one with none (what is always sent). Nothing
+here restates those rules, so the contract cannot drift from the wire. Staged headers and
+extensions are allowed by name globs (``expose.headers``, ``expose.extensions``) and are
+described by those globs.
 """
 
 from __future__ import annotations
@@ -14,31 +15,31 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from brokers import BrokerSettings
 from envelopes import (
     ConfigError,
-    HeaderName,
-    InternalEnvelope,
     Metadata,
     StageOptions,
     StagingError,
     WireMessage,
-    render,
 )
-from envelopes.metadata import wire_of
 from router.config import RouterConfig
-from router.ops.contract._schema import (
-    Schema,
-    glob_pattern,
-    payload_schema,
-    project,
-    without_null,
+from router.ops.contract._members import (
+    EXTENSIONS,
+    STAGED,
+    attribute_schemas,
+    field_schemas,
+    fixed_values,
+    header_schema,
+    named_object,
 )
+from router.ops.contract._schema import Schema, payload_schema, project
 from router.ops.preview import example_of
-from router.write.catalog import EventCatalog
-from router.write.events import Event
+from router.write.catalog import EventCatalog, check_partners
+from router.write.events import Event, EventSpec
+from router.write.pinning import Pinning, check_pin
 from router.write.staging import Row, Stager
 
 __all__ = ["Member", "PartnerMessage", "partner_messages"]
@@ -89,29 +90,46 @@ class PartnerMessage:
 
 
 def partner_messages(config: RouterConfig, catalog: EventCatalog) -> list[PartnerMessage]:
-    """Every (partner, event type, version) that some database publishes, sorted. Internal
-    brokers are left out: what they get is no partner's contract. Raises ConfigError when an
-    event cannot be staged for a partner (its destination, say)."""
+    """Every (partner, event type, version received) that some database publishes, sorted.
+    Internal brokers are left out: what they get is no partner's contract. Raises
+    ConfigError for what ``router serve`` refuses (``check_partners``) and when an event
+    cannot be staged for a partner (its destination, say)."""
+    check_partners(config, catalog)
     stager = Stager(config)
     found: dict[tuple[str, str, int], PartnerMessage] = {}
     for event_class in catalog:
         spec = event_class.__event__
         for database in config.databases:
+            brokers = config.brokers_of(database)
             partners = [
                 name
-                for name, broker in config.brokers_of(database).items()
-                if not broker.internal
-                and broker.wants(spec.type, published=spec.published)
-                and (name, spec.type, spec.version) not in found
+                for name, broker in brokers.items()
+                if not broker.internal and broker.wants(spec.type, published=spec.published)
             ]
-            if not partners:
+            if not partners or not _stageable(brokers, spec):
                 continue
             wide, bare = _sample_rows(stager, database, event_class)
             for name in partners:
-                if name in wide:
-                    message = _message(config, name, event_class, wide[name], bare[name])
-                    found[(name, spec.type, spec.version)] = message
+                received = config.brokers[name].versions.get(spec.type, spec.version)
+                key = (name, spec.type, received)
+                if key not in found and name in wide:
+                    as_received = catalog.get(spec.type, received)
+                    found[key] = _message(config, name, as_received, wide[name], bare[name])
     return [found[key] for key in sorted(found)]
+
+
+def _stageable(brokers: Mapping[str, BrokerSettings], spec: EventSpec) -> bool:
+    """False when staging refuses this version because a broker is pinned to a newer one
+    (events are downcast, never upcast): an older class kept as another partner's pin."""
+    for name, broker in brokers.items():
+        pinned = broker.versions.get(spec.type)
+        wanted = broker.wants(spec.type, published=spec.published)
+        if wanted and pinned is not None and pinned != spec.version:
+            try:
+                check_pin(spec, name, pinned)
+            except StagingError:
+                return False
+    return True
 
 
 def _sample_rows(
@@ -140,15 +158,12 @@ def _sample_event(event_class: type[Event]) -> Event:
 
 
 def _render(settings: BrokerSettings, stored: str) -> WireMessage:
-    """As the processor renders a row for this broker (``router.relay.delivery``)."""
-    return render(
-        stored,
-        settings.profile,
-        sequence=1,
-        omit=frozenset(settings.omit),
-        cloudevents_prefix=settings.binary_prefix,
-        exposure=settings.exposure,
-    )
+    """As the processor publishes a row to this broker: downcast to a pinned version
+    (``router.ops.supervisor`` gives a pinned broker's processor this transform), then
+    rendered."""
+    if settings.versions:
+        stored = Pinning(settings.versions)(stored)
+    return settings.render(stored, sequence=1)
 
 
 def _message(
@@ -163,13 +178,13 @@ def _message(
     extensions = (
         () if "extensions" in omitted else ("*",) if everything else settings.exposure.extensions
     )
-    fixed = _fixed_values(spec.type, spec.version, config.service, wide.content_type)
+    fixed = fixed_values(spec.type, spec.version, config.service, wide.content_type)
     binary = settings.binary_prefix is not None
     payload_member = None if binary else "data" if settings.profile == "cloudevents" else "payload"
     envelope: tuple[Member, ...] = ()
     if payload_member is not None:
         cloudevents = settings.profile == "cloudevents"
-        schemas = _attribute_schemas(fixed) if cloudevents else _field_schemas(fixed)
+        schemas = attribute_schemas(fixed) if cloudevents else field_schemas(fixed)
         sent, always = json.loads(wide.body), json.loads(bare.body)
         envelope = tuple(
             Member(key, key in always, schemas.get(key, {}))
@@ -178,7 +193,7 @@ def _message(
         )
         envelope += _allow_listed_members(settings.profile, staged, extensions)
     headers = tuple(
-        Member(header, header in bare.headers, _header_schema(header, settings, fixed))
+        Member(header, header in bare.headers, header_schema(header, settings, fixed))
         for header in wide.headers
     )
     kept = settings.exposure.payload.get(spec.type)
@@ -204,106 +219,7 @@ def _allow_listed_members(
     profile, the staged headers) exist when an allow-list lets names through."""
     members = []
     if extensions and profile != "cloudevents":  # CloudEvents: top-level attributes instead
-        members.append(Member("extensions", False, named_object(extensions, _EXTENSIONS)))
+        members.append(Member("extensions", False, named_object(extensions, EXTENSIONS)))
     if staged and profile == "internal":
-        members.append(Member("headers", False, named_object(staged, _STAGED, string=True)))
+        members.append(Member("headers", False, named_object(staged, STAGED, string=True)))
     return tuple(members)
-
-
-_EXTENSIONS = "Extension attributes staged with the event, by name (expose.extensions)."
-_STAGED = "Headers staged with the event, by name (expose.headers)."
-
-
-def named_object(globs: tuple[str, ...], description: str, *, string: bool = False) -> Schema:
-    """An object whose member names match case-insensitive ``globs``."""
-    value: Schema = {"type": "string"} if string else {}
-    return {
-        "type": "object",
-        "description": f"{description} Names: {', '.join(globs)} (any case).",
-        "patternProperties": {glob_pattern(glob): dict(value) for glob in globs},
-    }
-
-
-# --- schemas of the members -------------------------------------------------------------------
-
-
-def _fixed_values(event_type: str, version: int, service: str, content_type: str) -> dict[str, Any]:
-    """Members whose value is the same in every message of one event version."""
-    return {
-        "type": event_type,
-        "version": version,
-        "source": service,
-        "specversion": "1.0",
-        "datacontenttype": "application/json",
-        "eventversion": version,
-        HeaderName.EVENT_TYPE: event_type,
-        HeaderName.EVENT_VERSION: str(version),
-        HeaderName.SOURCE: service,
-        HeaderName.CONTENT_TYPE: content_type,
-    }
-
-
-def _envelope_properties() -> dict[str, Schema]:
-    schema = InternalEnvelope.model_json_schema(mode="serialization")
-    return {name: without_null(value) for name, value in schema["properties"].items()}
-
-
-def _field_schemas(fixed: Mapping[str, Any]) -> dict[str, Schema]:
-    """The external (or internal) envelope's members, nulls left out as render does."""
-    schemas = _envelope_properties()
-    for name in ("type", "version", "source"):
-        schemas[name] = {**schemas[name], "const": fixed[name]}
-    return {name: {k: v for k, v in s.items() if k != "default"} for name, s in schemas.items()}
-
-
-_CE_OWN = {
-    "specversion": {"type": "string", "description": "The CloudEvents specification version."},
-    "datacontenttype": {"type": "string", "description": "The media type of data."},
-    "eventversion": {"type": "integer", "description": "Schema version of data."},
-}
-
-
-def _attribute_schemas(fixed: Mapping[str, Any]) -> dict[str, Schema]:
-    """The CloudEvents attributes: the identity and metadata fields they carry, named as
-    their ``Wire`` marks say, and the attributes of CloudEvents itself."""
-    fields = _field_schemas(fixed)
-    schemas = {name: fields[name] for name in ("id", "source", "type", "time")}
-    for field, wire in wire_of().items():
-        if wire.cloudevents:
-            schemas[wire.cloudevents] = fields[field]
-    for name, own in _CE_OWN.items():
-        schemas[name] = {**own, "const": fixed[name]}
-    return schemas
-
-
-_HEADER_DESCRIPTIONS = {
-    HeaderName.MESSAGE_ID: "The event's message id (UUIDv7), the same on every target: "
-    "deduplicate on it.",
-    HeaderName.EVENT_TYPE: "The event type name.",
-    HeaderName.EVENT_VERSION: "Schema version of the payload.",
-    HeaderName.SOURCE: "The service that committed the event.",
-    HeaderName.CONTENT_TYPE: "The media type of the body.",
-}
-
-
-def _header_schema(header: str, settings: BrokerSettings, fixed: Mapping[str, Any]) -> Schema:
-    """A transport header's schema (every header value is a string)."""
-    prefix = settings.binary_prefix
-    if prefix and header.startswith(prefix):
-        attribute = _attribute_schemas(fixed).get(header.removeprefix(prefix), {})
-        schema: Schema = {"type": "string"}
-        if "description" in attribute:
-            schema["description"] = attribute["description"]
-        if "const" in attribute:
-            schema["const"] = str(attribute["const"])
-        return schema
-    schema = {"type": "string"}
-    by_header = {wire.header: field for field, wire in wire_of().items() if wire.header}
-    description = _HEADER_DESCRIPTIONS.get(header)
-    if description is None and header in by_header:
-        description = Metadata.model_fields[by_header[header]].description
-    if description:
-        schema["description"] = description
-    if header in fixed:
-        schema["const"] = fixed[header]
-    return schema
