@@ -162,7 +162,12 @@ def _render(settings: BrokerSettings, stored: str) -> WireMessage:
     (``router.ops.supervisor`` gives a pinned broker's processor this transform), then
     rendered."""
     if settings.versions:
-        stored = Pinning(settings.versions)(stored)
+        try:
+            stored = Pinning(settings.versions)(stored)
+        except Exception as exc:  # the user's downcaster: any error is theirs to see
+            raise ConfigError(
+                f"cannot downcast an example event for a pinned partner: {exc}"
+            ) from exc
     return settings.render(stored, sequence=1)
 
 
