@@ -87,13 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]
     try:
         return _run(command(config, args, redactor))
-    except SchemaError as exc:
-        # Not a passing fault: nothing will work until the operator runs init-db.
+    except (SchemaError, ConfigError) as exc:
+        # Not a passing fault: nothing will work until the operator runs init-db or fixes
+        # the config (a serve that checks the events: modules only as it starts, say).
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
     except RouterError as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
+    except BrokenPipeError:
+        # The reader went away (router preview ... | head): not an error of ours. Python
+        # would complain again flushing stdout at exit; point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:  # pragma: no cover - serve handles SIGINT itself
         return 130
 
