@@ -345,3 +345,15 @@ def test_a_partner_pinned_to_a_version_has_that_version_in_its_contract_only() -
     # Pinned to the newest, an older class (staging refuses it: no upcasts) is skipped.
     newest = lock(PinnedV1, PinnedV2, partner="    versions: {pinned_order: 2}")
     assert list(newest["partners"]["billing"]["events"]["pinned_order"]) == ["2"]
+
+
+def test_a_new_service_name_changes_the_source_every_partner_filters_on() -> None:
+    config_text = CONFIG.replace("service: shop", "service: shop2")
+    config = parse_config(config_text % '    destination: "billing.{event_type}"\n', env={})
+    catalog = EventCatalog(classes={"order_placed": {1: Placed}})
+    renamed = lock_document(config.service, partner_messages(config, catalog))
+
+    assert breaking(BEFORE, renamed) == [
+        'breaking  billing  order_placed v1  envelope.source: value changed: "shop" -> "shop2"',
+        "breaking  billing  order_placed v1  header source: value changed: shop -> shop2",
+    ]

@@ -60,6 +60,13 @@ class Change:
         }
 
 
+_PARTNER_GONE = "no longer sent: nothing goes to this partner any more"
+_EVENT_GONE = (
+    "no longer sent (the event class is gone or unpublished, or the broker's events filter "
+    "leaves it out)"
+)
+
+
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every change from the ``old`` lock document to the ``new`` one, breaking first."""
     changes: list[Change] = []
@@ -68,16 +75,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
         before, after = old_partners.get(partner), new_partners.get(partner)
         if after is None:
             for event_type, version, _ in _entries(before):
-                changes.append(
-                    Change(
-                        True,
-                        partner,
-                        event_type,
-                        version,
-                        "",
-                        "no longer sent: nothing goes to this partner any more",
-                    )
-                )
+                changes.append(Change(True, partner, event_type, version, "", _PARTNER_GONE))
         elif before is None:
             for event_type, version, _ in _entries(after):
                 changes.append(Change(False, partner, event_type, version, "", "new partner"))
@@ -103,17 +101,7 @@ def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
     for event_type, version, entry in _entries(before):
         now = new_events.get(event_type, {}).get(str(version))
         if now is None:
-            changes.append(
-                Change(
-                    True,
-                    name,
-                    event_type,
-                    version,
-                    "",
-                    "no longer sent (the event class "
-                    "is gone or unpublished, or the broker's events filter leaves it out)",
-                )
-            )
+            changes.append(Change(True, name, event_type, version, "", _EVENT_GONE))
             continue
         diff = _EntryDiff(name, event_type, version, _data(after))
         diff.entry(entry, now, same_envelope=same_envelope)
@@ -181,6 +169,11 @@ class _EntryDiff:
                 self.add(True, where, "required made optional (no longer in every message)")
             elif name in new_required and name not in old_required:
                 self.add(True, where, "optional made required")
+        old_values, new_values = old.get("values", {}), new.get("values", {})
+        for name in sorted(old_values.keys() & new_all):
+            if old_values[name] != new_values.get(name):
+                value = new_values.get(name, "any value")
+                self.add(True, f"header {name}", f"value changed: {old_values[name]} -> {value}")
         self.patterns(old, new, "staged", "headers", "staged headers named")
 
     def patterns(

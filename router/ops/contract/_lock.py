@@ -19,7 +19,8 @@ LOCK_FORMAT = "outbox-router partner contract lock, 1"
 
 def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str, Any]:
     """Per partner its broker kind and envelope, then per event type and version: the
-    destination, content type, envelope members, header names and payload schema."""
+    destination, content type, envelope members, header names (with the values fixed per
+    event version, such as source) and payload schema."""
     partners: dict[str, Any] = {}
     for message in messages:
         partner = partners.setdefault(
@@ -39,6 +40,9 @@ def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str,
                 "required": sorted(h.name for h in message.headers if h.required),
                 "optional": sorted(h.name for h in message.headers if not h.required),
                 "staged": sorted(message.staged_headers),
+                "values": {
+                    h.name: h.schema["const"] for h in message.headers if "const" in h.schema
+                },
             },
             "payload": message.payload,
         }

@@ -111,6 +111,8 @@ class _Walk:
             self.report(True, path, f"now restricted to {_list(b.values or set())}")
         elif b.values is None:
             self.report(True, path, f"no longer restricted to {_list(a.values)}")
+        elif len(a.values) == len(b.values) == 1:
+            self.report(True, path, f"value changed: {_list(a.values)} -> {_list(b.values)}")
         else:
             if a.values - b.values:
                 self.report(True, path, f"enum value removed: {_list(a.values - b.values)}")
