@@ -218,8 +218,9 @@ def test_every_missing_variable_is_reported_at_once_with_list_positions() -> Non
         ),
         (
             "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
-            "main: mysql://x/y",
-            "databases.main.url: only postgresql:// and sqlite:/// databases are supported",
+            "main: oracle://x/y",
+            "databases.main.url: only postgresql://, mysql:// (or mariadb://) and sqlite:/// "
+            "databases are supported",
         ),
         (
             "internal: true",
@@ -315,7 +316,7 @@ def test_a_mapping_may_override_what_it_merges() -> None:
         # a secret next to the mistake
         ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: nats://u:{SECRET}@h:4222\n    pw: 1"),
         # a secret that is itself the mistake
-        ("main: ${DATABASE_URL:-sqlite:///./var/shop.db}", f"main: mysql://app:{SECRET}@db/x"),
+        ("main: ${DATABASE_URL:-sqlite:///./var/shop.db}", f"main: oracle://app:{SECRET}@db/x"),
         ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: [{SECRET}]"),
         ("batch_size: 100", f"batch_size: {SECRET}"),
         ("service: shop", f"service: shop\nhttp: {{bind: '{SECRET}', token: [{SECRET}]}}"),
@@ -334,7 +335,7 @@ def test_errors_never_repeat_a_secret_taken_from_the_environment() -> None:
         "main: ${DATABASE_URL:-sqlite:///./var/shop.db}", "main: ${DATABASE_URL}"
     )
     message = problems(
-        text, env={"PARTNER_PASSWORD": SECRET, "DATABASE_URL": f"mysql://app:{SECRET}@db/x"}
+        text, env={"PARTNER_PASSWORD": SECRET, "DATABASE_URL": f"oracle://app:{SECRET}@db/x"}
     )
     assert "outbox.batch_size:" in message
     assert "databases.main.url:" in message
