@@ -54,7 +54,7 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 _OPENS_BROKERS = frozenset({"serve", "check"})
 # Commands that import the config's events: modules and check what the config says of them
 # (payload projections, pinned versions) before anything starts.
-_READS_EVENTS = frozenset({"serve", "check", "preview"})
+_READS_EVENTS = frozenset({"serve", "check", "preview", "contract"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

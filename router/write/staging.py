@@ -254,10 +254,13 @@ class Stager:
             if not broker.wants(spec.type, published=spec.published):
                 continue
             pinned = broker.versions.get(spec.type)
+            target = route
             if pinned is not None and pinned != spec.version:
                 check_pin(spec, name, pinned)
+                # It receives the pinned version, so {version} in its template is that one.
+                target = EventRoute(spec.type, pinned, self.config.service, spec.destination)
             try:
-                routes.append(Route(name, broker.destination_for(route)))
+                routes.append(Route(name, broker.destination_for(target)))
             except ValueError as exc:
                 raise StagingError(
                     f"event {spec.type!r} cannot go to broker {name!r}: {exc}"

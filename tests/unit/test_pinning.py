@@ -11,6 +11,8 @@ from envelopes import ConfigError, StagingError, make_internal_envelope
 from router import Event, parse_config
 from router.write.events import downcast, downcast_path
 from router.write.pinning import Pinning, check_pin, check_pins
+from router.write.staging import Stager
+from tests.conftest import make_config
 
 
 class ShippedV1(Event, type="test.pin.shipped", version=1, published=True):
@@ -134,3 +136,28 @@ def test_pins_in_the_config_are_checked_where_they_are_written() -> None:
         "pin partners only\n"
         "  - brokers.partner.versions: a: a version is a positive integer"
     )
+
+
+def test_a_pinned_partner_is_routed_to_the_destination_of_its_version() -> None:
+    config = make_config(
+        {"main": "sqlite:///x.db"},
+        {
+            "events": {
+                "type": "memory",
+                "internal": True,
+                "destination": "{event_type}.v{version}",
+            },
+            "partner": {
+                "type": "memory",
+                "destination": "p.{event_type}.v{version}",
+                "versions": {"test.pin.shipped": 1},
+            },
+        },
+    )
+
+    rows = Stager(config).build_rows("main", [ShippedV3(order_id="o", carrier="c", parcels=1)])
+
+    assert {row.target: row.destination for row in rows} == {
+        "events": "test.pin.shipped.v3",
+        "partner": "p.test.pin.shipped.v1",
+    }
