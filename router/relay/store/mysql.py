@@ -153,7 +153,7 @@ class MysqlStore:
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row is due, from the database's clock."""
         async with self._cursor() as cursor:
-            await cursor.execute(sql.NEXT_DUE, [target, target, target])
+            await cursor.execute(sql.NEXT_DUE, [target, target])
             now, *due = await cursor.fetchone()
         times = [moment for moment in due if moment is not None]
         return max(0.0, (min(times) - now).total_seconds()) if times else None

@@ -183,12 +183,11 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
 
-# The earliest due time of each open status, each one index lookup in ix_router_outbox_due
-# (a MIN over an IN list would read every open row); the store takes the smallest.
+# The earliest retry and lease end, each one index lookup in ix_router_outbox_due (a MIN
+# over an IN list would read every open row); the store takes the smaller. Not pending rows:
+# the claim before took every one it could (see the PostgreSQL store).
 NEXT_DUE = """
 SELECT UTC_TIMESTAMP(6),
-    (SELECT MIN(available_at) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
-     WHERE target = %s AND status = 'pending'),
     (SELECT MIN(available_at) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
      WHERE target = %s AND status = 'failed'),
     (SELECT MIN(locked_until) FROM router_outbox FORCE INDEX (ix_router_outbox_due)

@@ -90,10 +90,11 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
-NEXT_DUE = f"""
+# Not pending rows: the claim before took every one it could (see the PostgreSQL store).
+NEXT_DUE = """
 SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
 FROM router_outbox
-WHERE target = ? AND status IN ({OPEN_STATUSES_SQL})
+WHERE target = ? AND status IN ('failed', 'processing')
 """
 
 
