@@ -1,5 +1,6 @@
 """A small Azure Service Bus peer: just enough AMQP 1.0 for the unchanged azure-servicebus SDK
-to send to it, so the Service Bus adapter is tested over a real AMQP connection.
+to send to it and to receive from it, so the Service Bus adapter is tested over a real AMQP
+connection and a partner reads what arrived with the SDK's own receiver.
 
     python -m tests.peers.servicebus --port 5673
 
@@ -13,12 +14,32 @@ What it does (and all it does):
 - answers every token put on the ``$cbs`` node with status 202, ``correlation_id`` set to the
   request's ``message_id``, as Service Bus does for a valid SAS token;
 - accepts transfers on any address and keeps the messages per address, unpacking the SDK's
-  batch format (one transfer wrapping several encoded messages);
+  batch format (one transfer wrapping several encoded messages): ``messages(address)`` lists
+  all that arrived, and each one also waits in the address's queue for a receiver;
 - rejects transfers to addresses in ``reject`` with ``amqp:not-found`` and an info map (the
-  SDK hangs until its timeout on a rejection without one).
+  SDK hangs until its timeout on a rejection without one);
+- serves receivers (``get_queue_receiver``): sends the waiting messages of the queue in
+  arrival order, each as the SDK sent it, as far as the link's credit goes (and honours a
+  drain). With ``RECEIVE_AND_DELETE`` a message is sent settled and leaves the queue; with
+  ``PEEK_LOCK`` it is locked to that delivery until the receiver's disposition: accepted
+  (``complete_message``) removes it, modified (``abandon_message``) or released makes it
+  deliverable again, and the outcome is echoed back settled, which the SDK waits for.
+  Messages still locked when their link closes become deliverable again;
+- serves session receivers (``session_id=``, which the SDK asks for with a
+  ``com.microsoft:session-filter`` on the link source) with that session's messages only (a
+  message's session is its ``group_id``), and echoes the filter and a session lock time on
+  the attach; ``NEXT_AVAILABLE_SESSION`` gets the session of the oldest waiting message, or
+  ``com.microsoft:timeout`` when no message has one;
+- answers every request on a ``$management`` node (peek, renew lock, settle by lock token,
+  session state, ...) with status 501 and a description: receiving and completing over the
+  receiver link need none of them.
 
 It proves the adapter drives the real SDK over a real AMQP 1.0 connection; it does not
-model Azure's server-side features (sessions, duplicate detection, scheduling).
+model Azure's server-side features: no duplicate detection or scheduling, no deferral or
+dead-lettering (refused with ``amqp:not-implemented``), no lock expiry or renewal (a session
+lock is announced for an hour; every lock holds until settled or its link closes), no
+delivery counts or sequence numbers, no exclusive session locks, no topic subscriptions, and
+no session-enabled entities (a plain receiver gets every message, whatever its session).
 """
 
 from __future__ import annotations
@@ -26,8 +47,9 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,6 +62,12 @@ CONNECTION_STRING = (
     "UseDevelopmentEmulator=true;"
 )
 _BATCH_FORMAT = 0x80013700
+_SESSION_FILTER = symbol("com.microsoft:session-filter")
+_SESSION_LOCKED_UNTIL = symbol("com.microsoft:locked-until-utc")
+_TICKS_AT_UNIX_EPOCH = 621_355_968_000_000_000  # .NET ticks (100 ns) from 0001-01-01 to 1970
+_LOCK_SECONDS = 3600
+_NOT_IMPLEMENTED = "amqp:not-implemented"
+_OUTCOMES = (Delivery.ACCEPTED, Delivery.REJECTED, Delivery.RELEASED, Delivery.MODIFIED)
 
 
 @dataclass(frozen=True)
@@ -56,11 +84,62 @@ class Received:
     properties: dict[str, Any]
 
 
+@dataclass
+class _Waiting:
+    """A message in a queue: the bytes the SDK sent, and whether a receiver holds its lock."""
+
+    encoded: bytes
+    session_id: str | None
+    locked: bool = False  # out on a delivery until the receiver settles it
+
+
+class _Queues:
+    """The messages waiting per address, in arrival order (touched on the peer's thread only)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, list[_Waiting]] = defaultdict(list)
+
+    def put(self, address: str, encoded: bytes, session_id: str | None) -> None:
+        """Keep a message until a receiver takes it."""
+        self._waiting[address].append(_Waiting(encoded, session_id))
+
+    def next(self, address: str, session_id: str | None) -> _Waiting | None:
+        """The oldest unlocked message of ``session_id`` (of any session when None)."""
+        for waiting in self._waiting[address]:
+            if not waiting.locked and session_id in (None, waiting.session_id):
+                return waiting
+        return None
+
+    def oldest_session(self, address: str) -> str | None:
+        """The session of the oldest unlocked message that has one."""
+        for waiting in self._waiting[address]:
+            if not waiting.locked and waiting.session_id is not None:
+                return waiting.session_id
+        return None
+
+    def remove(self, address: str, waiting: _Waiting) -> None:
+        """Forget a message a receiver took for good."""
+        self._waiting[address].remove(waiting)
+
+
+@dataclass
+class _Outlet:
+    """A receiver the SDK attached to a queue, and the messages locked to its deliveries."""
+
+    link: Link
+    address: str
+    session_id: str | None  # None: every message of the queue
+    presettled: bool  # RECEIVE_AND_DELETE: what is sent is settled and gone
+    locked: dict[Delivery, _Waiting] = field(default_factory=dict)
+
+
 class _Handler(MessagingHandler):
     def __init__(self, peer: ServiceBusPeer) -> None:
         super().__init__(prefetch=100, auto_accept=False, auto_settle=True)
         self.peer = peer
         self.acceptor: Any = None
+        self.queues = _Queues()
+        self.outlets: dict[Link, _Outlet] = {}
 
     def on_start(self, event: Any) -> None:
         self.acceptor = event.container.listen(f"{self.peer.host}:{self.peer.port}")
@@ -70,33 +149,147 @@ class _Handler(MessagingHandler):
         event.connection.container = "servicebus-peer"
 
     def on_link_opening(self, event: Any) -> None:
+        # MessagingHandler opens the link once this returns (opening it twice would send the
+        # link properties twice).
         link = event.link
         if link.is_sender:
             link.source.address = link.remote_source.address
+            address = _entity(link.remote_source.address)
+            if not _is_node(address):
+                self._open_outlet(link, address)
         else:
             link.target.address = link.remote_target.address
-        link.open()
+
+    def on_link_opened(self, event: Any) -> None:
+        if event.link.condition is not None:  # refused by _open_outlet
+            event.link.close()
+
+    def _open_outlet(self, link: Link, address: str) -> None:
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.rcv_settle_mode = link.remote_rcv_settle_mode
+        filters = _filters(link.remote_source)
+        session_id = None
+        if _SESSION_FILTER in filters:
+            session_id = _text(filters[_SESSION_FILTER]) or self.queues.oldest_session(address)
+            if session_id is None:
+                link.condition = Condition(
+                    "com.microsoft:timeout", f"no session of '{address}' has a message waiting"
+                )
+                return
+            # The SDK reads the session it got from the filter echoed on the attach.
+            link.source.filter.put_dict({_SESSION_FILTER: session_id})
+            link.properties = {_SESSION_LOCKED_UNTIL: _ticks(time.time() + _LOCK_SECONDS)}
+        presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        self.outlets[link] = _Outlet(link, address, session_id, presettled)
+
+    def on_link_flow(self, event: Any) -> None:
+        outlet = self.outlets.get(event.link)
+        if outlet is not None:
+            self._pump(outlet)
+
+    def _pump(self, outlet: _Outlet) -> None:
+        """Send waiting messages while the receiver gives credit."""
+        link = outlet.link
+        while link.credit > 0:
+            waiting = self.queues.next(outlet.address, outlet.session_id)
+            if waiting is None:
+                break
+            tag = uuid.uuid4().bytes  # the SDK reads the message's lock token off the tag
+            delivery = link.delivery(tag)  # type: ignore[arg-type]
+            link.send(waiting.encoded)
+            link.advance()
+            if outlet.presettled:
+                delivery.settle()
+                self.queues.remove(outlet.address, waiting)
+            else:
+                waiting.locked = True
+                outlet.locked[delivery] = waiting
+        if link.drain_mode:
+            link.drained()
+
+    def _pump_address(self, address: str) -> None:
+        for outlet in list(self.outlets.values()):
+            if outlet.address == address:
+                self._pump(outlet)
 
     def on_link_closing(self, event: Any) -> None:
+        self._close_outlet(event.link)
         event.link.close()
+
+    def on_transport_closed(self, event: Any) -> None:
+        for link in [link for link in self.outlets if link.connection == event.connection]:
+            self._close_outlet(link)
+
+    def _close_outlet(self, link: Link) -> None:
+        outlet = self.outlets.pop(link, None)
+        if outlet is None:
+            return
+        for waiting in outlet.locked.values():
+            waiting.locked = False
+        if outlet.locked:
+            self._pump_address(outlet.address)
 
     def on_delivery(self, event: Any) -> None:
         link: Link = event.link
         delivery: Delivery = event.delivery
+        if link.is_sender:
+            outlet = self.outlets.get(link)
+            if outlet is not None and delivery.updated:
+                self._disposed(outlet, delivery)
+            return
         # MessagingHandler's own child handlers see every delivery too: they settle what we
         # send ($cbs answers); we take the raw bytes of what we receive, to unpack batches.
-        if link.is_sender or not delivery.readable or delivery.partial:
+        if not delivery.readable or delivery.partial:
             return
         raw = link.recv(delivery.pending)
         link.advance()
         self._received(link, delivery, raw)
+
+    def _disposed(self, outlet: _Outlet, delivery: Delivery) -> None:
+        """Apply a receiver's outcome for a locked message, and echo it settled."""
+        state = delivery.remote_state
+        if state not in _OUTCOMES:
+            return
+        waiting = outlet.locked.pop(delivery, None)
+        if waiting is None:
+            return
+        undeliverable = state == Delivery.MODIFIED and delivery.remote.undeliverable
+        if state == Delivery.ACCEPTED:
+            self.queues.remove(outlet.address, waiting)
+            delivery.update(state)
+        elif state in (Delivery.RELEASED, Delivery.MODIFIED) and not undeliverable:
+            waiting.locked = False
+            delivery.local.failed = delivery.remote.failed
+            delivery.update(state)
+        else:  # rejected (dead-letter) or modified undeliverable-here (defer)
+            waiting.locked = False
+            delivery.local.condition = Condition(
+                _NOT_IMPLEMENTED, "the Service Bus peer neither defers nor dead-letters messages"
+            )
+            delivery.update(Delivery.REJECTED)
+        delivery.settle()
+        self._pump_address(outlet.address)
 
     def _received(self, link: Link, delivery: Delivery, raw: bytes) -> None:
         address = _entity(link.remote_target.address or link.target.address)
         message = Message()
         message.decode(raw)
         if address == "$cbs":
-            self._answer_token(link.connection, message)
+            self._reply(link, message, {"status-code": 202, "status-description": "Accepted"})
+            self.accept(delivery)
+            return
+        if _is_node(address):  # a $management request
+            request: dict[Any, Any] = message.properties or {}
+            operation = _text(request.get("operation"))
+            self._reply(
+                link,
+                message,
+                {
+                    "statusCode": 501,
+                    "statusDescription": f"The Service Bus peer does not implement {operation}.",
+                    "errorCondition": _NOT_IMPLEMENTED,
+                },
+            )
             self.accept(delivery)
             return
         if address in self.peer.reject:
@@ -108,24 +301,47 @@ class _Handler(MessagingHandler):
             delivery.update(Delivery.REJECTED)
             delivery.settle()
             return
-        for inner in _unpack(raw, message):
+        for encoded, inner in _unpack(raw, message):
             self.peer.store(address, inner)
+            self.queues.put(address, encoded, _session(inner))
         self.accept(delivery)
+        self._pump_address(address)
 
-    def _answer_token(self, connection: Any, request: Message) -> None:
-        # The SDK sends no reply_to: the answer goes back on its receiving link to $cbs.
-        reply_to = request.reply_to or "$cbs"
-        reply = Message(
-            address=reply_to,
-            correlation_id=request.id,
-            properties={"status-code": 202, "status-description": "Accepted"},
-        )
-        link = connection.link_head(0)
-        while link is not None:
-            if link.is_sender and link.source.address == reply_to:
-                link.send(reply)
+    def _reply(self, link: Link, request: Message, status: dict[str, Any]) -> None:
+        # The SDK sends no reply_to: the answer goes back on its receiving link for the node.
+        reply_to = request.reply_to or link.remote_target.address
+        reply = Message(address=reply_to, correlation_id=request.id, properties=status)
+        other = link.connection.link_head(0)
+        while other is not None:
+            if other.is_sender and other.source.address == reply_to:
+                other.send(reply)
                 return
-            link = link.next(0)
+            other = other.next(0)
+
+
+def _is_node(address: str) -> bool:
+    """Whether ``address`` is a service node ($cbs, an entity's $management), not a queue."""
+    return address == "$cbs" or address.rsplit("/", 1)[-1] == "$management"
+
+
+def _filters(terminus: Any) -> dict[Any, Any]:
+    """The filter set on a link's source, as a dict."""
+    data = terminus.filter
+    data.rewind()
+    if data.next() is None:
+        return {}
+    found = data.get_object()
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def _ticks(seconds: float) -> int:
+    """A Unix time as .NET ticks, as Service Bus gives a session's locked-until time."""
+    return _TICKS_AT_UNIX_EPOCH + int(seconds * 10_000_000)
+
+
+def _session(message: Message) -> str | None:
+    annotations: dict[Any, Any] = message.annotations or {}
+    return _text(message.group_id) or _text(annotations.get(symbol("x-opt-session-id")))
 
 
 def _entity(address: str | None) -> str:
@@ -137,17 +353,17 @@ def _entity(address: str | None) -> str:
     return address
 
 
-def _unpack(raw: bytes, message: Message) -> list[Message]:
+def _unpack(raw: bytes, message: Message) -> list[tuple[bytes, Message]]:
     """The SDK sends a list or batch as one transfer whose data sections each hold one whole
-    encoded message; a plain message is returned as it is."""
+    encoded message; a plain message is returned as it is. Each comes with its encoding."""
     inner = [bytes(value) for descriptor, value in _sections(raw) if descriptor == 0x75]
     if len(inner) < 1 or not all(_is_message(part) for part in inner):
-        return [message]
+        return [(raw, message)]
     messages = []
     for encoded in inner:
         decoded = Message()
         decoded.decode(encoded)
-        messages.append(decoded)
+        messages.append((encoded, decoded))
     return messages
 
 
@@ -255,8 +471,6 @@ class ServiceBusPeer:
             _text(k) or "": (_text(v) if isinstance(v, bytes) else v)
             for k, v in raw_properties.items()
         }
-        annotations: dict[Any, Any] = message.annotations or {}
-        session = _text(message.group_id) or _text(annotations.get(symbol("x-opt-session-id")))
         received = Received(
             address=address,
             body=_body(message),
@@ -264,7 +478,7 @@ class ServiceBusPeer:
             correlation_id=_text(message.correlation_id),
             subject=_text(message.subject),
             content_type=_text(message.content_type) or None,
-            session_id=session,
+            session_id=_session(message),
             properties=properties,
         )
         with self._lock:
