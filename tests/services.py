@@ -7,6 +7,7 @@ developer's machine it skips with the reason and the command that starts the ser
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -27,6 +28,10 @@ START = {
         "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
     ),
 }
+
+
+# Services a test starts itself, from the programs of these packages.
+INSTALL = {"MariaDB": "apt-get install mariadb-server (mariadbd, mariadb-install-db)"}
 
 
 def in_ci() -> bool:
@@ -50,6 +55,23 @@ def require(service: str, address: tuple[str, int]) -> None:
     message = (
         f"{service} is not reachable at {address[0]}:{address[1]}; start it with: {START[service]}"
     )
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def program(name: str) -> str | None:
+    """The path of an installed program, sbin folders included (mariadbd lives in /usr/sbin)."""
+    folders = [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin"]
+    return shutil.which(name, path=os.pathsep.join(folders))
+
+
+def require_programs(service: str, *names: str) -> None:
+    """Fail (CI) or skip (laptop) unless every program of ``service`` is installed."""
+    missing = [name for name in names if program(name) is None]
+    if not missing:
+        return
+    message = f"{service}: {', '.join(missing)} not installed; install it with: {INSTALL[service]}"
     if in_ci():
         pytest.fail(message)
     pytest.skip(message)

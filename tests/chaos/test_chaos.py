@@ -6,16 +6,24 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
+
 from tests.chaos.chaos import run_chaos
-from tests.services import POSTGRES, require
+from tests.chaos.databases import MARIADB_PROGRAMS
+from tests.services import POSTGRES, require, require_programs
 
 
+@pytest.mark.parametrize("database", ["postgresql", "mysql"])
 async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
-    tmp_path: Path,
+    database: str, tmp_path: Path
 ) -> None:
-    require("PostgreSQL", POSTGRES)  # the run brings its own NATS server
-    report = await run_chaos("small", tmp_path)
-    (tmp_path / "chaos-small.json").write_text(json.dumps(asdict(report), indent=2))
+    # The run brings its own NATS server, and on MariaDB its own mariadbd (the one it crashes).
+    if database == "postgresql":
+        require("PostgreSQL", POSTGRES)
+    else:
+        require_programs("MariaDB", *MARIADB_PROGRAMS)
+    report = await run_chaos("small", tmp_path, database)
+    (tmp_path / f"chaos-small-{database}.json").write_text(json.dumps(asdict(report), indent=2))
     print(report.table())
     assert report.committed >= 4000
     assert report.worker_kills >= 10
