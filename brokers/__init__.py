@@ -1,5 +1,6 @@
 """Broker adapters behind one small protocol, plus an in-memory broker for processor tests."""
 
+from brokers._expose import Expose
 from brokers._factory import create_broker
 from brokers._lazy import MissingClient
 from brokers._protocol import Broker, OutgoingMessage, PublishResult
@@ -22,6 +23,7 @@ __all__ = [
     "EmbeddedServer",
     "EventFilter",
     "EventRoute",
+    "Expose",
     "MemoryBroker",
     "MemorySettings",
     "MissingClient",
