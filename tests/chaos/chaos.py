@@ -89,6 +89,7 @@ class Report:
     events_target: int
     streams: int
     database: str = "postgresql"
+    seed: int = 0
     committed: int = 0
     delivered: int = 0
     lost: int = 0
@@ -146,7 +147,7 @@ class Report:
                 ("  duplicate effects", self.duplicate_effects),
             ]
         width = max(len(name) for name, _ in rows)
-        lines = [f"chaos ({self.size}, {self.streams} streams, {self.database})"]
+        lines = [f"chaos ({self.size}, {self.streams} streams, {self.database}, seed {self.seed})"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         lines.append("  PASSED" if self.passed else "  FAILED")
         return "\n".join(lines)
@@ -177,6 +178,7 @@ class Chaos:
         workers: int = 4,
         folder: Path,
         database: str = "postgresql",
+        seed: int | None = None,
         inbox: bool = False,
         ack_delay: float = 0.0,
     ) -> None:
@@ -189,6 +191,9 @@ class Chaos:
         self.folder = folder
         self.ledger = Ledger()
         self.report = Report(size, events, streams, database)
+        # The streams producers pick and the workers killed; timing is the machine's.
+        self.report.seed = random.randrange(1 << 32) if seed is None else seed
+        self.random = random.Random(self.report.seed)
         self.db: ChaosDatabase = chaos_database(database, folder)
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
@@ -363,7 +368,7 @@ class Chaos:
         next_at = loop.time()
         done = 0
         while done < count:
-            stream = random.choice(streams)
+            stream = self.random.choice(streams)
             n = counters[stream] + 1
             try:
                 if conn is None:
@@ -430,7 +435,7 @@ class Chaos:
         pids = self._worker_pids()
         if not pids:
             return
-        pid = random.choice(pids)
+        pid = self.random.choice(pids)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self.report.worker_kills += 1
@@ -595,6 +600,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int)
     parser.add_argument("--rate", type=float, help="events per second, all producers together")
     parser.add_argument("--kill-every", type=float, help="seconds between worker kills")
+    parser.add_argument("--seed", type=int, help="the random choices of an earlier run")
     parser.add_argument(
         "--inbox",
         action="store_true",
@@ -623,6 +629,7 @@ def main() -> None:
             streams=args.streams,
             rate=args.rate,
             kill_every=args.kill_every,
+            seed=args.seed,
             inbox=args.inbox,
             ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
         )
