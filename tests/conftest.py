@@ -1,10 +1,11 @@
 """Fixtures shared by every test: real PostgreSQL and MariaDB databases, NATS streams, SQLite
-files."""
+files, and ``database``: one test on a fresh database of each kind."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ import asyncpg
 import nats
 import pytest
 from nats.js.errors import NotFoundError
+from sqlalchemy import text
 
-from router import RouterConfig
+from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from tests.services import MARIADB, NATS, POSTGRES, require
@@ -163,6 +165,85 @@ async def mysql_fetch(url: str | None, query: str, *args: Any) -> list[dict[str,
             return list(await cursor.fetchall())
     finally:
         await conn.ensure_closed()
+
+
+MEMORY_BROKERS: dict[str, Any] = {
+    "events": {"type": "memory", "internal": True},
+    "analytics": {"type": "memory"},
+    "billing": {"type": "memory", "envelope": "cloudevents"},
+}
+
+
+@dataclass(frozen=True)
+class Database:
+    """A fresh, migrated outbox database of one kind, for tests that run on every kind."""
+
+    kind: str
+    url: str
+    base_dir: Path
+
+    def outbox(self, brokers: dict[str, Any] | None = None) -> Outbox:
+        """An outbox on this database, with memory brokers unless told otherwise."""
+        config = make_config({"main": self.url}, brokers or MEMORY_BROKERS, base_dir=self.base_dir)
+        return Outbox(config)
+
+    async def execute(self, *statements: Any) -> list[dict[str, Any]]:
+        """Run statements (SQLAlchemy Core, or SQL text) in one transaction of their own;
+        returns the last one's rows."""
+        outbox = self.outbox()
+        found: list[dict[str, Any]] = []
+        try:
+            async with outbox.engine().begin() as conn:
+                for statement in statements:
+                    result = await conn.execute(
+                        text(statement) if isinstance(statement, str) else statement
+                    )
+                    found = [row._asdict() for row in result] if result.returns_rows else []
+        finally:
+            await outbox.close()
+        return found
+
+    async def fetch(self, query: str) -> list[dict[str, Any]]:
+        """The rows of one query, on a connection of its own."""
+        return await self.execute(query)
+
+    async def rows(self) -> list[dict[str, Any]]:
+        """Every row, in seq order, with its envelope parsed."""
+        # MySQL's envelope is text already, and it has no CAST(... AS TEXT).
+        envelope = "envelope" if self.kind == "mysql" else "CAST(envelope AS TEXT) AS envelope"
+        found = await self.fetch(
+            f"SELECT seq, message_id, target, destination, event_type, stream_key, {envelope}, "
+            "status, attempts FROM router_outbox ORDER BY seq"
+        )
+        return [
+            {**row, "message_id": str(row["message_id"]), "envelope": json.loads(row["envelope"])}
+            for row in found
+        ]
+
+
+async def make_database(
+    kind: str, pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
+) -> Database:
+    """A fresh, migrated database of ``kind``."""
+    if kind == "postgresql":
+        return Database(kind, await pg_databases.new(), tmp_path)
+    if kind == "mysql":
+        return Database(kind, await mysql_databases.new(), tmp_path)
+    url = "sqlite:///outbox.db"
+    await upgrade("main", DatabaseSettings.model_validate({"url": url}), tmp_path)
+    return Database(kind, url, tmp_path)
+
+
+@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+async def database(
+    request: pytest.FixtureRequest,
+    pg_databases: PgDatabases,
+    mysql_databases: MysqlDatabases,
+    tmp_path: Path,
+) -> Database:
+    """The same test on a fresh PostgreSQL database, SQLite file and MariaDB database (a test
+    may pick the kinds with ``parametrize(..., indirect=["database"])``)."""
+    return await make_database(request.param, pg_databases, mysql_databases, tmp_path)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The router's tables as SQLAlchemy Core objects, for the operations commands (status,
-requeue, trace, pause, cleanup), which run on PostgreSQL and SQLite alike.
+requeue, trace, pause, cleanup), which run on PostgreSQL, SQLite and MySQL/MariaDB alike.
 
 The migrations in ``router/migrations`` create the tables; these definitions only describe
 them for queries (the hot path uses hand-written SQL in ``router/relay/store``).
@@ -14,7 +14,7 @@ __all__ = ["inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
 
-# Message ids are uuid on PostgreSQL and their 36-character text on SQLite.
+# Message ids are uuid on PostgreSQL and their 36-character text on SQLite and MySQL.
 _MessageId = sa.String(36).with_variant(postgresql.UUID(as_uuid=False), "postgresql")
 _Time = sa.DateTime(timezone=True)
 

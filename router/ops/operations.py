@@ -1,8 +1,10 @@
 """What operators do to an outbox: look (status, trace), replay (requeue), hold (pause),
 and tidy (cleanup). Used by the ``router`` commands and the HTTP API.
 
-Every function opens its own connections from the config and works on PostgreSQL and SQLite
-alike; times are computed here, in UTC.
+Every function opens its own connections from the config and works on PostgreSQL, SQLite
+and MySQL/MariaDB alike; times are computed here, in UTC, but for the stamps MySQL's watcher
+compares (``_clock``). Statements differ by dialect only in the upsert of ``set_paused`` and
+in how ``cleanup`` picks a batch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import DatabaseError
@@ -95,7 +97,9 @@ class Cleanup:
 
 @contextlib.asynccontextmanager
 async def _engine(config: RouterConfig, database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(config.databases[database], config.base_dir, pool_pre_ping=False)
+    engine = create_engine(
+        config.databases[database], config.base_dir, name=database, pool_pre_ping=False
+    )
     try:
         yield engine
     except sa.exc.DBAPIError as exc:
@@ -117,6 +121,17 @@ async def _connect(config: RouterConfig, database: str) -> AsyncIterator[AsyncCo
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _clock(conn: AsyncConnection) -> Any:
+    """Now, for a stamp that wakes processors: the server's clock on MySQL.
+
+    MySQL has no NOTIFY; its store's watcher wakes the processors when the newest pending
+    ``available_at`` rises or the paused targets change (``router.relay.store.mysql_sql``'s
+    ``WATCH``). The server stamps every other row, so a requeue stamped by a client clock
+    behind the server's would raise nothing, and its rows would wait for the fallback poll.
+    """
+    return sa.func.utc_timestamp(6) if conn.dialect.name == "mysql" else _now()
 
 
 def _utc(value: Any) -> datetime | None:
@@ -308,7 +323,7 @@ async def requeue(
                 .values(
                     status="pending",
                     attempts=0,
-                    available_at=_now(),
+                    available_at=_clock(conn),
                     locked_by=None,
                     locked_until=None,
                     lease_token=None,
@@ -335,19 +350,11 @@ async def set_paused(
             continue
         async with _connect(config, name) as conn:
             values = {
-                "target": target,
                 "paused": paused,
-                "paused_at": _now() if paused else None,
+                "paused_at": _clock(conn) if paused else None,
                 "paused_by": by if paused else None,
             }
-            dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-            insert = dialect.insert(targets).values(circuit="closed", **values)
-            await conn.execute(
-                insert.on_conflict_do_update(
-                    index_elements=[targets.c.target],
-                    set_={k: v for k, v in values.items() if k != "target"},
-                )
-            )
+            await conn.execute(_upsert_target(conn.dialect.name, target, values))
             if not paused:
                 await _notify(conn, [target])
         changed.append(name)
@@ -356,6 +363,16 @@ async def set_paused(
             f"no database publishes to {target!r}; brokers: {sorted(config.brokers)}"
         )
     return changed
+
+
+def _upsert_target(dialect: str, target: str, values: dict[str, Any]) -> Any:
+    """INSERT ``target``'s row into router_targets, or UPDATE ``values`` on the row there."""
+    if dialect == "mysql":
+        row = mysql.insert(targets).values(target=target, circuit="closed", **values)
+        return row.on_duplicate_key_update(values)
+    insert = (postgresql if dialect == "postgresql" else sqlite).insert
+    row = insert(targets).values(target=target, circuit="closed", **values)
+    return row.on_conflict_do_update(index_elements=[targets.c.target], set_=values)
 
 
 async def cleanup(
@@ -379,17 +396,29 @@ async def cleanup(
     return done
 
 
-def cleanup_statement(status_: str, column: Any, cutoff: datetime, size: int) -> Any:
-    """DELETE one batch of rows of ``status_`` whose ``column`` is before ``cutoff``."""
+def cleanup_batch(status_: str, column: Any, cutoff: datetime, size: int) -> Any:
+    """The keys (``seq``) of one batch of rows of ``status_`` whose ``column`` is before
+    ``cutoff``, oldest first: a range of the retention index, which holds all it reads."""
     o = outbox
-    batch = (
+    return (
         sa.select(o.c.seq)
         .where(o.c.status == status_, column < cutoff)
         .order_by(column)
         .limit(size)
-        .scalar_subquery()
     )
-    return sa.delete(o).where(o.c.seq.in_(batch))
+
+
+def cleanup_statement(status_: str, column: Any, cutoff: datetime, size: int) -> Any:
+    """DELETE one batch of rows of ``status_`` whose ``column`` is before ``cutoff``
+    (PostgreSQL and SQLite)."""
+    batch = cleanup_batch(status_, column, cutoff, size).scalar_subquery()
+    return sa.delete(outbox).where(outbox.c.seq.in_(batch))
+
+
+def cleanup_by_key(status_: str, column: Any, cutoff: datetime, seqs: Sequence[int]) -> Any:
+    """DELETE the rows ``seqs`` that are still ``status_`` and before ``cutoff`` (MySQL)."""
+    o = outbox
+    return sa.delete(o).where(o.c.seq.in_(seqs), o.c.status == status_, column < cutoff)
 
 
 async def _delete_older(
@@ -399,11 +428,29 @@ async def _delete_older(
     while True:
         # One transaction per batch: locks stay short on a busy outbox.
         async with engine.begin() as conn:
-            result = await conn.execute(cleanup_statement(status_, column, cutoff, size))
-        deleted = result.rowcount or 0
+            if conn.dialect.name == "mysql":
+                seen, deleted = await _delete_by_key(conn, status_, column, cutoff, size)
+            else:
+                result = await conn.execute(cleanup_statement(status_, column, cutoff, size))
+                seen = deleted = result.rowcount or 0
         total += deleted
-        if deleted < size:
+        if seen < size:
             return total
+
+
+async def _delete_by_key(
+    conn: AsyncConnection, status_: str, column: Any, cutoff: datetime, size: int
+) -> tuple[int, int]:
+    """One batch on MySQL, which refuses a LIMIT in an IN subquery (error 1235) and, given
+    a derived table there instead, reads the whole outbox for the DELETE: the batch's keys
+    first, read off the retention index without locking anything, then a DELETE of those
+    rows by primary key, which locks only them. The DELETE checks the status and time again,
+    so a row requeued in between stays. Returns (rows picked, rows deleted)."""
+    seqs = list((await conn.execute(cleanup_batch(status_, column, cutoff, size))).scalars())
+    if not seqs:
+        return 0, 0
+    result = await conn.execute(cleanup_by_key(status_, column, cutoff, seqs))
+    return len(seqs), result.rowcount or 0
 
 
 async def _delete_inbox(engine: AsyncEngine, cutoff: datetime, size: int) -> int:
@@ -432,6 +479,11 @@ async def _delete_inbox(engine: AsyncEngine, cutoff: datetime, size: int) -> int
 
 
 async def _notify(conn: AsyncConnection, target_names: Sequence[str]) -> None:
+    """Wake the processors of these targets once the transaction commits.
+
+    Only PostgreSQL needs a word: SQLite's watcher sees the file change, and MySQL's sees the
+    newest pending ``available_at`` rise or the paused targets change (``_clock``).
+    """
     if conn.dialect.name == "postgresql":
         await conn.execute(
             sa.select(sa.func.pg_notify("router_outbox", ",".join(sorted(target_names))))

@@ -119,7 +119,7 @@ class Outbox:
         name = self._database(database)
         if name not in self._engines:
             self._engines[name] = create_engine(
-                self.config.databases[name], self.config.base_dir, **kwargs
+                self.config.databases[name], self.config.base_dir, name=name, **kwargs
             )
         return self._engines[name]
 

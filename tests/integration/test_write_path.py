@@ -7,91 +7,31 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
-from router.config import DatabaseSettings
-from router.ops.migrate import upgrade
 from router.write.staging import MYSQL_MAX_STREAM_KEY
-from tests.conftest import MysqlDatabases, PgDatabases, make_config
+from tests.conftest import MEMORY_BROKERS, make_config
+
+# The database helper moved to tests/conftest.py; test_ordering and test_idle_claims import it
+# from here.
+from tests.conftest import Database as Database
+from tests.conftest import database as database
+from tests.conftest import make_database as make_database
 from tests.integration.events import OrderPlaced, StockReserved
 
-BROKERS = {
-    "events": {"type": "memory", "internal": True},
-    "analytics": {"type": "memory"},
-    "billing": {"type": "memory", "envelope": "cloudevents"},
-}
+BROKERS = MEMORY_BROKERS
 
 
 def outbox_for(url: str, **outbox: Any) -> Outbox:
     return Outbox(make_config({"main": url}, BROKERS, outbox=outbox))
-
-
-@dataclass(frozen=True)
-class Database:
-    """A fresh, migrated outbox database of one kind, for tests that run on every kind."""
-
-    kind: str
-    url: str
-    base_dir: Path
-
-    def outbox(self, brokers: dict[str, Any] | None = None) -> Outbox:
-        return Outbox(make_config({"main": self.url}, brokers or BROKERS, base_dir=self.base_dir))
-
-    async def fetch(self, query: str) -> list[dict[str, Any]]:
-        """The rows of one query, on a connection of its own."""
-        outbox = self.outbox()
-        try:
-            async with outbox.engine().connect() as conn:
-                return [row._asdict() for row in await conn.execute(text(query))]
-        finally:
-            await outbox.close()
-
-    async def rows(self) -> list[dict[str, Any]]:
-        """Every row, in seq order, with its envelope parsed."""
-        # MySQL's envelope is text already, and it has no CAST(... AS TEXT).
-        envelope = "envelope" if self.kind == "mysql" else "CAST(envelope AS TEXT) AS envelope"
-        found = await self.fetch(
-            f"SELECT seq, message_id, target, destination, event_type, stream_key, {envelope}, "
-            "status, attempts FROM router_outbox ORDER BY seq"
-        )
-        return [
-            {**row, "message_id": str(row["message_id"]), "envelope": json.loads(row["envelope"])}
-            for row in found
-        ]
-
-
-async def make_database(
-    kind: str, pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
-) -> Database:
-    """A fresh, migrated database of ``kind``."""
-    if kind == "postgresql":
-        return Database(kind, await pg_databases.new(), tmp_path)
-    if kind == "mysql":
-        return Database(kind, await mysql_databases.new(), tmp_path)
-    url = "sqlite:///outbox.db"
-    await upgrade("main", DatabaseSettings.model_validate({"url": url}), tmp_path)
-    return Database(kind, url, tmp_path)
-
-
-@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
-async def database(
-    request: pytest.FixtureRequest,
-    pg_databases: PgDatabases,
-    mysql_databases: MysqlDatabases,
-    tmp_path: Path,
-) -> Database:
-    """The same test on a fresh PostgreSQL database, SQLite file and MariaDB database (a test
-    may pick the kinds with ``parametrize(..., indirect=["database"])``)."""
-    return await make_database(request.param, pg_databases, mysql_databases, tmp_path)
 
 
 async def rows(url: str) -> list[asyncpg.Record]:

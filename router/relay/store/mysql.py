@@ -5,8 +5,9 @@ each is there, are in ``router.relay.store.mysql_sql``. A server without ``SKIP 
 (MariaDB before 10.6, MySQL before 8.0) is refused when the store opens.
 
 MySQL has no NOTIFY. A commit through ``Outbox`` in the serving process wakes its processors
-directly (``router._local``); for rows other processes commit, ``watch`` polls the newest
-``seq``, one cheap statement every quarter second after a change, backing off to one every
+directly (``router._local``); for what other processes do, ``watch`` polls the newest ``seq``
+(new rows), the newest pending ``available_at`` (rows requeued) and the paused targets (a
+resume), one cheap statement every quarter second after a change, backing off to one every
 ``watch_interval`` seconds (15: four statements a minute) while nothing changes.
 """
 
@@ -180,17 +181,19 @@ class MysqlStore:
             raise problem
 
     async def watch(self, wake: Wake) -> None:
-        """Wake every processor when the newest committed ``seq`` changes.
+        """Wake every processor when rows arrive, are requeued, or a target is resumed
+        (``mysql_sql.WATCH`` says what it reads).
 
         A transaction that got a lower ``seq`` may commit just after a higher one was seen,
         without changing it: after each change the next look wakes everyone once more.
         """
         seen: object = _UNKNOWN
+        high: datetime | None = None  # the newest pending row's time: the highest seen yet
         interval = WATCH_BUSY
         recheck = False
         while True:
             try:
-                latest = await self._latest()
+                seq, pending, *paused = await self._look()
             except DatabaseError as exc:
                 log.warning(
                     "db.watch.failed",
@@ -200,10 +203,12 @@ class MysqlStore:
                 await asyncio.sleep(interval)
                 interval = min(interval * 2, self.watch_interval)
                 continue
-            changed = latest != seen
+            rose = pending is not None and (high is None or pending > high)
+            high = pending if rose else high
+            changed = (seq, *paused) != seen or rose
             if changed or recheck:
                 wake(None)
-            seen, recheck = latest, changed
+            seen, recheck = (seq, *paused), changed
             interval = WATCH_BUSY if changed else min(interval * 2, self.watch_interval)
             await asyncio.sleep(interval)
 
@@ -239,11 +244,11 @@ class MysqlStore:
     async def _release(self, cursor: Cursor, token: int, seqs: Sequence[int]) -> None:
         await cursor.execute(sql.RELEASE.format(seqs=sql.in_list(len(seqs))), [*seqs, token])
 
-    async def _latest(self) -> int | None:
+    async def _look(self) -> tuple[Any, ...]:
+        """What the watcher compares from one look to the next (``mysql_sql.WATCH``)."""
         async with self._cursor() as cursor:
-            await cursor.execute(sql.LATEST)
-            (latest,) = await cursor.fetchone()
-        return None if latest is None else int(latest)
+            await cursor.execute(sql.WATCH)
+            return tuple(await cursor.fetchone())
 
     @contextlib.asynccontextmanager
     async def _cursor(self) -> AsyncIterator[Cursor]:
@@ -312,6 +317,15 @@ class MysqlStore:
         problem = unsupported_server(str(version))
         if problem is not None:
             raise DatabaseError(f"{self.name}: {problem}")
+
+    async def release_worker(self, worker: str) -> int:
+        """Give back every row a dead ``worker`` holds, in one UPDATE. MySQL has no NOTIFY:
+        the other processes' watchers notice (a newer pending ``available_at``) at their
+        next look, within ``watch_interval``."""
+        async with self._cursor() as cursor:
+            await cursor.execute(sql.RELEASE_WORKER, [worker])
+            count = cursor.rowcount  # asyncmy types it object; it is an int
+            return count if isinstance(count, int) else 0
 
 
 def _in_stream_order(

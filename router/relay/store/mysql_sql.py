@@ -35,7 +35,6 @@ __all__ = [
     "CANDIDATES",
     "CHECK_SCHEMA",
     "ENSURE_TARGET",
-    "LATEST",
     "LEASE",
     "LOCK_ROWS",
     "LOCK_TARGET",
@@ -46,6 +45,7 @@ __all__ = [
     "RECORD_CIRCUIT",
     "RELEASE",
     "SESSION",
+    "WATCH",
     "in_list",
     "when_seq",
 ]
@@ -175,11 +175,12 @@ def when_seq(count: int) -> str:
 
 
 # Claimed but not sent: back to what it was before the claim, and the attempt does not count.
+# available_at stays: the row was due when claimed, so it is due now, and a row put back
+# with its old time is no news to the watcher (WATCH), which a requeue's new time is.
 RELEASE = f"""
 UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
-    attempts = attempts - 1, available_at = UTC_TIMESTAMP(6), locked_by = NULL,
-    locked_until = NULL
+    attempts = attempts - 1, locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
 
@@ -208,5 +209,32 @@ SELECT COUNT(*) FROM information_schema.TABLES
 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s
 """
 
-# What the watcher polls: the newest committed row, read from the end of the primary key.
-LATEST = "SELECT MAX(seq) FROM router_outbox"
+# What the watcher polls, as one row:
+# - the newest committed row, read from the end of the primary key: new rows;
+# - the newest available_at of a pending row, per target one dive into ix_router_outbox_due
+#   (a loose index scan: EXPLAIN says "Using index for group-by"), then the latest of those.
+#   Only a rise counts: a claim takes pending rows away and a release puts them back with
+#   the time they had, but a requeue stamps its rows with UTC_TIMESTAMP(6), later than any;
+# - the paused targets: how many, and the newest pause. A resume lowers the count unless a
+#   target was paused since, which moves the newest pause (stamped by the server too).
+# One statement either way; the watcher wakes the processors when the first or the last two
+# change, or the second rises.
+WATCH = """
+SELECT (SELECT MAX(seq) FROM router_outbox),
+    (SELECT MAX(newest) FROM (
+        SELECT MAX(available_at) AS newest FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+        WHERE status = 'pending' GROUP BY target) AS pending),
+    (SELECT COUNT(*) FROM router_targets WHERE paused),
+    (SELECT MAX(paused_at) FROM router_targets WHERE paused)
+"""
+
+# A dead worker's leases, fenced by its id (see the PostgreSQL store), back as RELEASE puts
+# rows back. ix_router_outbox_published leads with status: it reads the in-flight rows of
+# every target and nothing else. Parameter: the worker id.
+RELEASE_WORKER = """
+UPDATE router_outbox FORCE INDEX (ix_router_outbox_published)
+SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+    attempts = attempts - 1, available_at = UTC_TIMESTAMP(6), locked_by = NULL,
+    locked_until = NULL
+WHERE status = 'processing' AND locked_by = %s
+"""
