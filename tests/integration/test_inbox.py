@@ -1,38 +1,45 @@
-"""The inbox against real PostgreSQL: each event's effect applied once, whatever arrives."""
+"""The inbox on PostgreSQL, SQLite and MariaDB: each event's effect applied once, whatever
+arrives."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
-from pathlib import Path
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
-import asyncpg
 import pytest
+import sqlalchemy as sa
 import yaml
 from faststream import Context
 from faststream.rabbit import ExchangeType, RabbitExchange, RabbitQueue
 from faststream.rabbit import RabbitBroker as FastStreamRabbit
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from brokers import OutgoingMessage, create_broker
 from envelopes import RouterError, make_internal_envelope, message_id_of, render, uuid7
+from router.ops._schema import inbox as inbox_table
 from router.write.inbox import Inbox, inbox_middleware
+from tests.conftest import Database
 from tests.contract.harnesses import RABBIT_URL
 from tests.e2e.helpers import router
 from tests.services import RABBITMQ, require
 
+DAY = timedelta(days=1)
+
 
 @pytest.fixture
-async def engine(pg_url: str) -> Any:
-    engine = create_async_engine(pg_url.replace("postgresql://", "postgresql+asyncpg://"))
+async def engine(database: Database) -> AsyncIterator[AsyncEngine]:
+    """The application's engine on a fresh database of each kind, with a payments table."""
+    outbox = database.outbox()
+    engine = outbox.engine()
     async with engine.begin() as conn:
         await conn.execute(text("CREATE TABLE payments (order_id text, amount int)"))
     yield engine
-    await engine.dispose()
+    await outbox.close()
 
 
 async def payments(engine: AsyncEngine) -> list[tuple[str, int]]:
@@ -172,35 +179,34 @@ async def _queue_empty(queue: str) -> bool:
         return bool(declared.declaration_result.message_count == 0)
 
 
-async def test_cleanup_removes_records_older_than_the_window(pg_url: str, tmp_path: Path) -> None:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(
-            "INSERT INTO router_inbox (consumer, message_id, received_at) "
-            "SELECT 'billing', 'old-' || i, now() - interval '20 days' "
-            "FROM generate_series(1, 25) AS i"
+async def test_cleanup_removes_records_older_than_the_window(database: Database) -> None:
+    now = datetime.now(UTC)
+    await database.execute(
+        sa.insert(inbox_table).values(
+            [
+                *(
+                    {"consumer": "billing", "message_id": f"old-{i}", "received_at": now - 20 * DAY}
+                    for i in range(1, 26)
+                ),
+                *(
+                    {"consumer": "billing", "message_id": f"new-{i}", "received_at": now - DAY}
+                    for i in range(1, 6)
+                ),
+            ]
         )
-        await conn.execute(
-            "INSERT INTO router_inbox (consumer, message_id, received_at) "
-            "SELECT 'billing', 'new-' || i, now() - interval '1 day' "
-            "FROM generate_series(1, 5) AS i"
-        )
-    finally:
-        await conn.close()
-    (tmp_path / "config.yaml").write_text(
+    )
+    (database.base_dir / "config.yaml").write_text(
         yaml.safe_dump(
             {
-                "databases": {"main": pg_url},
+                "databases": {"main": database.url},
                 "brokers": {"events": {"type": "memory", "internal": True}},
                 "outbox": {"retention": {"inbox": "14d", "batch_size": 10}},
             }
         )
     )
-    result = router("cleanup", "--json", cwd=tmp_path)
+    result = router("cleanup", "--json", cwd=database.base_dir)
     assert json.loads(result.stdout)["databases"][0]["inbox"] == 25
-    conn = await asyncpg.connect(pg_url)
-    try:
-        left = await conn.fetch("SELECT message_id FROM router_inbox ORDER BY message_id")
-    finally:
-        await conn.close()
-    assert [r[0] for r in left] == [f"new-{i}" for i in range(1, 6)]
+    left = await database.execute(
+        sa.select(inbox_table.c.message_id).order_by(inbox_table.c.message_id)
+    )
+    assert [r["message_id"] for r in left] == [f"new-{i}" for i in range(1, 6)]
