@@ -1,4 +1,5 @@
-"""What the processor needs from a database: claim, mark, release, and when to look again."""
+"""What the processor needs from a database: claim, mark, release, and when to look again;
+and what a worker pool needs: the leases of a worker that died, given back at once."""
 
 from __future__ import annotations
 
@@ -114,6 +115,11 @@ class OutboxStore(Protocol):
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give back rows that were claimed but not tried; their attempt does not count."""
+
+    async def release_worker(self, worker: str) -> int:
+        """Give back every row ``worker`` holds, in one statement (its process is gone, so
+        its batches will never be marked); returns how many. Attempts do not count, as for
+        ``release``, and the other processors of the rows' targets are woken."""
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due (``None``: no open rows)."""

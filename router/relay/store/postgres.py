@@ -61,6 +61,23 @@ SELECT extract(epoch FROM least(
 ) - now())::float8
 """
 
+# A dead worker's leases, fenced by its id and 'processing' (a row whose lease ran out and
+# that another worker claimed since carries that worker's id): back as an untried release
+# puts them, the attempt not counted. A mark the worker sent just before it died that lands
+# after this is fenced by its lease token (the rows are no longer 'processing' under it); a
+# claim that lands after this keeps its rows until their lease ends. Counted per target,
+# for the NOTIFY that follows. A partial index of open rows serves it, never the history.
+RELEASE_WORKER = """
+WITH released AS (
+    UPDATE router_outbox
+    SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+        attempts = attempts - 1, available_at = now(), locked_by = NULL, locked_until = NULL
+    WHERE locked_by = $1 AND status = 'processing'
+    RETURNING target
+)
+SELECT target, count(*) FROM released GROUP BY target
+"""
+
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
@@ -252,6 +269,16 @@ class PostgresStore:
                 except _DB_ERRORS as exc:
                     raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
             return self._pool
+
+    async def release_worker(self, worker: str) -> int:
+        """Give back every row a dead ``worker`` holds, in one UPDATE, and NOTIFY its
+        targets' processors in the same transaction (delivered at COMMIT)."""
+        async with self._connection() as conn, conn.transaction():
+            released = await conn.fetch(RELEASE_WORKER, worker)
+            if released:
+                targets = ",".join(sorted(r[0] for r in released))
+                await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, targets)
+        return sum(r[1] for r in released)
 
 
 async def _keep_session(_connection: Any) -> None:

@@ -90,6 +90,14 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
+# A dead worker's leases, fenced by its id (see the PostgreSQL store): as RELEASE does.
+RELEASE_WORKER = """
+UPDATE router_outbox
+SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
+    attempts = attempts - 1, available_at = ?, locked_by = NULL, locked_until = NULL
+WHERE locked_by = ? AND status = 'processing'
+"""
+
 # Not pending rows: the claim before took every one it could (see the PostgreSQL store).
 NEXT_DUE = """
 SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
@@ -249,6 +257,14 @@ class SqliteStore:
             raise _database_error(self.name, exc) from exc
         self._db = db
         return db
+
+    async def release_worker(self, worker: str) -> int:
+        """Give back every row a dead ``worker`` holds, in one UPDATE; the other processes'
+        watchers see the file change and wake their processors."""
+        stamp = sqlite_time(datetime.now(UTC))
+        async with self._transaction() as db:
+            cursor = await db.execute(RELEASE_WORKER, (stamp, worker))
+            return cursor.rowcount
 
 
 def _epoch(stamp: str | None) -> float | None:
