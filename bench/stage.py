@@ -1,6 +1,7 @@
 """stage: what stage() adds to the application's transaction.
 
     python -m bench.stage [--transactions 3000] [--bulk-transactions 100] [--repeat 3]
+                          [--database postgresql|mysql|both] [--output stage]
 
 In one SQLAlchemy AsyncSession, each transaction writes its events' rows and commits, either
 through ``outbox.stage()`` (one INSERT with the NOTIFY, and the stream-key lock) or by
@@ -25,6 +26,15 @@ The two variants take turns every block of transactions (50 single-event ones, 5
 so drift (the disk's fsync time above all) hits them alike; the figure is the mean time per
 transaction and the ratio of stage() to the hand-written insert, median of the rounds, with
 the lowest and highest round's ratio as its spread.
+
+On MariaDB (``--database mysql``, or ``both``: the two take turns case by case in every
+round, each in a fresh database of its own), stage() writes the same rows with one
+multi-row ``INSERT ... VALUES`` after an upsert of the stream keys into ``router_streams``
+(the row locks that keep per-stream commit order there; MySQL has no NOTIFY). By hand, in
+every case, that very INSERT on the session's connection, without the upsert. Every round of
+every case starts from an empty ``router_streams``, so stage() inserts a stream's row the
+first time it sees its key (each single-event transaction, the first bulk one) and only
+locks it afterwards, the same in every round.
 """
 
 from __future__ import annotations
@@ -33,13 +43,15 @@ import argparse
 import asyncio
 import time
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from bench._common import fresh_database, median, order, print_table, write_results
+from bench._common import median, order, print_table, write_results
+from bench._mysql import add_database_option, chosen, fresh_database, server_name, server_settings
 from router import Event, Outbox
 from tests.conftest import make_config
 
@@ -97,6 +109,12 @@ HAND_BULK_INSERT = text(
 )
 
 
+MYSQL_HAND_INSERT = (
+    "INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, "
+    "envelope) VALUES {values}"
+)
+
+
 def hand_insert(count: int) -> TextClause:
     """The same rows as stage() writes, as a hand-written multi-row INSERT."""
     values = ", ".join(
@@ -119,10 +137,14 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
     sessions = async_sessionmaker(outbox.engine(pool_size=1), class_=AsyncSession)
     spent = dict.fromkeys((True, False), 0.0)
     bulk: list[Event] = [order(n) for n in range(BULK_EVENTS)] if case.bulk else []
+    mysql = url.startswith("mysql")
     async with sessions() as session:
         if case.bulk:  # every round of the bulk case starts from the same, empty table
             async with session.begin():
                 await session.execute(text("TRUNCATE router_outbox"))
+        if mysql:  # and every round on MariaDB from no stream rows (see the module's doc)
+            async with session.begin():
+                await session.execute(text("TRUNCATE router_streams"))
         for first in range(0, transactions, case.block):
             turn = (True, False) if (first // case.block) % 2 == 0 else (False, True)
             for by_hand in turn:
@@ -130,7 +152,9 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
                 for i in range(first, min(first + case.block, transactions)):
                     events, options = work(case, i, bulk)
                     async with session.begin():
-                        if by_hand:
+                        if by_hand and mysql:
+                            await insert_by_hand_mysql(outbox, session, events, options)
+                        elif by_hand:
                             await insert_by_hand(outbox, session, events, options)
                         else:
                             await outbox.stage(session, *events, **options)
@@ -170,22 +194,44 @@ async def insert_by_hand(
     await session.execute(hand_insert(len(rows)), params)
 
 
-async def main() -> None:
-    """Measure, print, save."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transactions", type=int, default=3000)
-    parser.add_argument("--bulk-transactions", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    results: dict[tuple[str, bool], list[float]] = {}
-    async with fresh_database("stage") as url:
+async def insert_by_hand_mysql(
+    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: dict[str, Any]
+) -> None:
+    """On MariaDB, the rows stage() would write in the one multi-row INSERT ... VALUES that
+    stage() sends, on the session's connection, without the stream-key upsert before it."""
+    rows = outbox._stager.build_rows("main", events, **options)
+    connection = await session.connection()
+    await connection.exec_driver_sql(
+        MYSQL_HAND_INSERT.format(values=", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))),
+        tuple(getattr(r, name) for r in rows for _, name in FIELDS),
+    )
+
+
+Results = dict[tuple[str, bool], list[float]]
+"""Seconds per transaction of each round, by (case, by hand)."""
+
+
+async def measure(kinds: Sequence[str], args: argparse.Namespace) -> dict[str, Results]:
+    """Every round of every case on each database, the databases taking turns case by case."""
+    results: dict[str, Results] = {kind: {} for kind in kinds}
+    async with AsyncExitStack() as stack:
+        urls = {
+            kind: await stack.enter_async_context(fresh_database(kind, "stage")) for kind in kinds
+        }
         for _ in range(args.repeat):
             for case in CASES:
                 count = args.bulk_transactions if case.bulk else args.transactions
-                pair = await run_pair(url, case, count)
-                for by_hand, seconds in pair.items():
-                    results.setdefault((case.name, by_hand), []).append(seconds)
-    rows, figures = [], {}
+                for kind in kinds:
+                    pair = await run_pair(urls[kind], case, count)
+                    for by_hand, seconds in pair.items():
+                        results[kind].setdefault((case.name, by_hand), []).append(seconds)
+    return results
+
+
+def summarise(results: Results) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """One database's figures per case, and its cells of the table's rows."""
+    figures: dict[str, Any] = {}
+    cells: dict[str, list[str]] = {}
     for case in CASES:
         hands, stages = results[(case.name, True)], results[(case.name, False)]
         hand, staged = median(hands) * 1e6, median(stages) * 1e6
@@ -197,32 +243,59 @@ async def main() -> None:
             "ratio_min": round(min(ratios), 3),
             "ratio_max": round(max(ratios), 3),
         }
+        cells[case.name] = [
+            f"{hand:,.0f}",
+            f"{staged:,.0f}",
+            f"{staged / hand:.2f}x",
+            f"{min(ratios):.2f}-{max(ratios):.2f}x",
+        ]
+    return figures, cells
+
+
+async def main() -> None:
+    """Measure, print, save."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transactions", type=int, default=3000)
+    parser.add_argument("--bulk-transactions", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3)
+    add_database_option(parser)
+    parser.add_argument("--output", default="stage", help="bench/results/OUTPUT.json")
+    args = parser.parse_args()
+    kinds = chosen(args.database)
+    names = {"postgresql": "PostgreSQL"}
+    parameters: dict[str, Any] = {
+        "transactions": args.transactions,
+        "bulk_transactions": args.bulk_transactions,
+        "bulk_events": BULK_EVENTS,
+        "repeat": args.repeat,
+        "database": args.database,
+    }
+    if "mysql" in kinds:
+        parameters["mysql_server"] = await server_settings()
+        names["mysql"] = server_name(parameters["mysql_server"]["version"])
+    summaries = {kind: summarise(results) for kind, results in (await measure(kinds, args)).items()}
+
+    header = ["targets"]
+    for kind in kinds:
+        named = f"{names[kind]}: " if len(kinds) > 1 else ""
+        header += [f"{named}rows by hand (us/tx)", "stage() (us/tx)", "ratio", "rounds"]
+    rows = []
+    for case in CASES:
         label = f"{case.targets} ({BULK_EVENTS:,} events, keyed)" if case.bulk else case.targets
-        rows.append(
-            (
-                label,
-                f"{hand:,.0f}",
-                f"{staged:,.0f}",
-                f"{staged / hand:.2f}x",
-                f"{min(ratios):.2f}-{max(ratios):.2f}x",
-            )
-        )
+        rows.append([label, *(cell for kind in kinds for cell in summaries[kind][1][case.name])])
+    where = "" if kinds == ("postgresql",) else ", " + " and ".join(names[k] for k in kinds)
     print_table(
-        f"stage: AsyncSession, median of {args.repeat} rounds x {args.transactions:,} "
+        f"stage: AsyncSession{where}, median of {args.repeat} rounds x {args.transactions:,} "
         f"transactions ({args.bulk_transactions:,} keyed bulk ones)",
-        ["targets", "rows by hand (us/tx)", "stage() (us/tx)", "ratio", "rounds"],
+        header,
         rows,
     )
-    path = write_results(
-        "stage",
-        {
-            "transactions": args.transactions,
-            "bulk_transactions": args.bulk_transactions,
-            "bulk_events": BULK_EVENTS,
-            "repeat": args.repeat,
-        },
-        figures,
+    figures = (
+        summaries[kinds[0]][0]
+        if len(kinds) == 1
+        else {kind: figures for kind, (figures, _) in summaries.items()}
     )
+    path = write_results(args.output, parameters, figures)
     print(f"written to {path.relative_to(path.parents[2])}")
 
 
