@@ -39,7 +39,7 @@ from router.ops._tables import table
 from router.ops.check import run_checks
 from router.ops.migrate import upgrade
 from router.ops.preview import preview, preview_block, side_by_side_table
-from router.ops.supervisor import Supervisor
+from router.ops.supervisor import Supervisor, with_pid
 from router.ops.workers import WorkerPool
 from router.write.catalog import check_partners, load_catalog
 
@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
         help="worker processes (default 1; $ROUTER_WORKERS)",
     )
     serve.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    # A pool worker's id, picked by its parent (which frees the worker's leases by it).
+    serve.add_argument("--worker-id", help=argparse.SUPPRESS)
     init_db = commands.add_parser("init-db", help="create or upgrade the outbox table")
     init_db.add_argument(
         "--database", action="append", help="only this database (repeatable; default: all)"
@@ -283,6 +285,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     # A child of a worker pool leaves embedded brokers and HTTP to its parent.
     supervisor = Supervisor(
         config,
+        worker_id=with_pid(args.worker_id, os.getpid()) if args.worker_id else None,
         start_embedded=not args.child,
         serve_http=not args.child,
         run_cleanup=not args.child,

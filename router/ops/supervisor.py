@@ -39,6 +39,8 @@ __all__ = [
     "check_schemas",
     "cleanup_loop",
     "new_worker_id",
+    "tell_parent_ready",
+    "with_pid",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,12 +48,39 @@ log = logging.getLogger(__name__)
 BrokerFactory = Callable[[str, BrokerSettings], Broker]
 
 
-def new_worker_id() -> str:
-    """``host:pid:random``, unique per running router process (``host:wN:pid:random`` in a
-    worker pool)."""
-    index = os.environ.get("ROUTER_WORKER_INDEX")
-    slot = f"w{index}:" if index is not None else ""
-    return f"{socket.gethostname()}:{slot}{os.getpid()}:{uuid.uuid4().hex[:6]}"
+PID = "{pid}"
+"""Where a worker id chosen before its process exists (``new_worker_id(slot, pid=PID)``)
+takes the process id, filled in by ``with_pid`` on both sides of the fork."""
+
+READY_FD = "ROUTER_READY_FD"
+"""The environment variable naming the pipe a pool worker reports ready on."""
+
+
+def new_worker_id(slot: int | None = None, *, pid: int | str | None = None) -> str:
+    """``host:pid:random``, unique per running router process; ``host:wN:pid:random`` for
+    slot N of a worker pool, whose parent picks it (with ``pid=PID``) and hands it over."""
+    prefix = f"w{slot}:" if slot is not None else ""
+    process = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{prefix}{process}:{uuid.uuid4().hex[:6]}"
+
+
+def with_pid(worker_id: str, pid: int) -> str:
+    """A worker id picked before its process started, with that process's id filled in."""
+    return worker_id.replace(PID, str(pid))
+
+
+def tell_parent_ready(worker_id: str) -> None:
+    """In a pool worker, once its processors run: write ``ready <id>`` on the pipe its parent
+    gave it (``$ROUTER_READY_FD``), which ends that worker's restart back-off."""
+    fd = os.environ.pop(READY_FD, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # a parent gone already: nothing to tell
+        descriptor = int(fd)
+        try:
+            os.write(descriptor, f"ready {worker_id}\n".encode())
+        finally:
+            os.close(descriptor)
 
 
 class Supervisor:
@@ -144,6 +173,7 @@ class Supervisor:
             "router.started",
             extra={"worker": self.worker_id, "targets": [p.name for p in self.processors]},
         )
+        tell_parent_ready(self.worker_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set, then shut down gracefully."""

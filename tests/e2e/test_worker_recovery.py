@@ -1,0 +1,287 @@
+"""``router serve --workers 2`` when a worker dies: its leases are given back at once, it is
+replaced at once, and one that cannot start is retried with a back-off capped at 2 s while
+the other worker delivers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import yaml
+
+from router import Outbox
+from tests.chaos.proxy import DelayingProxy
+from tests.conftest import NatsStreams, make_config, nats_broker
+from tests.e2e.helpers import Serving
+from tests.integration.events import OrderPlaced
+
+STREAMS = 50
+POOL_ENV = {"ROUTER_WORKERS": "2", "ROUTER_LOG_FORMAT": "json", "ROUTER_LOG_LEVEL": "info"}
+
+# Imported by every process of the pool; it fails in worker 1 while the file "broken" lies
+# next to it: a worker whose environment is broken (ROUTER_WORKER_INDEX is set for workers
+# only, so the parent, which imports the events modules first, is not affected).
+STARTUP_GUARD = """
+import os
+from pathlib import Path
+
+if os.environ.get("ROUTER_WORKER_INDEX") == "1" and Path(__file__).with_name("broken").exists():
+    raise RuntimeError("this worker's environment is broken")
+"""
+
+
+def write_config(folder: Path, url: str, brokers: dict[str, Any], **extra: Any) -> None:
+    config = {
+        "service": "shop",
+        "databases": {"main": url},
+        "brokers": brokers,
+        "http": {"enabled": False},
+        **extra,
+    }
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+async def stage(url: str, brokers: dict[str, Any], start: int, count: int) -> None:
+    """Events o-start.. o-(start+count-1), event i on stream s(i % STREAMS), interleaved."""
+    outbox = Outbox(make_config({"main": url}, brokers))
+    async with outbox.transaction() as tx:
+        for i in range(start, start + count):
+            await tx.stage(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)), stream_key=stream(i))
+    await outbox.close()
+
+
+def stream(i: int) -> str:
+    return f"s{i % STREAMS}"
+
+
+def log_events(serving: Serving, name: str, **match: Any) -> list[dict[str, Any]]:
+    """The JSON log lines of event ``name`` (with the given fields), in order."""
+    found = []
+    for line in serving.log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        if record["event"] == name and all(record.get(k) == v for k, v in match.items()):
+            found.append(record)
+    return found
+
+
+def at(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(record["time"]).timestamp()
+
+
+def worker_pids(parent: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{parent}/task/{parent}/children").read_text()
+    except OSError:
+        return []
+    return [int(pid) for pid in text.split()]
+
+
+async def until(check: Callable[[], bool], timeout: float, what: str, serving: Serving) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if serving.process.poll() is not None:
+            raise AssertionError(f"router serve exited:\n{serving.log.read_text()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s:\n{serving.log.read_text()}")
+        await asyncio.sleep(0.02)
+
+
+def assert_in_order(messages: list[Any], total: int) -> None:
+    """Every event exactly once (JetStream drops repeats by message id), each stream in order."""
+    numbers = [int(json.loads(m.data)["payload"]["order_id"][2:]) for m in messages]
+    assert sorted(numbers) == list(range(total))
+    for key in range(STREAMS):
+        of_stream = [n for n in numbers if n % STREAMS == key]
+        assert of_stream == sorted(of_stream), f"stream s{key} out of order: {of_stream}"
+
+
+async def test_a_killed_workers_rows_are_claimable_within_a_second(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    # Acks come back 1 s late: a worker holds its leased rows for at least that long.
+    proxy = DelayingProxy("127.0.0.1", 4222, delay=1.0)
+    await proxy.start()
+    target = nats_streams.stream("int")
+    brokers = {
+        "events": nats_broker(
+            target,
+            internal=True,
+            url=f"nats://127.0.0.1:{proxy.port}",
+            connect_timeout=15,
+            publish_timeout=10,
+        )
+    }
+    total = 200
+    await stage(pg_url, brokers, 0, total)
+    write_config(tmp_path, pg_url, brokers, outbox={"batch_size": 10, "lease_seconds": 30})
+    serving = Serving(tmp_path, POOL_ENV)
+    conn = await asyncpg.connect(pg_url)
+    try:
+        holders: list[str] = []
+
+        async def held() -> list[str]:
+            rows = await conn.fetch(
+                "SELECT DISTINCT locked_by FROM router_outbox WHERE status = 'processing'"
+            )
+            return sorted(r[0] for r in rows)
+
+        deadline = time.monotonic() + 30
+        while len(holders) < 2:
+            assert time.monotonic() < deadline, serving.log.read_text()
+            assert serving.process.poll() is None, serving.log.read_text()
+            holders = await held()
+            await asyncio.sleep(0.05)
+        victim, survivor = holders
+        pid = int(victim.split(":")[2])  # host:wN:pid:random
+        assert pid in worker_pids(serving.process.pid)
+        held_by_victim = await conn.fetchval(
+            "SELECT count(*) FROM router_outbox WHERE status = 'processing' AND locked_by = $1",
+            victim,
+        )
+
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while await conn.fetchval(
+            "SELECT count(*) FROM router_outbox WHERE status = 'processing' AND locked_by = $1",
+            victim,
+        ):
+            assert time.monotonic() - killed < 5, serving.log.read_text()
+            await asyncio.sleep(0.005)
+        freed = time.monotonic() - killed
+        print(f"\nSIGKILL -> rows claimable: {freed * 1000:.0f} ms ({held_by_victim} rows)")
+        assert freed < 1.0
+
+        arrived = await nats_streams.messages(target[0], total, timeout=90)
+        assert_in_order(arrived, total)
+        while await conn.fetchval("SELECT count(*) FROM router_outbox WHERE status <> 'published'"):
+            await asyncio.sleep(0.1)
+    finally:
+        await conn.close()
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+        await proxy.stop()
+    assert code == 0, serving.log.read_text()
+    (reaped,) = log_events(serving, "worker.reaped", pid=pid)
+    assert reaped["signal"] == "SIGKILL"
+    assert reaped["worker_id"] == victim
+    assert reaped["released"]["main"] >= held_by_victim
+    assert reaped["restart_in"] == 0.0
+    assert survivor != victim
+
+
+async def test_a_worker_that_cannot_start_is_retried_with_a_capped_back_off(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    target = nats_streams.stream("int")
+    brokers = {"events": nats_broker(target, internal=True)}
+    (tmp_path / "startup_guard.py").write_text(STARTUP_GUARD)
+    broken = tmp_path / "broken"
+    broken.touch()
+    write_config(tmp_path, pg_url, brokers, events=["startup_guard"])
+    serving = Serving(tmp_path, POOL_ENV)
+    try:
+        await until(
+            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 2,
+            15,
+            "worker 1 failed twice",
+            serving,
+        )
+        # Worker 0 delivers meanwhile, in order.
+        await stage(pg_url, brokers, 0, 100)
+        arrived = await nats_streams.messages(target[0], 100, timeout=10)
+        assert_in_order(arrived, 100)
+        assert not log_events(serving, "worker.reaped", worker=0)
+        await until(
+            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 6,
+            30,
+            "worker 1 failed six times",
+            serving,
+        )
+        failed = log_events(serving, "worker.reaped", worker=1)
+        starts = log_events(serving, "worker.started", worker=1)
+        assert [r["restart_in"] for r in failed[:6]] == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]
+        assert all(r["code"] == 2 and not r["ready"] for r in failed)
+        # As the parent logged them: each start came its back-off after the failure before.
+        gaps = [at(start) - at(reap) for reap, start in zip(failed, starts[1:], strict=False)]
+        print(f"\nback-off seen (s): {[round(g, 2) for g in gaps]}")
+        for gap, reap in zip(gaps, failed, strict=False):
+            assert reap["restart_in"] - 0.05 <= gap <= reap["restart_in"] + 0.2
+        assert max(gaps) <= 2.2
+
+        # Mended: the next attempt becomes ready, and the back-off is over: when it dies
+        # now, it is replaced at once.
+        broken.unlink()
+        await until(
+            lambda: bool(log_events(serving, "worker.ready", worker=1)),
+            10,
+            "worker 1 ready",
+            serving,
+        )
+        (ready,) = log_events(serving, "worker.ready", worker=1)
+        os.kill(ready["pid"], signal.SIGKILL)
+        await until(
+            lambda: bool(log_events(serving, "worker.reaped", pid=ready["pid"])),
+            5,
+            "worker 1 reaped",
+            serving,
+        )
+        (last,) = log_events(serving, "worker.reaped", pid=ready["pid"])
+        assert (last["signal"], last["ready"], last["restart_in"]) == ("SIGKILL", True, 0.0)
+    finally:
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+    assert code == 0, serving.log.read_text()
+
+
+async def test_a_worker_that_dies_after_it_was_ready_is_replaced_at_once(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    target = nats_streams.stream("int")
+    brokers = {"events": nats_broker(target, internal=True)}
+    write_config(tmp_path, pg_url, brokers)
+    serving = Serving(tmp_path, POOL_ENV)
+    try:
+        await until(
+            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
+        )
+        parent = serving.process.pid
+        before = worker_pids(parent)
+        assert len(before) == 2
+        victim = log_events(serving, "worker.ready", worker=0)[0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        replaced = None
+        while replaced is None:
+            new = set(worker_pids(parent)) - set(before)
+            if new:
+                replaced = new.pop()
+            else:
+                assert time.monotonic() - killed < 5, serving.log.read_text()
+                await asyncio.sleep(0.002)
+        elapsed = time.monotonic() - killed
+        await until(
+            lambda: bool(log_events(serving, "worker.ready", pid=replaced)),
+            20,
+            "the new worker ready",
+            serving,
+        )
+        ready_in = log_events(serving, "worker.ready", pid=replaced)[0]["seconds"]
+        print(f"\nSIGKILL -> new worker process: {elapsed * 1000:.0f} ms, ready {ready_in} s later")
+        assert elapsed < 0.5
+        await stage(pg_url, brokers, 0, 40)
+        assert_in_order(await nats_streams.messages(target[0], 40), 40)
+    finally:
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+    assert code == 0, serving.log.read_text()
+    (reaped,) = log_events(serving, "worker.reaped", pid=victim)
+    assert (reaped["signal"], reaped["ready"], reaped["restart_in"]) == ("SIGKILL", True, 0.0)
+    assert reaped["released"] == {"main": 0}
