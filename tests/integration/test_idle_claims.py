@@ -68,5 +68,7 @@ async def test_a_stream_held_behind_a_retry_is_not_claimed_until_the_retry_is_du
     finally:
         await supervisor.shutdown()
 
+    # Claiming every 50 ms made about 40 here. A wake-up may still bring a claim or two: the
+    # MariaDB store's watcher looks again shortly after each change it saw (the mark).
     waiting = [t for t in claims if t > failed_at]
-    assert len(waiting) <= 1, f"{len(waiting)} claims while the only stream waited"
+    assert len(waiting) <= 3, f"{len(waiting)} claims while the only stream waited"
