@@ -436,11 +436,15 @@ class Chaos:
         if not pids:
             return
         pid = self.random.choice(pids)
+        # Stopped first, then noted, then killed: the parent gives a reaped worker's leases
+        # back within milliseconds, so noting after the kill could miss them. A stopped
+        # worker is not reaped, and publishes nothing meanwhile.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        await self._note_in_flight(f"%:{pid}:%")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self.report.worker_kills += 1
-        # Rows it leased are still 'processing' under its id until their lease ends.
-        await self._note_in_flight(f"%:{pid}:%")
 
     async def _restart_broker(self) -> None:
         await self._note_in_flight("%")
