@@ -20,6 +20,7 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT",
     "asyncpg_dsn",
     "create_engine",
+    "missing_mysql_driver",
     "mysql_connect_args",
     "mysql_driver",
     "sqlalchemy_url",
@@ -59,10 +60,15 @@ def mysql_driver(where: str) -> ModuleType:
     try:
         return importlib.import_module(MYSQL_DRIVER)
     except ImportError as exc:
-        raise ConfigError(
-            f"{where}: a MySQL or MariaDB database needs the {MYSQL_DRIVER} driver "
-            f"({exc.name or MYSQL_DRIVER} is not installed): pip install 'outbox-router[mysql]'"
-        ) from None
+        raise ConfigError(missing_mysql_driver(where, exc.name)) from None
+
+
+def missing_mysql_driver(where: str, module: str | None = None) -> str:
+    """What to tell the user whose MySQL database has no driver installed."""
+    return (
+        f"{where}: a MySQL or MariaDB database needs the {MYSQL_DRIVER} driver "
+        f"({module or MYSQL_DRIVER} is not installed): pip install 'outbox-router[mysql]'"
+    )
 
 
 def mysql_connect_args(database: DatabaseSettings) -> dict[str, Any]:

@@ -6,6 +6,7 @@ never repeat a value, because after interpolation a value may be a password or a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from envelopes import ConfigError
+from router._db import MYSQL_DRIVER, missing_mysql_driver
 from router.config import RouterConfig
 
 __all__ = ["load_config", "parse_config", "require_clients"]
@@ -63,11 +65,17 @@ def parse_config(
 
 
 def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
-    """Raise ``ConfigError`` naming each broker whose client library is not installed.
+    """Raise ``ConfigError`` naming each broker whose client library, and each database whose
+    driver, is not installed.
 
     Only the kinds the config uses count; nothing is imported to find out.
     """
     problems = [
+        missing_mysql_driver(f"databases.{name}")
+        for name, database in config.databases.items()
+        if database.kind == "mysql" and importlib.util.find_spec(MYSQL_DRIVER) is None
+    ]
+    problems += [
         f"brokers.{name}: {hint}"
         for name, settings in config.brokers.items()
         if (hint := settings.missing_client()) is not None

@@ -88,7 +88,7 @@ async def test_the_operations_commands_on_a_fresh_mariadb_database(
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({**CONFIG, "databases": {"main": url}}))
 
     init = router("init-db", cwd=tmp_path)
-    assert init.returncode == 0, init.stderr
+    assert (init.returncode, init.stderr) == (0, ""), init.stderr
     assert init.stdout == f"main: upgraded empty -> {HEAD} (mariadb://***@127.0.0.1:3306/{name})\n"
     ids = await stage_history(url)
 
