@@ -91,6 +91,12 @@ class Harness:
         """Wait for ``count`` messages at ``destination``; return what is there, in order."""
         raise NotImplementedError
 
+    async def read_as_a_partner(self, destination: str, *, stream_key: str) -> list[Arrived]:
+        """The one message at ``destination``, read with the broker's ordinary client (every
+        harness's ``arrived`` does; Service Bus overrides this with the Azure SDK's receiver
+        for the stream's session)."""
+        return await self.arrived(destination, 1)
+
     async def prepare(self, destination: str) -> None:
         """Make the destination ready to keep what arrives (a bound queue, ...)."""
 
@@ -410,6 +416,10 @@ class ServiceBusHarness(Harness):
         destination = f"c{self.tag}-missing"
         self.peer.reject.add(destination)
         return destination
+
+    async def read_as_a_partner(self, destination: str, *, stream_key: str) -> list[Arrived]:
+        """Through the Azure SDK's receiver, for the stream's session (sessions are on)."""
+        return await self.receive(destination, 1, session_id=stream_key)
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
         received = await asyncio.to_thread(self.peer.wait_for, destination, count, timeout)

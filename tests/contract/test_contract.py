@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,20 +14,7 @@ import pytest
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, create_broker
 from envelopes import BrokerUnavailable, PublishError, make_internal_envelope, render, uuid7
-from tests.contract.harnesses import Harness, harness_for
-from tests.services import NATS, RABBITMQ, REDIS, require
-
-KINDS = ["nats", "kafka", "rabbitmq", "redis", "servicebus"]
-SERVICES = {"nats": ("NATS", NATS), "rabbitmq": ("RabbitMQ", RABBITMQ), "redis": ("Redis", REDIS)}
-
-
-@pytest.fixture(params=KINDS)
-async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    kind: str = request.param
-    if kind in SERVICES:
-        require(*SERVICES[kind])
-    async with harness_for(kind, request) as h:
-        yield h
+from tests.contract.harnesses import Harness
 
 
 def message(

@@ -7,9 +7,7 @@ import pytest
 from brokers import create_broker
 from envelopes import message_id_of
 from tests.contract.harnesses import Harness
-from tests.contract.test_contract import PROFILES, harness, message, publish
-
-__all__ = ["harness"]
+from tests.contract.test_contract import PROFILES, message, publish
 
 
 @pytest.mark.parametrize("profile", PROFILES)

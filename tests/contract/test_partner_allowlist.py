@@ -4,7 +4,6 @@ every broker, read with the broker's ordinary client (the harnesses' readers).""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import orjson
@@ -12,36 +11,14 @@ import pytest
 
 from brokers import OutgoingMessage, create_broker
 from envelopes import make_internal_envelope, uuid7
-from tests.contract.harnesses import Arrived, Harness, ServiceBusHarness, harness_for
-from tests.services import NATS, RABBITMQ, REDIS, require
+from tests.contract.harnesses import Harness
 
-KINDS = ["nats", "kafka", "rabbitmq", "redis", "servicebus"]
-SERVICES = {"nats": ("NATS", NATS), "rabbitmq": ("RabbitMQ", RABBITMQ), "redis": ("Redis", REDIS)}
 SECRETS = (b"s3cr3t-header", b"4242-4242", b"acme-tenant", b"12.34-cost")
 EXPOSE = {
     "headers": ["x-tenant"],
     "extensions": ["region"],
     "payload": {"order_placed": ["order_id", "total"]},
 }
-
-
-@pytest.fixture(params=KINDS)
-async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    kind: str = request.param
-    if kind in SERVICES:
-        require(*SERVICES[kind])
-    async with harness_for(kind, request) as h:
-        yield h
-
-
-async def read_as_a_partner(
-    harness: Harness, destination: str, *, stream_key: str
-) -> list[Arrived]:
-    """What arrived, read with the broker's ordinary client (on Service Bus, the Azure SDK's
-    receiver for the stream's session)."""
-    if isinstance(harness, ServiceBusHarness):
-        return await harness.receive(destination, 1, session_id=stream_key)
-    return await harness.arrived(destination, 1)
 
 
 @pytest.mark.parametrize("profile", ["external", "cloudevents"])
@@ -71,7 +48,7 @@ async def test_only_what_expose_allows_arrives(harness: Harness, profile: str) -
         await broker.close()
     assert result.ok, result.error
 
-    [got] = await read_as_a_partner(harness, destination, stream_key="o-1")
+    [got] = await harness.read_as_a_partner(destination, stream_key="o-1")
 
     everything = got.body + repr((got.headers, got.properties)).encode()
     assert [secret for secret in SECRETS if secret in everything] == []
