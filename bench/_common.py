@@ -94,16 +94,17 @@ class Stream:
 
 
 @contextlib.asynccontextmanager
-async def fresh_stream(label: str) -> AsyncIterator[Stream]:
-    """A memory-backed stream for one measurement; deleted afterwards."""
+async def fresh_stream(
+    label: str, storage: StorageType = StorageType.MEMORY
+) -> AsyncIterator[Stream]:
+    """A stream for one measurement (memory-backed unless ``storage`` says otherwise);
+    deleted afterwards."""
     tag = uuid.uuid4().hex[:8]
     stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}")
     client = await nats.connect(NATS_URL)
     try:
         await client.jetstream().add_stream(
-            StreamConfig(
-                name=stream.name, subjects=[stream.subject + ".>"], storage=StorageType.MEMORY
-            )
+            StreamConfig(name=stream.name, subjects=[stream.subject + ".>"], storage=storage)
         )
         yield stream
     finally:

@@ -38,22 +38,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import nats
 import yaml
-from nats.js.api import StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import StorageType
 
 from bench._common import (
     NATS_URL,
     ROOT,
     Stream,
     fresh_database,
+    fresh_stream,
     median,
     order,
     print_table,
@@ -73,25 +71,6 @@ sys.exit(main(sys.argv[2:]))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PER_ORDER = 4
 CASES = (1, 2)
-
-
-@contextlib.asynccontextmanager
-async def file_stream(label: str) -> AsyncIterator[Stream]:
-    """A file-backed stream (bench._common's is in memory); deleted afterwards."""
-    tag = uuid.uuid4().hex[:8]
-    stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}")
-    client = await nats.connect(NATS_URL)
-    try:
-        await client.jetstream().add_stream(
-            StreamConfig(
-                name=stream.name, subjects=[stream.subject + ".>"], storage=StorageType.FILE
-            )
-        )
-        yield stream
-    finally:
-        with contextlib.suppress(NotFoundError):
-            await client.jetstream().delete_stream(stream.name)
-        await client.close()
 
 
 def startup_config(database_url: str, stream: Stream) -> dict[str, Any]:
@@ -204,7 +183,10 @@ async def await_stream(router: StartedRouter, stream: Stream, events: int) -> tu
 
 async def one_start(workers: int, events: int) -> dict[str, float | None]:
     """Start ``router serve --workers N`` on a fresh backlog; ms from exec to each milestone."""
-    async with fresh_database("startup") as url, file_stream("startup") as stream:
+    async with (
+        fresh_database("startup") as url,
+        fresh_stream("startup", StorageType.FILE) as stream,
+    ):
         config = startup_config(url, stream)
         await stage(url, config, events)
         with StartedRouter(config, workers) as router:
