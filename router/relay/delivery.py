@@ -1,6 +1,7 @@
 """Delivering one claimed batch to one broker: render, publish in waves, classify outcomes.
 
-No database here: the processor claims rows and writes back the ``Marks`` this returns.
+No database here: the processor claims rows, keeps their lease (a ``KeepLease`` it hands in)
+and writes back the ``Marks`` this returns.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from brokers import waves as _waves
@@ -21,9 +22,13 @@ from router.relay.retry import retry_delay
 from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
 
-__all__ = ["Delivery", "waves"]
+__all__ = ["Delivery", "KeepLease", "waves"]
 
 log = logging.getLogger(__name__)
+
+KeepLease = Callable[[float], Awaitable[bool]]
+"""Makes sure a batch's lease has at least so many seconds left; False when it cannot (the
+processor's ``router.relay.lease.Lease.keep``)."""
 
 
 class Delivery:
@@ -56,36 +61,28 @@ class Delivery:
         self._metrics = metrics
         self._transform = transform
 
-    async def deliver(self, rows: Sequence[ClaimedRow]) -> Marks:
+    async def deliver(
+        self, rows: Sequence[ClaimedRow], keep_lease: KeepLease | None = None
+    ) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
 
         A broker can fail one message and take the next; within one wave no two messages
         share a stream, so a failed row's successors are never sent behind its back: they
         stay untried (their attempt is not counted) and wait for it.
+
+        Before each wave, ``keep_lease`` is asked for time enough to publish it and mark the
+        batch. When the lease cannot be kept, no further wave is sent (another worker may
+        hold its rows, and would send them too): the rest of the batch stays untried.
         """
         marks = Marks()
         held: set[str] = set()
-        for wave in waves(rows):
-            sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
-            for row in wave:
-                if row.stream_key is not None and row.stream_key in held:
-                    marks.untried.append(row.seq)
-                    continue
-                try:
-                    stored = (
-                        row.envelope if self._transform is None else self._transform(row.envelope)
-                    )
-                except Exception as exc:  # the user's downcaster: this row alone retries
-                    failed = PublishResult.failed(f"cannot downcast: {exc}", retryable=True)
-                    if not self._classify(row, failed, marks) and row.stream_key is not None:
-                        held.add(row.stream_key)
-                    continue
-                try:
-                    wire = self.settings.render(stored, sequence=row.seq)
-                except EnvelopeError as exc:
-                    marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
-                    continue
-                sendable.append((row, OutgoingMessage(row.destination, wire)))
+        split = waves(rows)
+        for n, wave in enumerate(split):
+            # publish_limit bounds the wave's publish; the second is for rendering and marking.
+            if keep_lease is not None and not await keep_lease(self.settings.publish_limit + 1):
+                marks.untried.extend(row.seq for rest in split[n:] for row in rest)
+                break
+            sendable = self._sendable(wave, held, marks)
             if not sendable:
                 continue
             results = await self._publish([message for _, message in sendable])
@@ -106,6 +103,31 @@ class Delivery:
         """Drop the connection; the next publish connects again."""
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.broker.close(), 5)
+
+    def _sendable(
+        self, wave: Sequence[ClaimedRow], held: set[str], marks: Marks
+    ) -> list[tuple[ClaimedRow, OutgoingMessage]]:
+        """The wave's rows, rendered. A row behind a failed one of its stream (``held``) stays
+        untried; one that cannot be downcast or rendered has its outcome in ``marks`` now."""
+        sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
+        for row in wave:
+            if row.stream_key is not None and row.stream_key in held:
+                marks.untried.append(row.seq)
+                continue
+            try:
+                stored = row.envelope if self._transform is None else self._transform(row.envelope)
+            except Exception as exc:  # the user's downcaster: this row alone retries
+                failed = PublishResult.failed(f"cannot downcast: {exc}", retryable=True)
+                if not self._classify(row, failed, marks) and row.stream_key is not None:
+                    held.add(row.stream_key)
+                continue
+            try:
+                wire = self.settings.render(stored, sequence=row.seq)
+            except EnvelopeError as exc:
+                marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+                continue
+            sendable.append((row, OutgoingMessage(row.destination, wire)))
+        return sendable
 
     async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
         try:

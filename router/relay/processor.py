@@ -10,6 +10,10 @@ are in flight, so claiming and marking overlap publishing and memory stays bound
 long the backlog. Rows of one stream are never in two batches at once (a claim skips rows
 whose predecessor is in flight), so the overlap keeps every stream in order.
 
+A batch split into many waves may take longer than ``outbox.lease_seconds``: before each wave,
+a lease with less than one publish (and a second) left is extended (``router.relay.lease``),
+and a batch whose rows were taken over meanwhile sends no further wave.
+
 It wakes on new rows (NOTIFY, the SQLite watcher, or an in-process signal), when the earliest
 retry falls due, and on a slow fallback poll; it never sleeps while a full batch is waiting.
 A failing, slow or hanging broker only delays its own processor: every processor is its own
@@ -29,6 +33,7 @@ from envelopes import BrokerError, DatabaseError
 from router.config import OutboxSettings
 from router.relay.circuit import Circuit
 from router.relay.delivery import Delivery
+from router.relay.lease import Lease
 from router.relay.metrics import Metrics
 from router.relay.stats import ProcessorStats
 from router.relay.store import Claim, Marks, OutboxStore
@@ -147,9 +152,9 @@ class Processor:
 
     async def run_once(self) -> int:
         """One cycle, without overlap: claim, publish, mark. Returns the rows handled."""
-        claim = await self._claim()
+        claim, end = await self._claim()
         if claim.rows:
-            await self._deliver_and_mark(claim)
+            await self._deliver_and_mark(claim, end)
         return len(claim)
 
     async def _pump(self) -> float | None:
@@ -159,8 +164,10 @@ class Processor:
         current: asyncio.Task[None] | None = None
         try:
             while True:
-                claim = await self._claim()
-                current = asyncio.create_task(self._deliver_and_mark(claim)) if claim.rows else None
+                claim, end = await self._claim()
+                current = (
+                    asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
+                )
                 if previous is not None:
                     await previous
                 previous, current = current, None
@@ -174,18 +181,30 @@ class Processor:
             await _settle(previous, current)
         return await self._idle_timeout(len(claim))
 
-    async def _claim(self) -> Claim:
-        return await self.store.claim(
+    async def _claim(self) -> tuple[Claim, float]:
+        """A claim, and when its lease ends on the event loop's clock: counted from before
+        the claim was sent, so never later than the database's end."""
+        sent = asyncio.get_running_loop().time()
+        claim = await self.store.claim(
             self.target, self.outbox.batch_size, self.worker_id, self.outbox.lease_seconds
         )
+        return claim, sent + self.outbox.lease_seconds
 
-    async def _deliver_and_mark(self, claim: Claim) -> None:
+    async def _deliver_and_mark(self, claim: Claim, end: float) -> None:
         # Until its outcomes are written, a cancelled batch (shutdown past its grace period)
         # is given back by _shutdown.
         self._in_flight[claim.token] = claim
+        lease = Lease(
+            self.store,
+            self.target,
+            claim,
+            seconds=self.outbox.lease_seconds,
+            end=end,
+            labels=self._log,
+        )
         try:
             try:
-                marks = await self.delivery.deliver(claim.rows)
+                marks = await self.delivery.deliver(claim.rows, lease.keep)
             except asyncio.CancelledError:
                 if not self._connect_stopped():
                     raise
@@ -194,7 +213,7 @@ class Processor:
                 return
             if marks.failed or marks.abandoned:
                 self._check_due = True
-            await self._mark(claim.token, marks)
+            await self._mark(claim.token, marks, lease.end)
         except Exception:
             # Not written back (the database is away): the lease will bring the rows back.
             self._in_flight.pop(claim.token, None)
@@ -234,10 +253,10 @@ class Processor:
             timeout = min(timeout, remaining + 0.005)
         return timeout
 
-    async def _mark(self, token: int, marks: Marks) -> None:
-        """Write outcomes back, retrying while the lease lasts (marks are idempotent)."""
+    async def _mark(self, token: int, marks: Marks, deadline: float) -> None:
+        """Write outcomes back, retrying until ``deadline``, the lease's end on the loop's
+        clock (marks are idempotent; past it, the rows may be claimed and sent again)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.outbox.lease_seconds * 0.8
         delay = 0.1
         while True:
             try:

@@ -171,7 +171,6 @@ async def test_sigterm_does_not_wait_for_a_connect_that_hangs(pg_url: str, tmp_p
             "service": "shop",
             "databases": {"main": pg_url},
             "brokers": {"silent": silent},
-            "outbox": {"lease_seconds": 60},
             "http": {"enabled": False},
         },
     )

@@ -9,6 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from brokers import OutgoingMessage
+from envelopes import DatabaseError
 from router.relay.store import Marks
 from tests.unit.conftest import (
     EVENTS_BROKER,
@@ -296,3 +298,46 @@ async def test_a_processor_delivers_rows_a_dead_worker_left_behind(
 
     assert numbers(outbox_file.broker) == [1, 2]
     assert outbox_file.statuses() == ["published", "published"]
+
+
+async def test_a_lease_shorter_than_a_publish_is_extended_before_the_first_wave(
+    open_outbox: OpenOutbox,
+) -> None:
+    # The broker's publish may take 0.2 + 0.2 + 1 = 1.4 s: a 0.5 s lease is extended at once,
+    # to 1.4 + 2 s, and that lasts the three waves of this stream.
+    outbox_file = await open_outbox(lease_seconds=0.5)
+    leases: list[timedelta] = []
+
+    def note_lease(message: OutgoingMessage) -> None:
+        [row] = [r for r in outbox_file.rows() if r["message_id"] == message.wire.message_id]
+        leases.append(read_time(row["locked_until"]) - read_time(row["last_attempt_at"]))
+
+    outbox_file.broker.handler = note_lease
+    await outbox_file.stage(1, 2, 3, stream_key="order-1")
+
+    assert await outbox_file.processor().run_once() == 3
+
+    assert numbers(outbox_file.broker) == [1, 2, 3]
+    assert outbox_file.statuses() == ["published"] * 3
+    assert len(leases) == 3
+    assert all(timedelta(seconds=3.3) < lease < timedelta(seconds=3.6) for lease in leases)
+
+
+async def test_a_batch_whose_lease_cannot_be_extended_sends_nothing_and_gives_its_rows_back(
+    open_outbox: OpenOutbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outbox_file = await open_outbox(lease_seconds=0.5)
+
+    async def unreachable(target: str, token: int, lease_seconds: float) -> int:
+        raise DatabaseError("main: the database went away")
+
+    monkeypatch.setattr(outbox_file.store, "extend", unreachable)
+    await outbox_file.stage(1, 2)
+
+    assert await outbox_file.processor().run_once() == 2
+
+    assert outbox_file.broker.attempts == []
+    assert [(r["status"], r["attempts"], r["locked_by"]) for r in outbox_file.rows()] == [
+        ("pending", 0, None),
+        ("pending", 0, None),
+    ]

@@ -116,6 +116,10 @@ class OutboxStore(Protocol):
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give back rows that were claimed but not tried; their attempt does not count."""
 
+    async def extend(self, target: str, token: int, lease_seconds: float) -> int:
+        """Hold the rows still under ``token`` until ``lease_seconds`` from now, in one
+        statement; returns how many that is (fewer than claimed: others took some over)."""
+
     async def release_worker(self, worker: str) -> int:
         """Give back every row ``worker`` holds, in one statement (its process is gone, so
         its batches will never be marked); returns how many. Attempts do not count, as for

@@ -151,6 +151,13 @@ class MysqlStore:
             async with self._cursor() as cursor:
                 await self._release(cursor, token, seqs)
 
+    async def extend(self, target: str, token: int, lease_seconds: float) -> int:
+        """Hold the rows still under ``token`` until ``lease_seconds`` from now."""
+        async with self._cursor() as cursor:
+            await cursor.execute(sql.EXTEND, [round(lease_seconds * 1_000_000), target, token])
+            count = cursor.rowcount  # typed object, as in release_worker
+            return count if isinstance(count, int) else 0
+
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row is due, from the database's clock."""
         async with self._cursor() as cursor:

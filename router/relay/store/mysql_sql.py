@@ -35,6 +35,7 @@ __all__ = [
     "CANDIDATES",
     "CHECK_SCHEMA",
     "ENSURE_TARGET",
+    "EXTEND",
     "LEASE",
     "LOCK_ROWS",
     "LOCK_TARGET",
@@ -182,6 +183,18 @@ UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+# The heartbeat of a batch still being published: its rows' lease, fenced by the claim's token
+# alone (rows another claim took over carry its token) and 'processing' (a marked row is
+# done); ix_router_outbox_claim reads the target's in-flight rows and no others. MySQL counts
+# the rows changed, not those found, which here is every row held: the processor never
+# extends by less than the claim's own lease, so each new end is later than the old one, to
+# the microsecond. Parameters: the lease in microseconds, the target, the token.
+EXTEND = """
+UPDATE router_outbox FORCE INDEX (ix_router_outbox_claim)
+SET locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND
+WHERE target = %s AND status = 'processing' AND lease_token = %s
 """
 
 # The earliest retry and lease end, each one index lookup in ix_router_outbox_due (a MIN

@@ -19,6 +19,7 @@ import asyncpg
 
 from envelopes import DatabaseError
 from router.relay.store.base import (
+    OPEN_STATUSES_SQL,
     VERSION_TABLE,
     Claim,
     ClaimedRow,
@@ -39,6 +40,16 @@ CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip; the function is in postgres_sql.py.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+
+# The heartbeat of a batch still being published: fenced by the claim's token alone (rows
+# another claim took over carry its token) and 'processing' (a marked row is done). The
+# redundant status list lets the planner read a partial index of the target's open rows, not
+# its history. A plain statement, not a function in postgres_sql.py: it needs no migration.
+EXTEND = f"""
+UPDATE router_outbox SET locked_until = now() + make_interval(secs => $3)
+WHERE target = $1 AND status IN ({OPEN_STATUSES_SQL})
+  AND lease_token = $2 AND status = 'processing'
+"""
 
 RECORD_CIRCUIT = """
 INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
@@ -143,6 +154,12 @@ class PostgresStore:
         """Return untried rows to the queue without counting an attempt."""
         if seqs:  # router_mark's "untried" outcome is exactly this
             await self.mark(target, token, Marks(untried=list(seqs)))
+
+    async def extend(self, target: str, token: int, lease_seconds: float) -> int:
+        """Hold the rows still under ``token`` until ``lease_seconds`` from now."""
+        async with self._connection() as conn:
+            status = await conn.execute(EXTEND, target, token, lease_seconds)
+        return int(status.rpartition(" ")[2])  # "UPDATE <rows>"
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest retry or lease end, from the database's clock."""

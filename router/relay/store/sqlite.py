@@ -90,6 +90,14 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
+# A batch's heartbeat, fenced by its token and 'processing' (see the PostgreSQL store). SQLite
+# uses a partial index only when the statement repeats its condition, hence the status list.
+EXTEND = f"""
+UPDATE router_outbox SET locked_until = ?
+WHERE target = ? AND status IN ({OPEN_STATUSES_SQL})
+  AND lease_token = ? AND status = 'processing'
+"""
+
 # A dead worker's leases, fenced by its id (see the PostgreSQL store): as RELEASE does.
 RELEASE_WORKER = """
 UPDATE router_outbox
@@ -161,6 +169,13 @@ class SqliteStore:
             stamp = sqlite_time(datetime.now(UTC))
             async with self._transaction() as db:
                 await db.executemany(RELEASE, [(stamp, seq, token) for seq in seqs])
+
+    async def extend(self, target: str, token: int, lease_seconds: float) -> int:
+        """Hold the rows still under ``token`` until ``lease_seconds`` from now."""
+        until = sqlite_time(datetime.now(UTC) + timedelta(seconds=lease_seconds))
+        async with self._transaction() as db:
+            cursor = await db.execute(EXTEND, (until, target, token))
+            return cursor.rowcount
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due."""
