@@ -4,6 +4,8 @@ Run as a user would run the tool::
 
     python -m tests.chaos.chaos                     # small: about two minutes
     python -m tests.chaos.chaos --size full         # at least 50,000 events
+    python -m tests.chaos.chaos --size harsh        # 600/s, the broker and database crash
+    python -m tests.chaos.chaos --graceful-stops 10 # and 10 workers stopped with SIGTERM
     python -m tests.chaos.chaos --database mysql    # on MariaDB
 
 What happens:
@@ -16,21 +18,26 @@ What happens:
   next sequence number (every stream belongs to one producer, so its numbers are in commit
   order);
 - during the run a worker is killed with SIGKILL every ``--kill-every`` seconds (the router's
-  parent restarts it), the NATS server is restarted, and the database crashes once (an
-  immediate stop of PostgreSQL, a SIGKILL of mariadbd, then crash recovery). On PostgreSQL
+  parent restarts it), the NATS server is restarted (SIGTERM; SIGKILL in the harsh size), and
+  the database crashes once (twice in the harsh size: an immediate stop of PostgreSQL, a
+  SIGKILL of mariadbd, then crash recovery). With ``--graceful-stops N`` a worker is also
+  stopped with SIGTERM N times, which must cause no duplicate at all. On PostgreSQL
   the router's own claims and marks commit without waiting for the WAL flush, so the most
   recent of them are lost, as in a real crash: a repeat whose first copy reached the broker
   in the database's ``commit_window`` before it is explained by it. On MariaDB each of them
   is flushed at commit and the window is empty;
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
-- afterwards every message stored in the stream is read back: the ledger.
+- afterwards every message stored in the stream is read back and checked against the
+  ledger (``tests.chaos.ledger``).
 
 It reports committed, delivered, lost, duplicated (and which duplicates were not in flight at
 a disruption), per-stream order violations (a first delivery of sequence n after a first
-delivery of a later one) and the longest commit-to-publish delay. The stream's duplicate
-window is kept very short so that duplicates show up here instead of being absorbed by
-JetStream's ``Nats-Msg-Id`` check.
+delivery of a later one), and time: p50/p99/max commit-to-publish delay, the longest stall
+(nothing delivered while something waited) and when, and each worker's start-to-ready time
+from the router's log (``tests.chaos.report``). The stream's duplicate window is kept very
+short so that duplicates show up here instead of being absorbed by JetStream's
+``Nats-Msg-Id`` check.
 """
 
 from __future__ import annotations
@@ -47,20 +54,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import nats
 import yaml
-from nats.js.api import DeliverPolicy
 
 from brokers.nats import EmbeddedNats
 from router import Event, Outbox, load_config
 from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_database
 from tests.chaos.inbox_consumer import InboxConsumer
+from tests.chaos.ledger import Ledger, check_stream
 from tests.chaos.proxy import DelayingProxy
+from tests.chaos.report import Report, worker_starts
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,93 +83,21 @@ class Tick(Event, type="chaos.tick"):
     n: int
 
 
+# database_restarts: how many crashes; broker_kill: the NATS server gets SIGKILL (a crash, no
+# clean shutdown of its store) instead of SIGTERM.
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"events": 4000, "streams": 200, "rate": 60.0, "kill_every": 4.0},
     "full": {"events": 50_000, "streams": 500, "rate": 400.0, "kill_every": 4.0},
+    "harsh": {
+        "events": 30_000,
+        "streams": 300,
+        "rate": 600.0,
+        "kill_every": 3.0,
+        "workers": 4,
+        "database_restarts": 2,
+        "broker_kill": True,
+    },
 }
-
-
-@dataclass
-class Report:
-    """What the run found; every figure a user of the router would care about."""
-
-    size: str
-    events_target: int
-    streams: int
-    database: str = "postgresql"
-    seed: int = 0
-    committed: int = 0
-    delivered: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    duplicates_not_in_flight: int = 0
-    order_violations: int = 0
-    max_delay_seconds: float = 0.0
-    p99_delay_seconds: float = 0.0
-    worker_kills: int = 0
-    broker_restarts: int = 0
-    database_restarts: int = 0
-    producer_retries: int = 0
-    seconds: float = 0.0
-    inbox: bool = False
-    consumer_deliveries: int = 0
-    duplicate_deliveries: int = 0
-    effects: int = 0
-    duplicate_effects: int = 0
-    lost_ids: list[str] = field(default_factory=list)
-    unexplained_duplicates: list[str] = field(default_factory=list)
-    violations: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """0 lost, 0 order violations, every duplicate explained by a disruption; with the
-        inbox, one effect per committed event however often it was delivered."""
-        relay = self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
-        consumer = not self.inbox or (
-            self.duplicate_effects == 0 and self.effects == self.committed
-        )
-        return relay and consumer
-
-    def table(self) -> str:
-        """A readable summary."""
-        rows = [
-            ("events committed", self.committed),
-            ("events delivered", self.delivered),
-            ("lost", self.lost),
-            ("duplicated (ids)", self.duplicated),
-            ("  not in flight at a disruption", self.duplicates_not_in_flight),
-            ("per-stream order violations", self.order_violations),
-            ("max commit-to-publish delay (s)", f"{self.max_delay_seconds:.3f}"),
-            ("p99 commit-to-publish delay (s)", f"{self.p99_delay_seconds:.3f}"),
-            ("worker kills (SIGKILL)", self.worker_kills),
-            ("broker restarts", self.broker_restarts),
-            ("database restarts", self.database_restarts),
-            ("producer retries (unknown commit)", self.producer_retries),
-            ("run time (s)", f"{self.seconds:.1f}"),
-        ]
-        if self.inbox:
-            rows += [
-                ("inbox consumer: deliveries", self.consumer_deliveries),
-                ("  duplicate deliveries", self.duplicate_deliveries),
-                ("  events with an effect", self.effects),
-                ("  duplicate effects", self.duplicate_effects),
-            ]
-        width = max(len(name) for name, _ in rows)
-        lines = [f"chaos ({self.size}, {self.streams} streams, {self.database}, seed {self.seed})"]
-        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
-        lines.append("  PASSED" if self.passed else "  FAILED")
-        return "\n".join(lines)
-
-
-@dataclass
-class Ledger:
-    """What the producers committed and which ids were in flight at each disruption."""
-
-    commits: dict[str, tuple[str, int, float]] = field(default_factory=dict)
-    in_flight: set[str] = field(default_factory=set)
-    crash_windows: list[tuple[float, float]] = field(default_factory=list)
-    """(from, to) epoch seconds: the commit window before each database crash, to the end
-    of its recovery."""
 
 
 class Chaos:
@@ -181,6 +117,9 @@ class Chaos:
         seed: int | None = None,
         inbox: bool = False,
         ack_delay: float = 0.0,
+        graceful_stops: int = 0,
+        database_restarts: int = 1,
+        broker_kill: bool = False,
     ) -> None:
         self.size = size
         self.events = events
@@ -188,9 +127,13 @@ class Chaos:
         self.rate = rate
         self.kill_every = kill_every
         self.workers = workers
+        self.graceful_stops = graceful_stops
+        self.database_restarts = database_restarts
+        self.broker_kill = broker_kill
         self.folder = folder
         self.ledger = Ledger()
         self.report = Report(size, events, streams, database)
+        self.report.broker_stop = "SIGKILL" if broker_kill else "SIGTERM"
         # The streams producers pick and the workers killed; timing is the machine's.
         self.report.seed = random.randrange(1 << 32) if seed is None else seed
         self.random = random.Random(self.report.seed)
@@ -200,6 +143,9 @@ class Chaos:
         self.router: subprocess.Popen[bytes] | None = None
         self._producing = True
         self._watchers: list[asyncio.Task[None]] = []
+        self._started_at = time.time()  # reset when the producers start: the timeline's 0
+        self._disrupted: set[int] = set()  # worker pids killed or stopped by the run
+        self._stopping: set[int] = set()  # of those, the ones sent SIGTERM
         self.report.inbox = inbox
         self.proxy = DelayingProxy("127.0.0.1", int(self.nats_url.rsplit(":", 1)[1]), ack_delay)
         self.ack_delay = ack_delay
@@ -216,6 +162,7 @@ class Chaos:
             await self._set_up()
             self._start_router()
             await self._wait_for_workers()
+            self._started_at = time.time()
             producers = asyncio.create_task(self._produce())
             chaos = asyncio.create_task(self._disrupt(producers))
             await producers
@@ -223,7 +170,9 @@ class Chaos:
             await chaos
             await asyncio.gather(*self._watchers)
             await self._drain()
-            await self._read_back()
+            await check_stream(
+                self.nats_url, STREAM, SUBJECT + ".>", self.ledger, self.report, self._started_at
+            )
             if self.consumer is not None:
                 await self._await_effects()
         finally:
@@ -234,6 +183,9 @@ class Chaos:
             await self.nats.stop()
             await self.db.drop()
         self.report.seconds = time.monotonic() - started
+        # Read once the parent has stopped: its log is complete.
+        with (self.folder / "router.log").open() as log:
+            self.report.set_worker_starts(worker_starts(log), self._disrupted)
         return self.report
 
     # -- setup ----------------------------------------------------------------------------
@@ -289,8 +241,13 @@ class Chaos:
 
     def _start_router(self) -> None:
         log = (self.folder / "router.log").open("w")
+        # JSON at info: the parent's worker.started and worker.ready lines give start-to-ready.
         self.router = subprocess.Popen(
-            [_router(), "--log-level", "warning", "serve", "--workers", str(self.workers)],
+            [
+                _router(),
+                *("--log-level", "info", "--log-format", "json"),
+                *("serve", "--workers", str(self.workers)),
+            ],
             cwd=self.folder,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -306,12 +263,19 @@ class Chaos:
             self.router.kill()
             self.router.wait()
 
-    async def _wait_for_workers(self) -> None:
-        for _ in range(200):
-            if len(self._worker_pids()) == self.workers:
+    async def _wait_for_workers(self, timeout: float = 60.0) -> None:
+        # Until every worker logged ready: a stall or delay counted from the first commit is
+        # then the disruptions', not the start's (which is measured on its own, per worker).
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.router is not None
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited; see {self.folder / 'router.log'}")
+            log = (self.folder / "router.log").read_text(errors="replace").splitlines()
+            if len(worker_starts(log).ready) >= self.workers:
                 return
             await asyncio.sleep(0.05)
-        raise RuntimeError("the router's workers did not start")
+        raise RuntimeError("the router's workers did not get ready")
 
     def _worker_pids(self) -> list[int]:
         assert self.router is not None
@@ -414,9 +378,30 @@ class Chaos:
 
     # -- disruptions ------------------------------------------------------------------------
 
-    async def _disrupt(self, producers: asyncio.Task[None]) -> None:
+    def _plan(self) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
+        """(seconds into the run, action): the broker restart, the database crashes and the
+        graceful stops, in order of time; the worker kills come between them."""
         expected = self.events / self.rate
-        plan = [(expected * 0.35, self._restart_broker), (expected * 0.6, self._restart_database)]
+        plan: list[tuple[float, Callable[[], Awaitable[None]]]] = [
+            (expected * 0.35, self._restart_broker)
+        ]
+        # One crash at 0.6 of the run, as always; more are spread from 0.15 up to it.
+        crashes = self.database_restarts
+        plan += [
+            (expected * (0.6 - 0.45 * (crashes - 1 - i) / max(1, crashes - 1)), self._crash_db)
+            for i in range(crashes)
+        ]
+        plan += [
+            (expected * (i + 0.5) / self.graceful_stops, self._stop_worker_gracefully)
+            for i in range(self.graceful_stops)
+        ]
+        return sorted(plan, key=lambda step: step[0])
+
+    def _disrupted_at(self, what: str) -> None:
+        self.report.disruptions.append((round(time.time() - self._started_at, 3), what))
+
+    async def _disrupt(self, producers: asyncio.Task[None]) -> None:
+        plan = self._plan()
         started = time.monotonic()
         next_kill = started + self.kill_every
         while not producers.done():
@@ -432,10 +417,13 @@ class Chaos:
             await action()
 
     async def _kill_worker(self) -> None:
-        pids = self._worker_pids()
+        # Not one already stopping gracefully: its stop is what is being watched.
+        pids = [pid for pid in self._worker_pids() if pid not in self._stopping]
         if not pids:
             return
         pid = self.random.choice(pids)
+        self._disrupted_at("worker kill")
+        self._disrupted.add(pid)
         # Stopped first, then noted, then killed: the parent gives a reaped worker's leases
         # back within milliseconds, so noting after the kill could miss them. A stopped
         # worker is not reaped, and publishes nothing meanwhile.
@@ -446,17 +434,50 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
         self.report.worker_kills += 1
 
+    async def _stop_worker_gracefully(self) -> None:
+        """SIGTERM to one worker: it finishes or gives back what it holds, and the parent
+        starts another. Its leases go into a set of their own, not ``in_flight``: a graceful
+        stop explains no repeat, so any repeat of them counts against the run."""
+        pids = [pid for pid in self._worker_pids() if pid not in self._stopping]
+        if not pids:
+            return
+        pid = self.random.choice(pids)
+        self._disrupted_at("graceful stop")
+        self._disrupted.add(pid)
+        self._stopping.add(pid)
+        await self._note_in_flight(f"%:{pid}:%", into=self.ledger.graceful_in_flight)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        # What it claimed between the note and the signal, while it winds down.
+        await self._note_in_flight(f"%:{pid}:%", into=self.ledger.graceful_in_flight)
+        self.report.graceful_stops += 1
+
     async def _restart_broker(self) -> None:
+        self._disrupted_at(f"broker {'kill' if self.broker_kill else 'stop'}")
         await self._note_in_flight("%")
-        await self.nats.stop()
+        await self._stop_broker()
         await asyncio.sleep(1.0)
         await self._note_in_flight("%", failed_too=True)
         await self.nats.start()
+        self._disrupted_at("broker back")
         self.report.broker_restarts += 1
         await asyncio.sleep(2.0)
         await self._note_in_flight("%", failed_too=True)
 
-    async def _restart_database(self) -> None:
+    async def _stop_broker(self) -> None:
+        """SIGTERM (EmbeddedNats.stop), or with ``broker_kill`` a crash: EmbeddedNats has no
+        kill, so its server gets SIGKILL by the pid it exposes, and stop() then reaps it."""
+        if self.broker_kill:
+            pid = self.nats.owner_pid()
+            if pid is None:
+                raise RuntimeError("the NATS server to kill was not found by its pid file")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            await self.nats.stop()
+
+    async def _crash_db(self) -> None:
+        self._disrupted_at("database crash")
         await self._note_in_flight("%")
         # A crash may forget the router's claims and marks of its last moments when they
         # commit without waiting for the disk (PostgreSQL, unless outbox.durable_bookkeeping),
@@ -468,6 +489,7 @@ class Chaos:
             await self.db.crash()
         finally:
             self.ledger.crash_windows.append((since, time.time()))
+        self._disrupted_at("database back")
         self.report.database_restarts += 1
         await self._note_in_flight("%", failed_too=True)
         # Marks that could not be written while it was down leave rows leased until their
@@ -480,15 +502,19 @@ class Chaos:
             await self._note_in_flight("%", failed_too=True)
             await asyncio.sleep(0.25)
 
-    async def _note_in_flight(self, holder: str, *, failed_too: bool = False) -> None:
-        """Note the ids of rows in flight now (under ``holder``'s leases). After a broker or
-        database outage, rows that failed meanwhile were in flight too: a message the broker
-        stored but whose ack was lost is retried, which is the duplicate at-least-once allows.
+    async def _note_in_flight(
+        self, holder: str, *, failed_too: bool = False, into: set[str] | None = None
+    ) -> None:
+        """Note the ids of rows in flight now (under ``holder``'s leases) in ``into`` (by
+        default ``ledger.in_flight``). After a broker or database outage, rows that failed
+        meanwhile were in flight too: a message the broker stored but whose ack was lost is
+        retried, which is the duplicate at-least-once allows.
         """
         statuses = ["processing", "failed"] if failed_too else ["processing"]
+        noted = self.ledger.in_flight if into is None else into
         for _ in range(100):
             try:
-                self.ledger.in_flight.update(await self.db.in_flight(holder, statuses))
+                noted.update(await self.db.in_flight(holder, statuses))
                 return
             except self.db.away:
                 await asyncio.sleep(0.2)
@@ -504,74 +530,6 @@ class Chaos:
                     return
             await asyncio.sleep(0.5)
 
-    def _explained(self, message_id: str, first_stored: float | None) -> bool:
-        """A repeat is explained when its row was in flight at a disruption, or when its first
-        copy reached the broker in the commit window of a database crash."""
-        if message_id in self.ledger.in_flight:
-            return True
-        return first_stored is not None and any(
-            start <= first_stored <= end for start, end in self.ledger.crash_windows
-        )
-
-    async def _read_back(self) -> None:
-        client = await nats.connect(self.nats_url)
-        try:
-            js = client.jetstream()
-            total = (await js.stream_info(STREAM)).state.messages
-            seen: set[str] = set()
-            first_stored: dict[str, float] = {}
-            highest: dict[str, int] = {}
-            delays: list[float] = []
-            done = asyncio.Event()
-            count = 0
-
-            async def record(msg: Any) -> None:
-                nonlocal count
-                count += 1
-                message_id = msg.headers["Nats-Msg-Id"]
-                stored = msg.metadata.timestamp
-                if message_id in seen:
-                    self.report.duplicated += 1
-                    if not self._explained(message_id, first_stored.get(message_id)):
-                        self.report.unexplained_duplicates.append(message_id)
-                else:
-                    seen.add(message_id)
-                    if isinstance(stored, datetime):
-                        first_stored[message_id] = stored.timestamp()
-                    tick = json.loads(msg.data)["payload"]
-                    stream, n = tick["stream"], tick["n"]
-                    if n < highest.get(stream, 0):
-                        self.report.violations.append(f"{stream}: {n} after {highest[stream]}")
-                    highest[stream] = max(highest.get(stream, 0), n)
-                    committed = self.ledger.commits.get(message_id)
-                    if committed is not None and isinstance(stored, datetime):
-                        delays.append(stored.timestamp() - committed[2])
-                if count >= total:
-                    done.set()
-
-            subscription = await js.subscribe(
-                SUBJECT + ".>",
-                cb=record,
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.ALL,
-            )
-            if total:
-                await asyncio.wait_for(done.wait(), 120)
-            await subscription.unsubscribe()
-        finally:
-            await client.close()
-        lost = [i for i in self.ledger.commits if i not in seen]
-        self.report.delivered = len(seen & set(self.ledger.commits))
-        self.report.lost, self.report.lost_ids = len(lost), lost[:20]
-        self.report.duplicates_not_in_flight = len(self.report.unexplained_duplicates)
-        self.report.unexplained_duplicates = self.report.unexplained_duplicates[:20]
-        self.report.order_violations = len(self.report.violations)
-        self.report.violations = self.report.violations[:20]
-        if delays:
-            delays.sort()
-            self.report.max_delay_seconds = max(0.0, delays[-1])
-            self.report.p99_delay_seconds = max(0.0, delays[int(len(delays) * 0.99) - 1])
-
 
 def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
@@ -584,7 +542,7 @@ def _router() -> str:
 async def run_chaos(
     size: str, folder: Path, database: str = "postgresql", **overrides: Any
 ) -> Report:
-    """Run one chaos test of ``size`` ('small' or 'full') on ``database`` ('postgresql' or
+    """Run one chaos test of ``size`` (a key of ``SIZES``) on ``database`` ('postgresql' or
     'mysql') in ``folder``."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
@@ -605,6 +563,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, help="events per second, all producers together")
     parser.add_argument("--kill-every", type=float, help="seconds between worker kills")
     parser.add_argument("--seed", type=int, help="the random choices of an earlier run")
+    parser.add_argument(
+        "--graceful-stops",
+        type=int,
+        help="this many times, stop a worker with SIGTERM (it must cause no duplicate)",
+    )
     parser.add_argument(
         "--inbox",
         action="store_true",
@@ -634,6 +597,7 @@ def main() -> None:
             rate=args.rate,
             kill_every=args.kill_every,
             seed=args.seed,
+            graceful_stops=args.graceful_stops,
             inbox=args.inbox,
             ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
         )
@@ -644,13 +608,14 @@ def main() -> None:
         print(f"kept {folder} (router.log, config.yaml) for a look")
     print(report.table())
     name = f"chaos-{args.size}" + ("-inbox" if args.inbox else "")
+    name += "-graceful" if args.graceful_stops else ""
     name += "" if args.database == "postgresql" else f"-{args.database}"
     target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(
         json.dumps(
             {
-                "report": asdict(report),
+                "report": report.to_json(),
                 "passed": report.passed,
                 "finished": datetime.now().isoformat(),
             },

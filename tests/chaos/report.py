@@ -1,0 +1,282 @@
+"""What a chaos run found, and the time figures computed from its ledger and the router's log.
+
+Kept apart from the run (``tests.chaos.chaos``) so that each computation is a small function
+of plain data that ``test_report.py`` checks on hand-made timelines, without any service:
+
+- ``percentile`` and ``delay_figures``: p50, p99 and max of the commit-to-publish delays;
+- ``longest_stall``: the longest stretch during which an event was waiting and none arrived;
+- ``worker_starts``: the parent's ``worker.started`` / ``worker.ready`` JSON log lines;
+- ``Report``: every figure, its table and its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "DelayFigures",
+    "Report",
+    "Stall",
+    "WorkerStarts",
+    "delay_figures",
+    "disruptions_near",
+    "longest_stall",
+    "percentile",
+    "worker_starts",
+]
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of ascending ``ordered``; 0.0 if empty."""
+    if not ordered:
+        return 0.0
+    # Nearest rank: a value that was measured, never an interpolation between two.
+    rank = math.ceil(q * len(ordered))
+    return ordered[min(max(rank, 1), len(ordered)) - 1]
+
+
+class DelayFigures(NamedTuple):
+    """p50, p99 and max of a set of delays, in seconds."""
+
+    p50: float
+    p99: float
+    max: float
+
+
+def delay_figures(delays: Iterable[float]) -> DelayFigures:
+    """The figures of ``delays``; a negative one (clocks a hair apart) counts as 0."""
+    ordered = sorted(max(0.0, d) for d in delays)
+    if not ordered:
+        return DelayFigures(0.0, 0.0, 0.0)
+    return DelayFigures(percentile(ordered, 0.5), percentile(ordered, 0.99), ordered[-1])
+
+
+class Stall(NamedTuple):
+    """The longest stall: how long, and when it began (the same clock as its inputs)."""
+
+    seconds: float
+    start: float
+
+
+def longest_stall(
+    commits: Mapping[str, float], delivered: Mapping[str, float], end: float | None = None
+) -> Stall:
+    """The longest stretch during which some committed event was not delivered yet and no
+    event was delivered at all.
+
+    ``commits`` maps an id to its commit time, ``delivered`` an id to the time its first copy
+    was stored (ids never committed there still count as deliveries). An id never delivered
+    waits until ``end``; without ``end`` its wait after the last delivery is not counted.
+    """
+    timeline: list[tuple[float, int, str]] = []
+    for message_id, committed in commits.items():
+        stored = delivered.get(message_id)
+        # The commit is timed after COMMIT returned, so the router may store it a hair
+        # earlier: it was committed by then.
+        timeline.append((committed if stored is None else min(committed, stored), 0, message_id))
+    timeline += [(stored, 1, message_id) for message_id, stored in delivered.items()]
+    # At the same instant, commits first: a stretch of length 0 either way.
+    timeline.sort()
+    longest = Stall(0.0, 0.0)
+    waiting = 0
+    since: float | None = None  # when the current stall began; None while nothing waits
+    for at, kind, message_id in timeline:
+        if kind == 0:
+            waiting += 1
+            since = at if since is None else since
+            continue
+        if since is not None and at - since > longest.seconds:
+            longest = Stall(at - since, since)
+        if message_id in commits:
+            waiting -= 1
+        since = at if waiting else None
+    if since is not None and end is not None and end - since > longest.seconds:
+        longest = Stall(end - since, since)
+    return longest
+
+
+def disruptions_near(
+    disruptions: Iterable[tuple[float, str]], start: float, end: float, lead: float = 1.0
+) -> list[tuple[float, str]]:
+    """The disruptions from ``lead`` seconds before ``start`` to ``end``: a stall begins at
+    the last delivery before it, which is often a moment before the disruption that caused it.
+    """
+    return [(at, what) for at, what in disruptions if start - lead <= at <= end]
+
+
+@dataclass
+class WorkerStarts:
+    """The worker starts the router's parent logged: spawn-to-ready seconds per pid."""
+
+    started: list[int] = field(default_factory=list)
+    ready: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def never_ready(self) -> list[int]:
+        """Pids started that never logged ready (killed or stopped first, or stuck)."""
+        return [pid for pid in self.started if pid not in self.ready]
+
+
+def worker_starts(lines: Iterable[str]) -> WorkerStarts:
+    """Read ``worker.started`` and ``worker.ready`` from JSON log lines; other lines (text,
+    a worker's traceback) are skipped."""
+    starts = WorkerStarts()
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        event, pid = record.get("event"), record.get("pid")
+        if not isinstance(pid, int):
+            continue
+        if event == "worker.started":
+            starts.started.append(pid)
+        elif event == "worker.ready" and isinstance(record.get("seconds"), int | float):
+            starts.ready[pid] = float(record["seconds"])
+    return starts
+
+
+@dataclass
+class Report:
+    """What the run found; every figure a user of the router would care about."""
+
+    size: str
+    events_target: int
+    streams: int
+    database: str = "postgresql"
+    seed: int = 0
+    committed: int = 0
+    delivered: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    duplicates_not_in_flight: int = 0
+    order_violations: int = 0
+    p50_delay_seconds: float = 0.0
+    p99_delay_seconds: float = 0.0
+    max_delay_seconds: float = 0.0
+    longest_stall_seconds: float = 0.0
+    longest_stall_from_seconds: float = 0.0
+    """When the longest stall began, in seconds since the producers started."""
+    worker_kills: int = 0
+    graceful_stops: int = 0
+    duplicates_after_graceful_stop: int = 0
+    broker_restarts: int = 0
+    broker_stop: str = "SIGTERM"
+    database_restarts: int = 0
+    producer_retries: int = 0
+    workers_started: int = 0
+    workers_ready: int = 0
+    workers_never_ready: int = 0
+    workers_never_ready_disrupted: int = 0
+    """Of those never ready, the ones the run killed or stopped before they were."""
+    ready_median_seconds: float = 0.0
+    ready_max_seconds: float = 0.0
+    ready_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    inbox: bool = False
+    consumer_deliveries: int = 0
+    duplicate_deliveries: int = 0
+    effects: int = 0
+    duplicate_effects: int = 0
+    disruptions: list[tuple[float, str]] = field(default_factory=list)
+    """(seconds since the producers started, what): every disruption, in order."""
+    lost_ids: list[str] = field(default_factory=list)
+    unexplained_duplicates: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """0 lost, 0 order violations, every duplicate explained by a disruption (a graceful
+        stop explains none); with the inbox, one effect per committed event however often it
+        was delivered."""
+        relay = self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
+        consumer = not self.inbox or (
+            self.duplicate_effects == 0 and self.effects == self.committed
+        )
+        return relay and consumer
+
+    @property
+    def duplicates_per_kill(self) -> float:
+        """Duplicated messages per worker SIGKILL (0.0 without kills)."""
+        return self.duplicated / self.worker_kills if self.worker_kills else 0.0
+
+    def set_delays(self, delays: Iterable[float]) -> None:
+        """Fill the commit-to-publish figures from every first delivery's delay."""
+        figures = delay_figures(delays)
+        self.p50_delay_seconds, self.p99_delay_seconds = figures.p50, figures.p99
+        self.max_delay_seconds = figures.max
+
+    def set_worker_starts(self, starts: WorkerStarts, disrupted: set[int]) -> None:
+        """Fill the start-to-ready figures; ``disrupted``: pids the run killed or stopped."""
+        self.ready_seconds = sorted(starts.ready.values())
+        self.workers_started, self.workers_ready = len(starts.started), len(starts.ready)
+        self.workers_never_ready = len(starts.never_ready)
+        self.workers_never_ready_disrupted = len(set(starts.never_ready) & disrupted)
+        if self.ready_seconds:
+            self.ready_median_seconds = statistics.median(self.ready_seconds)
+            self.ready_max_seconds = self.ready_seconds[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, the derived figures and the verdict."""
+        return {
+            **asdict(self),
+            "duplicates_per_kill": round(self.duplicates_per_kill, 3),
+            "passed": self.passed,
+        }
+
+    def table(self) -> str:
+        """A readable summary."""
+        rows = [
+            ("events committed", self.committed),
+            ("events delivered", self.delivered),
+            ("lost", self.lost),
+            ("duplicated (messages)", self.duplicated),
+            ("  not in flight at a disruption", self.duplicates_not_in_flight),
+            ("  per worker kill", f"{self.duplicates_per_kill:.2f}"),
+            ("  after a graceful stop", self.duplicates_after_graceful_stop),
+            ("per-stream order violations", self.order_violations),
+            ("commit-to-publish delay p50 (s)", f"{self.p50_delay_seconds:.3f}"),
+            ("commit-to-publish delay p99 (s)", f"{self.p99_delay_seconds:.3f}"),
+            ("commit-to-publish delay max (s)", f"{self.max_delay_seconds:.3f}"),
+            ("longest stall (s)", self._stall()),
+            ("worker kills (SIGKILL)", self.worker_kills),
+            ("graceful stops (SIGTERM)", self.graceful_stops),
+            (f"broker restarts ({self.broker_stop})", self.broker_restarts),
+            ("database restarts", self.database_restarts),
+            ("producer retries (unknown commit)", self.producer_retries),
+            ("workers started / ready", f"{self.workers_started} / {self.workers_ready}"),
+            ("  never ready (killed first)", self._never_ready()),
+            ("  start-to-ready median (s)", f"{self.ready_median_seconds:.3f}"),
+            ("  start-to-ready max (s)", f"{self.ready_max_seconds:.3f}"),
+            ("run time (s)", f"{self.seconds:.1f}"),
+        ]
+        if self.inbox:
+            rows += [
+                ("inbox consumer: deliveries", self.consumer_deliveries),
+                ("  duplicate deliveries", self.duplicate_deliveries),
+                ("  events with an effect", self.effects),
+                ("  duplicate effects", self.duplicate_effects),
+            ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"chaos ({self.size}, {self.streams} streams, {self.database}, seed {self.seed})"]
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines.append("  PASSED" if self.passed else "  FAILED")
+        return "\n".join(lines)
+
+    def _stall(self) -> str:
+        start, seconds = self.longest_stall_from_seconds, self.longest_stall_seconds
+        text = f"{seconds:.3f} from {start:.1f} s"
+        near = disruptions_near(self.disruptions, start, start + seconds)
+        if near:
+            text += ": " + ", ".join(f"{what} at {at:.1f}" for at, what in near)
+        return text
+
+    def _never_ready(self) -> str:
+        return f"{self.workers_never_ready} ({self.workers_never_ready_disrupted})"
