@@ -15,8 +15,17 @@ hits both alike. Per start, in ms after exec:
   own two lines (import ``main``, call it) with a clock read between them, written to a file;
   the router's code is unchanged;
 - workers forked (``--workers 2``): when the last worker process was forked, from /proc;
+- claiming: when the first processor started (its ``processor.started`` log line, logged as
+  its loop begins, just before its first claim);
+- worker ready (``--workers 2``): each worker's own start to ready (it has started its
+  processors), from the parent's ``worker.ready`` lines: workers are forked from the pool's
+  pre-imported fork server, so this is the time a restarted worker needs too;
 - first / all: when JetStream stored the first and the last of the events (the server's
   timestamps on the stored messages, same machine, same wall clock).
+
+The router runs as pip installs it: with its modules' bytecode compiled (the bench compiles
+the tree first; a checkout run with ``PYTHONDONTWRITEBYTECODE=1`` would compile every module
+at every start, a cost users do not pay).
 
 Figures are the median and the min-max of the rounds. Then what importing costs: the wall
 time of ``python -c "import router.ops.cli"`` against ``python -c pass`` and against the same
@@ -30,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -39,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +72,7 @@ from bench._common import (
 )
 from router import Outbox
 from router.config import RouterConfig
+from router.ops.forkserver import worker_pids
 
 # The body of the `router` console script, with a clock read once the CLI is imported.
 WRAPPER = """import sys, time
@@ -71,6 +84,7 @@ sys.exit(main(sys.argv[2:]))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PER_ORDER = 4
 CASES = (1, 2)
+STARTS = ("imported", "workers_forked", "claiming", "worker_ready", "first", "all", "proc_start")
 
 
 def startup_config(database_url: str, stream: Stream) -> dict[str, Any]:
@@ -114,17 +128,6 @@ def started_at(pid: int) -> float:
     return booted + ticks / CLK_TCK
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (scanning /proc: no /proc/<pid>/task/*/children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-    return found
-
-
 class StartedRouter:
     """``router serve`` in its own process group; the whole group is killed on exit."""
 
@@ -132,7 +135,7 @@ class StartedRouter:
         self.folder = Path(tempfile.mkdtemp(prefix="router-startup-"))
         (self.folder / "config.yaml").write_text(yaml.safe_dump(config))
         self.log = (self.folder / "router.log").open("w")
-        argv = ["--log-level", "warning", "serve", "--workers", str(workers)]
+        argv = ["--log-level", "info", "--log-format", "json", "serve", "--workers", str(workers)]
         self.exec_at = time.time()
         self.process = subprocess.Popen(
             [sys.executable, "-c", WRAPPER, str(self.folder / "imported"), *argv],
@@ -145,6 +148,13 @@ class StartedRouter:
     def imported_at(self) -> float:
         """When the CLI module had finished importing."""
         return float((self.folder / "imported").read_text())
+
+    def log_events(self, name: str) -> list[dict[str, Any]]:
+        """The router's JSON log lines of one event."""
+        self.log.flush()
+        lines = (self.folder / "router.log").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.startswith("{")]
+        return [r for r in records if r.get("event") == name]
 
     def log_tail(self) -> str:
         """The end of the router's output, for an error message."""
@@ -191,9 +201,11 @@ async def one_start(workers: int, events: int) -> dict[str, float | None]:
         await stage(url, config, events)
         with StartedRouter(config, workers) as router:
             first, last = await await_stream(router, stream, events)
-            forked = [started_at(pid) for pid in children(router.process.pid)]
+            forked = [started_at(pid) for pid in worker_pids(router.process.pid)]
             proc_start = started_at(router.process.pid)
             imported = router.imported_at()
+            claiming = min(_at(r) for r in router.log_events("processor.started"))
+            ready = [r["seconds"] * 1000 for r in router.log_events("worker.ready")]
 
     def ms(moment: float) -> float:
         return round((moment - router.exec_at) * 1000, 1)
@@ -201,10 +213,16 @@ async def one_start(workers: int, events: int) -> dict[str, float | None]:
     return {
         "imported": ms(imported),
         "workers_forked": ms(max(forked)) if workers > 1 and forked else None,
+        "claiming": ms(claiming),
+        "worker_ready": round(max(ready), 1) if ready else None,
         "first": ms(first),
         "all": ms(last),
         "proc_start": ms(proc_start),
     }
+
+
+def _at(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(record["time"]).timestamp()
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
@@ -243,7 +261,7 @@ async def measure_starts(rounds: int, events: int) -> dict[str, Any]:
             key: spread([v for s in starts if (v := s[key]) is not None])
             if any(s[key] is not None for s in starts)
             else None
-            for key in ("imported", "workers_forked", "first", "all", "proc_start")
+            for key in STARTS
         }
     return figures
 
@@ -327,15 +345,24 @@ def print_tables(rounds: int, events: int, starts: dict[str, Any], imports: dict
     print_table(
         f"startup: router serve, {events} pending events, NATS-only, file stream; "
         f"ms after exec, median (min-max) of {rounds}",
-        ["case", "imported", "workers forked", "first publish", f"all {events}"],
+        [
+            "case",
+            "imported",
+            "workers forked",
+            "claiming",
+            "worker ready*",
+            "first publish",
+            f"all {events}",
+        ],
         [
             (
                 f"--workers {name.split()[1]}",
-                *(cell(f[k]) for k in ("imported", "workers_forked", "first", "all")),
+                *(cell(f[k]) for k in STARTS[:-1]),
             )
             for name, f in starts.items()
         ],
     )
+    print("* the slowest worker, ms from its own start (fork) to ready, not after exec")
     print_table(
         f"import: fresh processes, wall ms, median (min-max) of {rounds}",
         ["python -c", "wall ms"],
@@ -363,6 +390,9 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--events", type=int, default=100)
     args = parser.parse_args()
+    # As pip installs it: bytecode compiled, so no start compiles a module (see the top).
+    for package in ("router", "brokers", "envelopes"):
+        compileall.compile_dir(ROOT / package, quiet=1)
     load_before = os.getloadavg()
     imports = measure_imports(args.rounds)
     starts = await measure_starts(args.rounds, args.events)

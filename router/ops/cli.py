@@ -33,15 +33,12 @@ from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
 from router.config import RouterConfig
-from router.ops import contract, operations
 from router.ops._logs import setup_logging
-from router.ops._tables import table
-from router.ops.check import run_checks
-from router.ops.migrate import upgrade
-from router.ops.preview import preview, preview_block, side_by_side_table
-from router.ops.supervisor import Supervisor, with_pid
-from router.ops.workers import WorkerPool
 from router.write.catalog import check_partners, load_catalog
+
+# Each command imports what it uses when it runs (alembic for init-db, SQLAlchemy for the
+# operator commands, the contract tools...): `router serve` must be delivering within half a
+# second of its start, and most of that budget would go on imports of the other commands.
 
 __all__ = ["main"]
 
@@ -55,6 +52,9 @@ _OPENS_BROKERS = frozenset({"serve", "check"})
 # Commands that import the config's events: modules and check what the config says of them
 # (payload projections, pinned versions) before anything starts.
 _READS_EVENTS = frozenset({"serve", "check", "preview", "contract"})
+# router.ops.contract's LOCK_FILE, for --help without importing the contract tools
+# (tests/unit/test_lazy_imports.py keeps the two equal).
+LOCK_FILE = "contracts.lock.json"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,6 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     redactor = Redactor(secrets_of(config))
     setup_logging(args.log_level, args.log_format, redactor)
+    if args.command == "serve" and args.workers > 1 and not args.child:
+        # Made before the event loop runs: the pool forks its workers from a copy of this
+        # process as it is now (router.ops.forkserver).
+        from router.ops.workers import WorkerPool
+
+        args.pool = WorkerPool(config, args.workers, _child_args(args))
     command = {
         "serve": _serve,
         "init-db": _init_db,
@@ -250,7 +256,7 @@ def _contract_parser(commands: Any) -> None:
         metavar="FILE",
         help="write to FILE (YAML if it ends in .yaml or .yml; default: JSON on stdout)",
     )
-    lock_file = f"the lock file (default: {contract.LOCK_FILE} next to the config)"
+    lock_file = f"the lock file (default: {LOCK_FILE} next to the config)"
     lock = actions.add_parser("lock", help="write the contract to the lock file, to commit")
     lock.add_argument("--file", metavar="FILE", help=lock_file)
     verify = actions.add_parser(
@@ -265,22 +271,15 @@ def _contract_parser(commands: Any) -> None:
 
 
 async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.supervisor import Supervisor, with_pid
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, stop, signum)
-    if args.workers > 1 and not args.child:
-        child = [
-            "-c",
-            args.config,
-            "--log-level",
-            args.log_level,
-            "--log-format",
-            args.log_format,
-            "serve",
-            "--child",
-        ]
-        await WorkerPool(config, args.workers, child).run(stop)
+    pool = getattr(args, "pool", None)
+    if pool is not None:
+        await pool.run(stop)
         return EXIT_OK
     # A child of a worker pool leaves embedded brokers and HTTP to its parent.
     supervisor = Supervisor(
@@ -292,6 +291,20 @@ async def _serve(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     )
     await supervisor.run(stop)
     return EXIT_OK
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The command line of a pool's worker (``--worker-id`` is added per worker)."""
+    return [
+        "-c",
+        args.config,
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        "serve",
+        "--child",
+    ]
 
 
 def _positive(text: str) -> int:
@@ -307,6 +320,8 @@ def _on_signal(stop: asyncio.Event, signum: int) -> None:
 
 
 async def _init_db(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.migrate import upgrade
+
     names = args.database or list(config.databases)
     unknown = sorted(set(names) - set(config.databases))
     if unknown:
@@ -331,6 +346,8 @@ async def _init_db(config: RouterConfig, args: argparse.Namespace, redactor: Red
 
 
 async def _check(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.check import run_checks
+
     print(
         f"config    {args.config}: ok ({len(config.databases)} database(s), "
         f"{len(config.brokers)} broker(s))"
@@ -364,6 +381,9 @@ def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
 
 
 async def _status(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+    from router.ops._tables import table
+
     rows = await operations.status(config, args.database)
     human = table(
         [
@@ -415,6 +435,8 @@ def _age(seconds: float | None) -> str:
 
 
 async def _requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
     statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
     counts = await operations.requeue(
         config,
@@ -435,6 +457,9 @@ async def _requeue(config: RouterConfig, args: argparse.Namespace, redactor: Red
 
 
 async def _trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+    from router.ops._tables import table
+
     rows = await operations.trace(config, args.message_id)
     if not rows and not args.json:
         print(f"no outbox row has message id {args.message_id}")
@@ -471,6 +496,8 @@ async def _trace(config: RouterConfig, args: argparse.Namespace, redactor: Redac
 
 
 async def _pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
     paused = args.command == "pause"
     by = f"{getpass.getuser()}@{socket.gethostname()}"
     databases = await operations.set_paused(
@@ -486,6 +513,8 @@ async def _pause(config: RouterConfig, args: argparse.Namespace, redactor: Redac
 
 
 async def _cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
     done = await operations.cleanup(config, args.database)
     retention = config.outbox.retention
     human = "\n".join(
@@ -514,6 +543,8 @@ async def _cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Red
 
 
 async def _preview(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.preview import preview, preview_block, side_by_side_table
+
     try:
         previews = preview(
             config,
@@ -537,6 +568,8 @@ async def _preview(config: RouterConfig, args: argparse.Namespace, redactor: Red
 
 
 async def _contract(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import contract
+
     path = Path(args.file) if getattr(args, "file", None) else config.base_dir / contract.LOCK_FILE
     try:
         catalog = load_catalog(config.events, config.base_dir)

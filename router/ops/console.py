@@ -21,14 +21,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from envelopes import RouterError
 from router.config import RouterConfig
-from router.ops.operations import TargetStatus, status
 from router.relay.metrics import BacklogCollector, counter_totals
+
+if TYPE_CHECKING:
+    # The operator queries run on SQLAlchemy, imported at the first request that reads the
+    # backlog: the server itself is up before the processors start, so it must cost little.
+    from router.ops.operations import TargetStatus
 
 __all__ = ["HttpServer", "Response", "StatusService", "json_response"]
 
@@ -199,6 +203,8 @@ class StatusService:
         """The backlog, read at most once per ``max_age`` however many clients poll."""
         async with self._lock:
             if time.monotonic() - self._read_at >= self.max_age:
+                from router.ops.operations import status
+
                 try:
                     self.backlog.rows = await status(self.config, published=False)
                     self._error = None

@@ -17,20 +17,23 @@ import random
 import socket
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from brokers import Broker, BrokerSettings, create_broker
 from envelopes import DatabaseError, RouterError, SchemaError
 from router._local import database_key, register
 from router.config import RouterConfig
 from router.ops._embedded import embedded_brokers
-from router.ops.console import HttpServer, StatusService
-from router.ops.operations import cleanup
 from router.relay.metrics import Metrics
 from router.relay.processor import Processor
 from router.relay.store import OutboxStore, open_store
 from router.write.catalog import check_partners, load_catalog
 from router.write.pinning import Pinning
+
+if TYPE_CHECKING:
+    # The console and the operator queries (SQLAlchemy) are imported when they start, after
+    # the processors: a third of a second a worker would otherwise spend before its first claim.
+    from router.ops.console import HttpServer
 
 __all__ = [
     "BrokerFactory",
@@ -161,6 +164,8 @@ class Supervisor:
             key = database_key(self.config.databases[name], self.config.base_dir)
             self._exit_stack.callback(register(key, functools.partial(self._announced, name)))
         if self.config.http.enabled and self._serve_http:
+            from router.ops.console import StatusService
+
             service = StatusService(self.config, self.metrics.registry, self._health)
             self.http = service.server()
             await self.http.start()
@@ -283,6 +288,8 @@ async def cleanup_loop(config: RouterConfig) -> None:
     while True:
         # Spread routers that started together, so they do not all clean at once.
         await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+        from router.ops.operations import cleanup  # SQLAlchemy: not before the first claim
+
         try:
             for done in await cleanup(config):
                 if done.published or done.abandoned:

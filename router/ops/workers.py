@@ -29,20 +29,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import importlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from router.config import RouterConfig
 from router.ops._embedded import embedded_brokers
 from router.ops.console import StatusService
+from router.ops.forkserver import Forkserver, die_with_parent
 from router.ops.supervisor import (
     PID,
     READY_FD,
@@ -58,15 +60,25 @@ __all__ = ["WorkerPool"]
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _BACKOFF_MIN, _BACKOFF_MAX = 0.25, 2.0  # between starts of a worker that never became ready
 _RELEASE_TIMEOUT = 10.0
 _READY_AFTER_EXIT = 1.0  # how long a dead worker's pipe may still take to say what it wrote
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+class _Process(Protocol):
+    """A worker's process: spawned (``asyncio.subprocess.Process``) or forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -75,7 +87,7 @@ class Worker:
 
     index: int
     id: str = ""
-    process: asyncio.subprocess.Process | None = None
+    process: _Process | None = None
     started_at: float = 0.0
     ready: bool = False
     readiness: asyncio.Task[bool] | None = None
@@ -99,10 +111,20 @@ class Worker:
 class WorkerPool:
     """Runs and supervises ``count`` worker processes."""
 
-    def __init__(self, config: RouterConfig, count: int, child_args: Sequence[str]) -> None:
+    def __init__(
+        self, config: RouterConfig, count: int, child_args: Sequence[str], *, fork: bool = True
+    ) -> None:
+        """Make the pool before any event loop runs: with ``fork``, its fork server is a copy
+        of this process as it is now (``router.ops.forkserver``)."""
         self.config = config
         self.workers = [Worker(i) for i in range(count)]
         self._child_args = list(child_args)
+        # Workers write their counters here and the parent adds them up for /metrics. Set
+        # before the fork server imports prometheus_client, which reads it on import.
+        self._metrics_dir = tempfile.mkdtemp(prefix="router-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
+        self._forkserver = Forkserver.start(lambda: _preload(config)) if fork else None
+        self._closing: asyncio.Task[None] | None = None
         self._stores: dict[str, OutboxStore] = {}
         self._stopping = False
         self._stopped = asyncio.Event()
@@ -117,14 +139,13 @@ class WorkerPool:
                 for name, database in self.config.databases.items()
             }
             stack.push_async_callback(self._close_stores)
+            stack.callback(shutil.rmtree, self._metrics_dir, ignore_errors=True)
+            stack.push_async_callback(self._close_forkserver)
             await check_schemas(self._stores)
             await stack.enter_async_context(embedded_brokers(self.config))
-            metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="router-metrics-"))
-            # Workers write their counters here; the parent adds them up for /metrics.
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
             if self.config.http.enabled:
                 service = StatusService(
-                    self.config, multiprocess_registry(metrics_dir), self._health
+                    self.config, multiprocess_registry(self._metrics_dir), self._health
                 )
                 http = service.server()
                 await http.start()
@@ -156,22 +177,10 @@ class WorkerPool:
     async def _spawn(self, worker: Worker) -> None:
         read_fd, write_fd = os.pipe()  # both ends close on exec; pass_fds hands one over
         worker_id = new_worker_id(worker.index, pid=PID)
+        argv = [*self._child_args, "--worker-id", worker_id]
+        env = {"ROUTER_WORKER_INDEX": str(worker.index)}
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "router",
-                *self._child_args,
-                "--worker-id",
-                worker_id,
-                env={
-                    **os.environ,
-                    "ROUTER_WORKER_INDEX": str(worker.index),
-                    READY_FD: str(write_fd),
-                },
-                pass_fds=(write_fd,),
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
+            process = await self._start(argv, env, write_fd)
         except BaseException:
             os.close(read_fd)
             raise
@@ -191,9 +200,27 @@ class WorkerPool:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
 
-    async def _await_ready(
-        self, worker: Worker, process: asyncio.subprocess.Process, read_fd: int
-    ) -> bool:
+    async def _start(self, argv: list[str], env: dict[str, str], ready_fd: int) -> _Process:
+        """Fork the worker from the fork server; spawn ``python -m router`` without one."""
+        if self._forkserver is not None:
+            try:
+                return await self._forkserver.spawn(argv, env, ready_fd)
+            except (OSError, TimeoutError) as exc:
+                log.warning("forkserver.failed", extra={"error": str(exc) or "no answer"})
+                # From now on every worker is spawned; the server is closed and reaped.
+                forkserver, self._forkserver = self._forkserver, None
+                self._closing = asyncio.create_task(forkserver.close())
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "router",
+            *argv,
+            env={**os.environ, **env, READY_FD: str(ready_fd)},
+            pass_fds=(ready_fd,),
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+        )
+
+    async def _await_ready(self, worker: Worker, process: _Process, read_fd: int) -> bool:
         """True once the worker wrote ``ready``; False at end of file (it died before)."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
@@ -322,6 +349,12 @@ class WorkerPool:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
 
+    async def _close_forkserver(self) -> None:
+        if self._forkserver is not None:
+            await self._forkserver.close()
+        if self._closing is not None:
+            await self._closing
+
     async def _close_stores(self) -> None:
         for store in self._stores.values():
             await store.close()
@@ -339,6 +372,20 @@ class WorkerPool:
             for w in self.workers
         ]
         return {"workers": workers, "all_running": all(w["running"] for w in workers)}
+
+
+def _preload(config: RouterConfig) -> None:
+    """In the fork server: import what a worker of ``config`` imports before its first claim
+    (its database's store, its brokers' adapters and client libraries)."""
+    importlib.import_module("router.ops.supervisor")
+    stores = {"sqlite": "router.relay.store.sqlite", "mysql": "router.relay.store.mysql"}
+    modules = {
+        stores.get(db.kind, "router.relay.store.postgres") for db in config.databases.values()
+    }
+    modules |= {b.adapter.partition(":")[0] for b in config.brokers.values() if b.adapter}
+    for module in sorted(modules):
+        with contextlib.suppress(ImportError):  # the worker reports it, with the extra to install
+            importlib.import_module(module)
 
 
 async def _outcome(readiness: asyncio.Task[bool]) -> bool:

@@ -19,6 +19,7 @@ import asyncpg
 import yaml
 
 from router import Outbox
+from router.ops.forkserver import FORKSERVER_NAME, worker_pids
 from tests.chaos.proxy import DelayingProxy
 from tests.conftest import NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving
@@ -27,18 +28,10 @@ from tests.integration.events import OrderPlaced
 STREAMS = 50
 POOL_ENV = {"ROUTER_WORKERS": "2", "ROUTER_LOG_FORMAT": "json", "ROUTER_LOG_LEVEL": "info"}
 
+
 # Imported by every process of the pool; it fails in worker 1 while the file "broken" lies
 # next to it: a worker whose environment is broken (ROUTER_WORKER_INDEX is set for workers
 # only, so the parent, which imports the events modules first, is not affected).
-STARTUP_GUARD = """
-import os
-from pathlib import Path
-
-if os.environ.get("ROUTER_WORKER_INDEX") == "1" and Path(__file__).with_name("broken").exists():
-    raise RuntimeError("this worker's environment is broken")
-"""
-
-
 def write_config(folder: Path, url: str, brokers: dict[str, Any], **extra: Any) -> None:
     config = {
         "service": "shop",
@@ -79,12 +72,9 @@ def at(record: dict[str, Any]) -> float:
     return datetime.fromisoformat(record["time"]).timestamp()
 
 
-def worker_pids(parent: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{parent}/task/{parent}/children").read_text()
-    except OSError:
-        return []
-    return [int(pid) for pid in text.split()]
+def proc(path: str) -> str:
+    """A file of /proc, stripped."""
+    return Path("/proc", path).read_text().strip()
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str, serving: Serving) -> None:
@@ -184,14 +174,21 @@ async def test_a_worker_that_cannot_start_is_retried_with_a_capped_back_off(
 ) -> None:
     target = nats_streams.stream("int")
     brokers = {"events": nats_broker(target, internal=True)}
-    (tmp_path / "startup_guard.py").write_text(STARTUP_GUARD)
-    broken = tmp_path / "broken"
-    broken.touch()
-    write_config(tmp_path, pg_url, brokers, events=["startup_guard"])
+    write_config(tmp_path, pg_url, brokers)
+    config = tmp_path / "config.yaml"
+    good = config.read_text()
     serving = Serving(tmp_path, POOL_ENV)
     try:
         await until(
-            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 2,
+            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
+        )
+        # A worker reads the config as it starts: one restarted after the file broke cannot
+        # start (a broken deploy), while the other runs on.
+        config.write_text(good.replace("databases:", "databases: [", 1))
+        (first,) = log_events(serving, "worker.ready", worker=1)
+        os.kill(first["pid"], signal.SIGKILL)
+        await until(
+            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 3,
             15,
             "worker 1 failed twice",
             serving,
@@ -202,13 +199,14 @@ async def test_a_worker_that_cannot_start_is_retried_with_a_capped_back_off(
         assert_in_order(arrived, 100)
         assert not log_events(serving, "worker.reaped", worker=0)
         await until(
-            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 6,
+            lambda: len(log_events(serving, "worker.reaped", worker=1)) >= 7,
             30,
             "worker 1 failed six times",
             serving,
         )
-        failed = log_events(serving, "worker.reaped", worker=1)
-        starts = log_events(serving, "worker.started", worker=1)
+        killed, *failed = log_events(serving, "worker.reaped", worker=1)
+        starts = log_events(serving, "worker.started", worker=1)[1:]
+        assert (killed["signal"], killed["ready"], killed["restart_in"]) == ("SIGKILL", True, 0.0)
         assert [r["restart_in"] for r in failed[:6]] == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0]
         assert all(r["code"] == 2 and not r["ready"] for r in failed)
         # As the parent logged them: each start came its back-off after the failure before.
@@ -220,14 +218,14 @@ async def test_a_worker_that_cannot_start_is_retried_with_a_capped_back_off(
 
         # Mended: the next attempt becomes ready, and the back-off is over: when it dies
         # now, it is replaced at once.
-        broken.unlink()
+        config.write_text(good)
         await until(
-            lambda: bool(log_events(serving, "worker.ready", worker=1)),
+            lambda: len(log_events(serving, "worker.ready", worker=1)) == 2,
             10,
             "worker 1 ready",
             serving,
         )
-        (ready,) = log_events(serving, "worker.ready", worker=1)
+        ready = log_events(serving, "worker.ready", worker=1)[-1]
         os.kill(ready["pid"], signal.SIGKILL)
         await until(
             lambda: bool(log_events(serving, "worker.reaped", pid=ready["pid"])),
@@ -285,3 +283,39 @@ async def test_a_worker_that_dies_after_it_was_ready_is_replaced_at_once(
     (reaped,) = log_events(serving, "worker.reaped", pid=victim)
     assert (reaped["signal"], reaped["ready"], reaped["restart_in"]) == ("SIGKILL", True, 0.0)
     assert reaped["released"] == {"main": 0}
+
+
+async def test_workers_are_forked_children_of_the_pool_and_spawned_when_the_fork_server_is_gone(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    target = nats_streams.stream("int")
+    brokers = {"events": nats_broker(target, internal=True)}
+    write_config(tmp_path, pg_url, brokers)
+    serving = Serving(tmp_path, POOL_ENV)
+    try:
+        await until(
+            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
+        )
+        parent = serving.process.pid
+        children = proc(f"{parent}/task/{parent}/children").split()
+        names = {int(c): proc(f"{c}/comm") for c in children}
+        # The workers are the parent's own children (re-parented from the fork server), named
+        # as it is; the fork server is its child too, and the only one named so.
+        (forkserver,) = [pid for pid, name in names.items() if name == FORKSERVER_NAME]
+        workers = worker_pids(parent)
+        assert sorted(workers) == sorted(p for p in names if p != forkserver)
+        assert {r["pid"] for r in log_events(serving, "worker.ready")} == set(workers)
+        assert {names[w] for w in workers} == {proc(f"{parent}/comm")}
+
+        # Without its fork server the pool spawns `python -m router` instead, and goes on.
+        os.kill(forkserver, signal.SIGKILL)
+        os.kill(workers[0], signal.SIGKILL)
+        await until(
+            lambda: len(log_events(serving, "worker.ready")) == 3, 20, "a spawned worker", serving
+        )
+        assert log_events(serving, "forkserver.failed")
+        await stage(pg_url, brokers, 0, 40)
+        assert_in_order(await nats_streams.messages(target[0], 40), 40)
+    finally:
+        code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
+    assert code == 0, serving.log.read_text()

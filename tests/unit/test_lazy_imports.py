@@ -29,10 +29,11 @@ brokers:
 """
 
 
-def _loaded_after(code: str) -> list[str]:
+def _loaded_after(code: str, packages: tuple[str, ...] = SDKS) -> list[str]:
+    """Which of ``packages`` a fresh interpreter has imported after running ``code``."""
     probe = (
         f"{code}\nimport json, sys\n"
-        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({SDKS!r}))))"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({packages!r}))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
@@ -105,3 +106,29 @@ def test_opening_a_broker_without_its_client_names_the_extra(
     settings = parse_config(CONFIG).brokers["analytics"]
     with pytest.raises(MissingClient, match=r"pip install 'outbox-router\[kafka\]'"):
         create_broker("analytics", settings)
+
+
+def test_a_worker_imports_nothing_of_the_write_path_or_the_other_commands() -> None:
+    # What `router serve` imports before its first claim: SQLAlchemy (the write path and
+    # the operator commands) and alembic (init-db) would cost it a third of a second.
+    code = (
+        "import router, router.ops.cli, router.ops.supervisor, router.ops.workers, "
+        "router.relay.store.postgres, router.relay.store.sqlite"
+    )
+    assert _loaded_after(code, ("sqlalchemy", "alembic", "jsonschema")) == []
+
+
+def test_the_package_exports_every_name_on_first_use() -> None:
+    import router
+
+    for name in router.__all__:
+        assert getattr(router, name) is not None, name
+    assert set(dir(router)) == set(router.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        router.Nope  # noqa: B018
+
+
+def test_the_help_names_the_contract_lock_file() -> None:
+    from router.ops import cli, contract
+
+    assert cli.LOCK_FILE == contract.LOCK_FILE
