@@ -64,6 +64,7 @@ import yaml
 
 from brokers.nats import EmbeddedNats
 from router import Event, Outbox, load_config
+from router.ops.forkserver import worker_pids
 from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_database
 from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.ledger import Ledger, check_stream
@@ -73,7 +74,9 @@ from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM, SUBJECT = "CHAOS", "chaos"
-LEASE_SECONDS = 10  # longer than the broker's connect_timeout + publish_timeout + 1 (8 s)
+# How long a dead worker's rows wait when no parent gives them back (a database crash that
+# lost the release): a batch still being published has its lease extended past this.
+LEASE_SECONDS = 10
 
 
 class Tick(Event, type="chaos.tick"):
@@ -279,11 +282,7 @@ class Chaos:
 
     def _worker_pids(self) -> list[int]:
         assert self.router is not None
-        try:
-            text = Path(f"/proc/{self.router.pid}/task/{self.router.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(pid) for pid in text.split()]
+        return worker_pids(self.router.pid)  # not its fork server, which is a child too
 
     async def _create_stream(self) -> None:
         """Create the stream as the router would, so the consumer can attach first."""
