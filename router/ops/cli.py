@@ -20,6 +20,7 @@ import getpass
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -72,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     redactor = Redactor(secrets_of(config))
     setup_logging(args.log_level, args.log_format, redactor)
+    if args.command == "serve" and args.instance:
+        from router.ops.supervisor import INSTANCE
+
+        os.environ[INSTANCE] = args.instance  # for this process and the workers it starts
     if args.command == "serve" and args.workers > 1 and not args.child:
         # Made before the event loop runs: the pool forks its workers from a copy of this
         # process as it is now (router.ops.forkserver).
@@ -147,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive,
         default=int(os.environ.get("ROUTER_WORKERS", "1")),
         help="worker processes (default 1; $ROUTER_WORKERS)",
+    )
+    serve.add_argument(
+        "--instance",
+        type=_instance,
+        help="this router's name in worker ids and lease holders, as `router status` and "
+        "`router trace` show them (default: $ROUTER_INSTANCE or the host name)",
     )
     serve.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     # A pool worker's id, picked by its parent (which frees the worker's leases by it).
@@ -305,6 +316,14 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         "serve",
         "--child",
     ]
+
+
+def _instance(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", text):
+        raise argparse.ArgumentTypeError(
+            "up to 63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return text
 
 
 def _positive(text: str) -> int:

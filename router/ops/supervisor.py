@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from router.ops.console import HttpServer
 
 __all__ = [
+    "INSTANCE",
     "BrokerFactory",
     "Supervisor",
     "check_config_schemas",
@@ -59,12 +60,19 @@ READY_FD = "ROUTER_READY_FD"
 """The environment variable naming the pipe a pool worker reports ready on."""
 
 
+INSTANCE = "ROUTER_INSTANCE"
+"""The environment variable naming this router in its worker ids (``serve --instance``)."""
+
+
 def new_worker_id(slot: int | None = None, *, pid: int | str | None = None) -> str:
     """``host:pid:random``, unique per running router process; ``host:wN:pid:random`` for
-    slot N of a worker pool, whose parent picks it (with ``pid=PID``) and hands it over."""
+    slot N of a worker pool, whose parent picks it (with ``pid=PID``) and hands it over.
+    ``host`` is ``$ROUTER_INSTANCE`` when set (several routers on one host, or containers
+    whose host names say nothing), else the host name."""
     prefix = f"w{slot}:" if slot is not None else ""
     process = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{prefix}{process}:{uuid.uuid4().hex[:6]}"
+    instance = os.environ.get(INSTANCE) or socket.gethostname()
+    return f"{instance}:{prefix}{process}:{uuid.uuid4().hex[:6]}"
 
 
 def with_pid(worker_id: str, pid: int) -> str:
