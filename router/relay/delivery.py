@@ -47,9 +47,11 @@ class Delivery:
         labels: dict[str, str],
         metrics: Metrics | None = None,
         transform: Callable[[str], str] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         """``transform`` rewrites each stored envelope before it is rendered (a pinned
-        partner's downcasts); when it raises, that row fails and retries alone."""
+        partner's downcasts); when it raises, that row fails and retries alone. Once
+        ``stopping()`` is true, no further wave starts (a graceful stop)."""
         self.target = target
         self.settings = settings
         self.broker = broker
@@ -60,6 +62,7 @@ class Delivery:
         self._log = labels
         self._metrics = metrics
         self._transform = transform
+        self._stopping = stopping
 
     async def deliver(
         self, rows: Sequence[ClaimedRow], keep_lease: KeepLease | None = None
@@ -73,11 +76,18 @@ class Delivery:
         Before each wave, ``keep_lease`` is asked for time enough to publish it and mark the
         batch. When the lease cannot be kept, no further wave is sent (another worker may
         hold its rows, and would send them too): the rest of the batch stays untried.
+
+        When the processor is stopping, the wave being published is finished and no other
+        starts: the rest stays untried, and is given back with the marks at once rather than
+        held until the grace period ends (and sent again by whoever claims it next).
         """
         marks = Marks()
         held: set[str] = set()
         split = waves(rows)
         for n, wave in enumerate(split):
+            if self._stopping():
+                marks.untried.extend(row.seq for rest in split[n:] for row in rest)
+                break
             # publish_limit bounds the wave's publish; the second is for rendering and marking.
             if keep_lease is not None and not await keep_lease(self.settings.publish_limit + 1):
                 marks.untried.extend(row.seq for rest in split[n:] for row in rest)

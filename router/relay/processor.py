@@ -85,6 +85,7 @@ class Processor:
             labels=self._log,
             metrics=metrics,
             transform=transform,
+            stopping=lambda: self._stopping,
         )
         self._recorded_circuit = "closed"
         self._wake = asyncio.Event()

@@ -341,3 +341,21 @@ async def test_a_batch_whose_lease_cannot_be_extended_sends_nothing_and_gives_it
         ("pending", 0, None),
         ("pending", 0, None),
     ]
+
+
+async def test_a_graceful_stop_finishes_the_wave_in_flight_and_gives_the_rest_back_at_once(
+    outbox_file: OutboxFile,
+) -> None:
+    await outbox_file.stage(1, 2, 3, stream_key="order-1")  # one stream: three waves
+    processor = outbox_file.processor()
+    # SIGTERM arrives while the first wave is being published.
+    outbox_file.broker.handler = lambda message: processor.stop()
+
+    await asyncio.wait_for(processor.run(), 5)
+
+    assert numbers(outbox_file.broker) == [1]
+    assert [(r["status"], r["attempts"], r["locked_by"]) for r in outbox_file.rows()] == [
+        ("published", 1, None),
+        ("pending", 0, None),
+        ("pending", 0, None),
+    ]
