@@ -47,7 +47,16 @@ def python(
 class Serving:
     """``router serve`` in the background, its log in a file."""
 
-    def __init__(self, cwd: Path, env: dict[str, str] | None = None, *args: str) -> None:
+    def __init__(
+        self,
+        cwd: Path,
+        env: dict[str, str] | None = None,
+        *args: str,
+        new_session: bool = False,
+    ) -> None:
+        """``new_session``: the router and its workers in a process group of their own, as
+        on a host of their own, so ``os.killpg(process.pid, ...)`` reaches them all and never
+        the test."""
         self.log = cwd / "serve.log"
         self._file = self.log.open("w")
         self.process = subprocess.Popen(
@@ -56,6 +65,7 @@ class Serving:
             env={**os.environ, **(env or {})},
             stdout=self._file,
             stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
 
     def wait_for(self, text: str, timeout: float = 20) -> None:
