@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -42,6 +43,8 @@ __all__ = ["Processor", "ProcessorStats"]
 
 log = logging.getLogger(__name__)
 
+# How often an idle processor asks when the next retry or lease end comes, at most (seconds).
+_DUE_RECHECK = 1.0
 # Back-off after a cycle failed (database down, or a bug): from half a second to 30 s.
 _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
 
@@ -92,6 +95,7 @@ class Processor:
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
+        self._due_checked_at = -math.inf
         self._in_flight: dict[int, Claim] = {}  # claims not yet marked, by token
 
     @property
@@ -169,11 +173,15 @@ class Processor:
                 current = (
                     asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
                 )
+                # A claim made while a batch was in flight skips the rows queued behind that
+                # batch in their streams: short, it says nothing about what is left.
+                overlapped = previous is not None
                 if previous is not None:
                     await previous
                 previous, current = current, None
-                full = len(claim) >= self.outbox.batch_size
-                if not full or self._stopping or self.circuit.is_open:
+                if self._stopping or self.circuit.is_open:
+                    break
+                if len(claim) < self.outbox.batch_size and not overlapped:
                     break
             if previous is not None:
                 await previous
@@ -237,19 +245,30 @@ class Processor:
         return None
 
     async def _idle_timeout(self, handled: int) -> float | None:
-        """None to go on at once; otherwise how long to wait for a wake-up."""
+        """None to go on at once; otherwise how long to wait for a wake-up.
+
+        Nothing wakes a processor when a retry falls due or when another worker's lease ends
+        (that worker, or its whole host, may be dead): it asks the store when the next of
+        those comes after its own failures, after a cycle that found nothing to claim (woken
+        with the others by a commit another worker's claim took), and otherwise at most once
+        every ``_DUE_RECHECK`` seconds as it goes idle. So an idle processor takes a dead
+        host's rows over when their lease ends, not a ``poll_interval`` later, and a busy one
+        adds at most one query a second.
+        """
         if handled >= self.outbox.batch_size:
             return None
-        if self._check_due:
-            self._next_due = await self.store.next_due(self.target)
-            self._check_due = self._next_due is not None
-            if self._next_due is not None:
-                self._next_due += asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        recheck = handled == 0 or loop.time() - self._due_checked_at >= _DUE_RECHECK
+        if self._check_due or recheck:
+            due = await self.store.next_due(self.target)
+            self._due_checked_at = loop.time()
+            self._check_due = False
+            self._next_due = None if due is None else self._due_checked_at + due
         timeout = self.outbox.poll_interval
         if self._next_due is not None:
-            remaining = self._next_due - asyncio.get_running_loop().time()
+            remaining = self._next_due - loop.time()
             if remaining <= 0:
-                self._next_due = None
+                self._next_due, self._check_due = None, True
                 return 0.0 if handled else 0.05
             timeout = min(timeout, remaining + 0.005)
         return timeout

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import pytest
 
 from tests.chaos.proxy import DelayingProxy
 from tests.conftest import NatsStreams, nats_broker
@@ -77,15 +76,6 @@ class Takeover:
     took: float | None = None
 
 
-# Strict: once the processor wakes for a lease end, this passes, fails as XPASS, and the mark
-# goes. Measured before: the survivors, idle 3.6 s after the kill, took the rows over 63 s
-# after it, at outbox.poll_interval.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an idle processor looks for the earliest lease end only at its start and after "
-    "failures (Processor._check_due), so it sleeps outbox.poll_interval past a dead host's leases",
-)
 async def test_the_other_hosts_take_a_killed_hosts_rows_over_as_its_leases_end(
     pg_url: str, nats_streams: NatsStreams, tmp_path: Path
 ) -> None:

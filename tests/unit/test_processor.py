@@ -359,3 +359,41 @@ async def test_a_graceful_stop_finishes_the_wave_in_flight_and_gives_the_rest_ba
         ("pending", 0, None),
         ("pending", 0, None),
     ]
+
+
+async def test_a_backlog_on_one_stream_is_drained_without_waiting_for_a_wake_up(
+    open_outbox: OpenOutbox,
+) -> None:
+    # Each claim made while a batch of the stream is in flight comes back empty (its rows
+    # wait behind that batch): that must not read as "nothing left" (poll_interval is 60 s).
+    outbox_file = await open_outbox(batch_size=10)
+    await outbox_file.stage(*range(1, 31), stream_key="order-1")
+    processor = outbox_file.processor()
+    task = asyncio.create_task(processor.run())
+    try:
+        await wait_until(lambda: outbox_file.statuses() == ["published"] * 30, timeout=5)
+    finally:
+        processor.stop()
+        await task
+    assert numbers(outbox_file.broker) == list(range(1, 31))
+
+
+async def test_an_idle_processor_takes_over_a_dead_workers_rows_when_their_lease_ends(
+    outbox_file: OutboxFile,
+) -> None:
+    processor = outbox_file.processor(worker="alive")
+    task = asyncio.create_task(processor.run())
+    try:
+        await outbox_file.stage(1)
+        processor.wake()  # as the commit's notification would
+        await wait_until(lambda: outbox_file.statuses() == ["published"])
+        # The next commit wakes every worker; another one's claim takes the row, and that
+        # worker dies. Nothing wakes the idle processor again (poll_interval is 60 s).
+        await outbox_file.stage(2)
+        await outbox_file.store.claim("events", 10, "dead", lease_seconds=0.5)
+        processor.wake()
+        await wait_until(lambda: outbox_file.statuses() == ["published"] * 2, timeout=3)
+    finally:
+        processor.stop()
+        await task
+    assert numbers(outbox_file.broker) == [1, 2]
