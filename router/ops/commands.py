@@ -1,0 +1,273 @@
+"""The operator commands of ``router``: status, requeue, trace, pause/resume, cleanup,
+preview and contract, each printing a table (or ``--json``) and returning its exit code.
+
+Each imports what it uses when it runs (SQLAlchemy for the database queries, the contract
+tools...): ``router.ops.cli`` imports this module for every command, ``router serve`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from envelopes import ConfigError, StagingError
+from router._secrets import Redactor
+from router.config import RouterConfig
+from router.write.catalog import load_catalog
+
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "cleanup",
+    "contract",
+    "pause",
+    "preview",
+    "requeue",
+    "status",
+    "trace",
+]
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
+    print(json.dumps(document, indent=2, default=str) if args.json else human)
+
+
+async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+    from router.ops._tables import table
+
+    rows = await operations.status(config, args.database)
+    human = table(
+        [
+            "database",
+            "target",
+            "pending",
+            "in flight",
+            "retrying",
+            "abandoned",
+            "published",
+            "oldest due",
+            "retries/min",
+            "circuit",
+            "paused",
+        ],
+        [
+            (
+                r.database,
+                r.target,
+                r.pending,
+                r.in_flight,
+                r.failed,
+                r.abandoned,
+                r.published,
+                _age(r.oldest_claimable_age),
+                r.retries_per_minute,
+                r.circuit,
+                "yes" if r.paused else "no",
+            )
+            for r in rows
+        ],
+        right=2,
+    )
+    errors = [f"  {r.database}/{r.target}: {r.last_error}" for r in rows if r.last_error]
+    if errors:
+        human += "\n\nlatest errors:\n" + "\n".join(errors)
+    _emit(args, {"targets": [r.as_dict() for r in rows]}, redactor(human))
+    return EXIT_OK
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
+    statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
+    counts = await operations.requeue(
+        config,
+        args.database,
+        targets_=args.target,
+        event_types=args.event_type,
+        error=args.error,
+        since=args.since,
+        until=args.until,
+        statuses=statuses,
+        dry_run=args.dry_run,
+    )
+    total = sum(counts.values())
+    verb = "would requeue" if args.dry_run else "requeued"
+    human = "\n".join(f"{db}: {verb} {n} row(s)" for db, n in counts.items())
+    _emit(args, {"dry_run": args.dry_run, "rows": counts, "total": total}, human)
+    return EXIT_OK
+
+
+async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+    from router.ops._tables import table
+
+    rows = await operations.trace(config, args.message_id)
+    if not rows and not args.json:
+        print(f"no outbox row has message id {args.message_id}")
+        return EXIT_FAILED
+    human = table(
+        [
+            "database",
+            "target",
+            "destination",
+            "status",
+            "attempts",
+            "published at",
+            "lease holder",
+            "last error",
+        ],
+        [
+            (
+                r.database,
+                r.target,
+                r.destination,
+                r.status,
+                r.attempts,
+                r.published_at,
+                r.locked_by,
+                r.last_error,
+            )
+            for r in rows
+        ],
+    )
+    _emit(
+        args, {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]}, redactor(human)
+    )
+    return EXIT_OK if rows else EXIT_FAILED
+
+
+async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
+    paused = args.command == "pause"
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    databases = await operations.set_paused(
+        config, args.target, paused=paused, database=args.database, by=by
+    )
+    state = "paused" if paused else "resumed"
+    _emit(
+        args,
+        {"target": args.target, "paused": paused, "databases": databases},
+        f"{args.target}: {state} in {', '.join(databases)}",
+    )
+    return EXIT_OK
+
+
+async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import operations
+
+    done = await operations.cleanup(config, args.database)
+    retention = config.outbox.retention
+    human = "\n".join(
+        f"{d.database}: deleted {d.published} published row(s) older than "
+        f"{_span(retention.published)}, {d.abandoned} abandoned row(s) older than "
+        f"{_span(retention.abandoned)}, {d.inbox} inbox record(s) older than "
+        f"{_span(retention.inbox)}"
+        for d in done
+    )
+    _emit(
+        args,
+        {
+            "databases": [
+                {
+                    "database": d.database,
+                    "published": d.published,
+                    "abandoned": d.abandoned,
+                    "inbox": d.inbox,
+                }
+                for d in done
+            ]
+        },
+        human,
+    )
+    return EXIT_OK
+
+
+async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.preview import preview, preview_block, side_by_side_table
+
+    try:
+        previews = preview(
+            config,
+            load_catalog(config.events, config.base_dir),
+            args.event_type,
+            targets=None if args.all_targets else args.target,
+            database=args.database,
+            version=args.version,
+            payload=args.payload,
+            stream_key=args.stream_key,
+            headers=_pairs(args.header, "--header"),
+            extensions=_pairs(args.extension, "--extension"),
+        )
+    except (ConfigError, StagingError) as exc:
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    side_by_side = args.all_targets or len(previews) > 1
+    human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
+    _emit(args, [p.as_dict() for p in previews], human)
+    return EXIT_OK
+
+
+async def contract(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops import contract
+
+    path = Path(args.file) if getattr(args, "file", None) else config.base_dir / contract.LOCK_FILE
+    try:
+        catalog = load_catalog(config.events, config.base_dir)
+        if args.contract_command == "export":
+            print(contract.export(config, catalog, args.out), end="")
+            return EXIT_OK
+        if args.contract_command == "lock":
+            print(contract.lock(config, catalog, path))
+            return EXIT_OK
+        result = contract.check(config, catalog, path)
+    except ConfigError as exc:
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    if result is None:
+        print(
+            f"router: no contract lock at {contract.shown(path)}; run `router contract lock`",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    _emit(args, result.as_dict(), result.human())
+    return EXIT_FAILED if result.breaking else EXIT_OK
+
+
+def _pairs(items: Sequence[str], option: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"{option} takes NAME=VALUE, got {item!r}")
+        pairs[name] = value
+    return pairs
+
+
+def _span(duration: timedelta) -> str:
+    seconds = duration.total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
