@@ -86,6 +86,7 @@ class Stream:
 
     name: str
     subject: str
+    storage: StorageType = StorageType.MEMORY
 
     @property
     def destination(self) -> str:
@@ -100,7 +101,7 @@ async def fresh_stream(
     """A stream for one measurement (memory-backed unless ``storage`` says otherwise);
     deleted afterwards."""
     tag = uuid.uuid4().hex[:8]
-    stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}")
+    stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}", storage)
     client = await nats.connect(NATS_URL)
     try:
         await client.jetstream().add_stream(
@@ -144,8 +145,12 @@ def _stored_at(message: Any) -> float:
     return stamp.timestamp()
 
 
-def router_config(database_url: str, stream: Stream, **outbox: Any) -> dict[str, Any]:
-    """A config with one database and one internal NATS broker."""
+def router_config(
+    database_url: str, stream: Stream, *, create: bool = False, **outbox: Any
+) -> dict[str, Any]:
+    """A config with one database and one internal NATS broker on the running server, whose
+    stream the router only looks up (with ``create``: checks at start, as users run it),
+    and no HTTP; ``outbox`` settings as given."""
     return {
         "service": "bench",
         "databases": {"main": database_url},
@@ -158,8 +163,8 @@ def router_config(database_url: str, stream: Stream, **outbox: Any) -> dict[str,
                 "stream": {
                     "name": stream.name,
                     "subjects": [stream.subject + ".>"],
-                    "storage": "memory",
-                    "create": False,
+                    "storage": stream.storage.value,
+                    "create": create,
                 },
             }
         },

@@ -41,6 +41,7 @@ from bench._common import (
     fresh_database,
     fresh_stream,
     order,
+    router_config,
     wait_for_count,
 )
 from router import Outbox
@@ -179,34 +180,15 @@ def start(workers: int, url: str, events: int, folder: Path) -> Relay:
     )
 
 
-def drain_config(url: str, stream: Stream, storage: StorageType) -> dict[str, Any]:
-    """One database, one internal NATS broker on the running server whose stream the router
-    checks at start (``create`` on, as users run it), batches of 500, no HTTP."""
-    nats_stream = {"name": stream.name, "subjects": [stream.subject + ".>"]}
-    return {
-        "service": "bench",
-        "databases": {"main": url},
-        "brokers": {
-            "events": {
-                "type": "nats",
-                "internal": True,
-                "url": NATS_URL,
-                "destination": stream.destination,
-                "stream": {**nats_stream, "storage": storage.value},
-            }
-        },
-        "outbox": {"batch_size": BATCH},
-        "http": {"enabled": False},
-    }
-
-
 async def drain(workers: int, storage: StorageType, events: int) -> dict[str, float]:
     """One drain by ``router serve --workers N`` (or the baseline for 0) of a fresh backlog."""
     folder = Path(tempfile.mkdtemp(prefix="drain-"))
     try:
         async with fresh_database("drain") as url, fresh_stream("drain", storage) as stream:
             await stage_backlog(url, stream, events)
-            (folder / "config.yaml").write_text(yaml.safe_dump(drain_config(url, stream, storage)))
+            # The router checks the stream at start (create on, as users run it).
+            config = router_config(url, stream, create=True, batch_size=BATCH)
+            (folder / "config.yaml").write_text(yaml.safe_dump(config))
             database = url.rsplit("/", 1)[1]
             await backends_gone(database)
             cpu_before = postgres_cpu_ticks()

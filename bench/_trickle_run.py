@@ -80,14 +80,12 @@ class Trace:
 
 def trickle_config(url: str, stream: Stream, variant: Variant) -> dict[str, Any]:
     """The router's config: one database, the file stream (checked, not created)."""
-    outbox = (
+    outbox: dict[str, Any] = (
         {}
         if variant.vacuum_after_rows is None
         else {"vacuum_after_rows": variant.vacuum_after_rows}
     )
-    config = router_config(url, stream, **outbox)
-    config["brokers"]["events"]["stream"]["storage"] = StorageType.FILE.value
-    return config
+    return router_config(url, stream, **outbox)
 
 
 async def run(variant: Variant, rate: float, seconds: float) -> Trace:

@@ -59,7 +59,6 @@ import yaml
 from nats.js.api import StorageType
 
 from bench._common import (
-    NATS_URL,
     ROOT,
     Stream,
     fresh_database,
@@ -67,6 +66,7 @@ from bench._common import (
     median,
     order,
     print_table,
+    router_config,
     wait_for_count,
     write_results,
 )
@@ -85,24 +85,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PER_ORDER = 4
 CASES = (1, 2)
 STARTS = ("imported", "workers_forked", "claiming", "worker_ready", "first", "all", "proc_start")
-
-
-def startup_config(database_url: str, stream: Stream) -> dict[str, Any]:
-    """One PostgreSQL database, one internal NATS broker on the running server, no HTTP."""
-    return {
-        "service": "bench",
-        "databases": {"main": database_url},
-        "brokers": {
-            "events": {
-                "type": "nats",
-                "internal": True,
-                "url": NATS_URL,
-                "destination": stream.destination,
-                "stream": {"name": stream.name, "subjects": [stream.subject + ".>"]},
-            }
-        },
-        "http": {"enabled": False},
-    }
 
 
 async def stage(url: str, config: dict[str, Any], events: int) -> None:
@@ -197,7 +179,7 @@ async def one_start(workers: int, events: int) -> dict[str, float | None]:
         fresh_database("startup") as url,
         fresh_stream("startup", StorageType.FILE) as stream,
     ):
-        config = startup_config(url, stream)
+        config = router_config(url, stream, create=True)
         await stage(url, config, events)
         with StartedRouter(config, workers) as router:
             first, last = await await_stream(router, stream, events)

@@ -20,14 +20,16 @@ from typing import Any
 import asyncpg
 
 from tests.chaos.proxy import DelayingProxy
-from tests.conftest import NatsStreams, nats_broker
+from tests.conftest import NatsStreams
 from tests.e2e.helpers import Serving
 from tests.e2e.test_worker_recovery import (
     POOL_ENV,
     STREAMS,
+    both_ready,
     log_events,
     stage,
     stream,
+    through,
     until,
     write_config,
 )
@@ -82,20 +84,14 @@ async def test_the_other_hosts_take_a_killed_hosts_rows_over_as_its_leases_end(
     proxy = DelayingProxy("127.0.0.1", 4222, delay=ACK_DELAY)
     await proxy.start()
     target = nats_streams.stream("int")
-    brokers = {
-        "events": nats_broker(
-            target,
-            internal=True,
-            url=f"nats://127.0.0.1:{proxy.port}",
-            connect_timeout=CONNECT_TIMEOUT,
-            publish_timeout=PUBLISH_TIMEOUT,
-        )
-    }
+    brokers = through(
+        proxy, target, connect_timeout=CONNECT_TIMEOUT, publish_timeout=PUBLISH_TIMEOUT
+    )
     hosts = {name: start_host(tmp_path / name, pg_url, brokers) for name in HOSTS}
     conn = await asyncpg.connect(pg_url)
     try:
         for serving in hosts.values():
-            await until(partial(workers_ready, serving), 30, "two workers ready", serving)
+            await both_ready(serving, timeout=30)
         await stage(pg_url, brokers, 0, TOTAL)
         # A worker connects to NATS at its first claim; once one has, what its host holds
         # is mostly published already, the acks on their way.
@@ -133,11 +129,6 @@ def start_host(folder: Path, url: str, brokers: dict[str, Any]) -> Serving:
     write_config(folder, url, brokers, outbox={"batch_size": BATCH, "lease_seconds": LEASE_SECONDS})
     env = {**POOL_ENV, "ROUTER_INSTANCE": folder.name}
     return Serving(folder, env, new_session=True)
-
-
-def workers_ready(serving: Serving) -> bool:
-    """Both workers of the host's pool run their processors."""
-    return len(log_events(serving, "worker.ready")) == 2
 
 
 def connected(serving: Serving) -> bool:

@@ -77,6 +77,19 @@ def proc(path: str) -> str:
     return Path("/proc", path).read_text().strip()
 
 
+async def both_ready(serving: Serving, timeout: float = 20) -> None:
+    """Wait until both workers of the pool said they are ready."""
+    await until(
+        lambda: len(log_events(serving, "worker.ready")) == 2, timeout, "two workers ready", serving
+    )
+
+
+def through(proxy: DelayingProxy, target: tuple[str, str], **timeouts: float) -> dict[str, Any]:
+    """The brokers of a config: the internal NATS broker of ``target``, through ``proxy``."""
+    url = f"nats://127.0.0.1:{proxy.port}"
+    return {"events": nats_broker(target, internal=True, url=url, **timeouts)}
+
+
 async def until(check: Callable[[], bool], timeout: float, what: str, serving: Serving) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -103,15 +116,7 @@ async def test_a_killed_workers_rows_are_claimable_within_a_second(
     proxy = DelayingProxy("127.0.0.1", 4222, delay=1.0)
     await proxy.start()
     target = nats_streams.stream("int")
-    brokers = {
-        "events": nats_broker(
-            target,
-            internal=True,
-            url=f"nats://127.0.0.1:{proxy.port}",
-            connect_timeout=15,
-            publish_timeout=10,
-        )
-    }
+    brokers = through(proxy, target, connect_timeout=15, publish_timeout=10)
     total = 200
     await stage(pg_url, brokers, 0, total)
     write_config(tmp_path, pg_url, brokers, outbox={"batch_size": 10, "lease_seconds": 30})
@@ -179,9 +184,7 @@ async def test_a_worker_that_cannot_start_is_retried_with_a_capped_back_off(
     good = config.read_text()
     serving = Serving(tmp_path, POOL_ENV)
     try:
-        await until(
-            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
-        )
+        await both_ready(serving)
         # A worker reads the config as it starts: one restarted after the file broke cannot
         # start (a broken deploy), while the other runs on.
         config.write_text(good.replace("databases:", "databases: [", 1))
@@ -248,9 +251,7 @@ async def test_a_worker_that_dies_after_it_was_ready_is_replaced_at_once(
     write_config(tmp_path, pg_url, brokers)
     serving = Serving(tmp_path, POOL_ENV)
     try:
-        await until(
-            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
-        )
+        await both_ready(serving)
         parent = serving.process.pid
         before = worker_pids(parent)
         assert len(before) == 2
@@ -293,9 +294,7 @@ async def test_workers_are_forked_children_of_the_pool_and_spawned_when_the_fork
     write_config(tmp_path, pg_url, brokers)
     serving = Serving(tmp_path, POOL_ENV)
     try:
-        await until(
-            lambda: len(log_events(serving, "worker.ready")) == 2, 20, "two workers ready", serving
-        )
+        await both_ready(serving)
         parent = serving.process.pid
         children = proc(f"{parent}/task/{parent}/children").split()
         names = {int(c): proc(f"{c}/comm") for c in children}
