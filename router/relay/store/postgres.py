@@ -19,7 +19,6 @@ import asyncpg
 
 from envelopes import DatabaseError
 from router.relay.store.base import (
-    OPEN_STATUSES_SQL,
     VERSION_TABLE,
     Claim,
     ClaimedRow,
@@ -43,12 +42,12 @@ MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
 # The heartbeat of a batch still being published: fenced by the claim's token alone (rows
 # another claim took over carry its token) and 'processing' (a marked row is done). The
-# redundant status list lets the planner read a partial index of the target's open rows, not
-# its history. A plain statement, not a function in postgres_sql.py: it needs no migration.
-EXTEND = f"""
+# target and status let the planner read ix_router_outbox_stream (the rows in flight or
+# waiting to retry), not the target's history. A plain statement, not a function in
+# postgres_sql.py: it needs no migration.
+EXTEND = """
 UPDATE router_outbox SET locked_until = now() + make_interval(secs => $3)
-WHERE target = $1 AND status IN ({OPEN_STATUSES_SQL})
-  AND lease_token = $2 AND status = 'processing'
+WHERE target = $1 AND status = 'processing' AND lease_token = $2
 """
 
 RECORD_CIRCUIT = """

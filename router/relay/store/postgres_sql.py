@@ -1,7 +1,7 @@
 """The PostgreSQL claim and mark as the newest migration installs them, clause by clause.
 
 ``router_claim()`` is the PostgreSQL twin of the SQLite claim (``router.relay.store.sqlite.CLAIM``);
-``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0007 built them a step at a
+``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0008 built them a step at a
 time, and each keeps a literal copy of what it installed, as history. This module is the text
 head installs, in one place, with why each clause is there (the ``#`` comments: anything
 inside the strings is part of the function bodies). The router calls the functions by name
@@ -11,8 +11,6 @@ installed exactly this, so changing either one means changing both.
 """
 
 from __future__ import annotations
-
-from router.relay.store.base import OPEN_STATUSES_SQL as _OPEN
 
 __all__ = ["CLAIM_FUNCTION", "CLAIM_LOCK_NAMESPACE", "MARK_FUNCTION"]
 
@@ -26,19 +24,28 @@ CLAIM_FUNCTION = (
     # One function, so a claim is one round trip (0002). p_token is the claim's fencing token:
     # marks apply only to rows still carrying it (0002). p_async: see below (0006).
     # created_at comes back as epoch seconds, for commit-to-ack latency.
+    # The SET clauses (0008): the plan must be index-served whatever the statistics say. A
+    # fresh outbox has none (autovacuum may be off, or not yet run), and PL/pgSQL keeps a
+    # generic plan after five calls; without them the planner was free to read the target's
+    # whole claim index per candidate row, or to aggregate over it for min(seq), and a claim
+    # then cost time in proportion to every row the target had ever delivered.
     """
 CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
                                         p_lease_seconds double precision, p_token bigint,
                                         p_async boolean)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+AS $$
 BEGIN
 """
     # The router passes p_async = NOT outbox.durable_bookkeeping. If PostgreSQL crashes it
     # may forget the last few claims, which only leaves their rows pending, and it saves an
     # fsync per claim. set_config(..., true) lasts until the end of this transaction, so a
-    # pooled session never carries it over to an application (0006).
+    # pooled session never carries it over to an application (0006); the function's own SET
+    # clauses restore only the settings they name.
     """\
     -- A lost claim only leaves its rows pending: no need to wait for the WAL flush.
     IF p_async THEN
@@ -49,7 +56,7 @@ BEGIN
     # claim committed before it, so a row is never claimed while an earlier row of its stream
     # is in flight under a claim that committed a moment ago (0002).
     f"""\
-    -- Claims of one target take turns; the statement below then starts with a snapshot that
+    -- Claims of one target take turns; the statements below then start with a snapshot that
     -- includes every claim committed before this one.
     PERFORM pg_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target));
 """
@@ -58,30 +65,41 @@ BEGIN
     IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
         RETURN;
     END IF;
+"""
+    # A lease that ran out (its worker died, or stalled past its heartbeat) puts the row back
+    # in the queue, its attempt counted (it may have reached the broker), due now. Until 0008
+    # such rows were claimed as they were; giving them back first keeps 'processing' rows out
+    # of the claim index, so a claim moves a row out of that index instead of adding to it.
+    # ix_router_outbox_stream holds the in-flight rows and serves this.
+    """\
+    UPDATE router_outbox
+    SET status = 'failed', available_at = now(),
+        last_error = 'lease ended before the attempt was marked (' || locked_by || ')',
+        locked_by = NULL, locked_until = NULL
+    WHERE target = p_target AND status = 'processing' AND locked_until <= now();
     RETURN QUERY
     WITH picked AS (
         SELECT o.seq FROM router_outbox o
         WHERE o.target = p_target
 """
     # Once the statistics say most rows are pending, the planner would walk the primary key
-    # through every published row; starting at the target's first open row (found through
+    # through every published row; starting at the target's first queued row (found through
     # the partial claim index) avoids that on a large table (0005).
-    f"""\
-          -- Start at the first open row: whichever index the planner picks then skips the
+    """\
+          -- Start at the first queued row: whichever index the planner picks then skips the
           -- published history instead of walking it (statistics cannot tell it lies first).
           AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
-                        WHERE f.target = p_target
-                          AND f.status IN ({_OPEN}))
+                        WHERE f.target = p_target AND f.status IN ('pending', 'failed'))
 """
-    # Open and due: pending or failed once available_at has passed, or processing once the
-    # lease ran out (its worker died), which makes the row claimable again.
-    f"""\
-          AND o.status IN ({_OPEN})
-          AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END
-              <= now()
+    # Queued and due: pending, or failed once its retry delay has passed. Word for word the
+    # predicate of ix_router_outbox_claim (target, seq), which serves both this and min().
+    """\
+          AND o.status IN ('pending', 'failed') AND o.available_at <= now()
 """
     # Streams stay in order: a row waits while an earlier row of its stream is in flight
-    # under another lease or waiting to retry (ix_router_outbox_stream finds those, 0002).
+    # under a live lease or waiting to retry. Only ix_router_outbox_stream (in-flight and
+    # failed rows by target, stream, seq) can serve this: the claim index leaves
+    # 'processing' out (0008), so the planner has no whole-index scan to pick by mistake.
     """\
           AND (o.stream_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM router_outbox p

@@ -1,0 +1,110 @@
+"""The PostgreSQL claim is index-served whatever the statistics say (migration 0008).
+
+On an outbox without statistics, and once PL/pgSQL had settled on a generic plan, the claim
+used to check each candidate's stream against an index holding every open entry of the
+target, dead ones included: a claim's cost grew with every row delivered since the last
+VACUUM, and a router following a steady trickle fell further behind every second. These
+tests read the plans PostgreSQL actually ran (auto_explain, nested statements included)
+for claims past the switch to the generic plan, before and after ANALYZE.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+import asyncpg
+import pytest
+
+from router import Outbox
+from tests.conftest import PgDatabases, make_config
+from tests.integration.events import OrderPlaced
+
+BROKERS = {"events": {"type": "memory", "internal": True}}
+CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, $2, true)"
+MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', '{}', true)"
+CLAIMS = 8  # PL/pgSQL plans the first five calls for their values, then may go generic
+
+
+async def staged(url: str, events: int, per_stream: int) -> None:
+    outbox = Outbox(make_config({"main": url}, BROKERS))
+    try:
+        for start in range(0, events, 500):
+            async with outbox.transaction() as tx:
+                for first in range(start, min(start + 500, events), per_stream):
+                    await tx.stage(
+                        *(
+                            OrderPlaced(order_id=f"o-{i}", total=Decimal(i))
+                            for i in range(first, first + per_stream)
+                        ),
+                        stream_key=f"s-{first}",
+                    )
+    finally:
+        await outbox.close()
+
+
+async def claim_plans(conn: asyncpg.Connection, batch: int) -> list[str]:
+    """Claim and mark ``CLAIMS`` batches; the plan of each claim's main statement."""
+    notices: list[str] = []
+    conn.add_log_listener(lambda _, message: notices.append(message.message))
+    await conn.execute(
+        "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;"
+        " SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice;"
+        " SET client_min_messages = notice"
+    )
+    for token in range(1, CLAIMS + 1):
+        seqs = [r[0] for r in await conn.fetch(CLAIM, batch, token)]
+        assert len(seqs) == batch
+        await conn.execute(MARK, token, seqs)
+    await conn.execute("SET auto_explain.log_min_duration = -1")
+    return [n for n in notices if "WITH picked AS" in n]
+
+
+@pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
+async def test_every_claim_reads_the_claim_index_and_checks_streams_in_the_stream_index(
+    pg_databases: PgDatabases, analyzed: bool
+) -> None:
+    url = await pg_databases.new()
+    await staged(url, 3_000, per_stream=3)
+    conn = await asyncpg.connect(url)
+    try:
+        if analyzed:
+            await conn.execute("ANALYZE router_outbox")
+        plans = await claim_plans(conn, batch=150)
+    finally:
+        await conn.close()
+    assert len(plans) == CLAIMS
+    for plan in plans:
+        assert "Seq Scan" not in plan and "Bitmap" not in plan, plan
+        # The candidates, in order, from the queued rows' index; each candidate's stream
+        # checked in the in-flight index, never by walking the target's claim index.
+        assert re.search(r"Index Scan using ix_router_outbox_claim on router_outbox o\b", plan)
+        assert re.search(r"Index Scan using ix_router_outbox_stream on router_outbox p\b", plan)
+        assert "ix_router_outbox_claim on router_outbox p" not in plan
+        assert "ix_router_outbox_due" not in plan
+
+
+async def test_a_lease_that_ran_out_gives_the_row_back_as_a_failed_attempt(
+    pg_databases: PgDatabases,
+) -> None:
+    url = await pg_databases.new()
+    await staged(url, 2, per_stream=2)
+    conn = await asyncpg.connect(url)
+    try:
+        first = await conn.fetch("SELECT * FROM router_claim('events', 10, 'dead-1', 30, 1, false)")
+        assert [r["attempts"] for r in first] == [1, 1]
+        await conn.execute("UPDATE router_outbox SET locked_until = now() - interval '1 s'")
+        again = await conn.fetch("SELECT * FROM router_claim('events', 10, 'w-2', 30, 2, false)")
+        rows = await conn.fetch(
+            "SELECT status, attempts, locked_by, lease_token, last_error FROM router_outbox"
+            " ORDER BY seq"
+        )
+    finally:
+        await conn.close()
+    # Claimed again in order, the lost attempt counted; the row says why it went round again.
+    assert [r["seq"] for r in again] == sorted(r["seq"] for r in first)
+    assert [(r["status"], r["attempts"], r["locked_by"], r["lease_token"]) for r in rows] == [
+        ("processing", 2, "w-2", 2),
+        ("processing", 2, "w-2", 2),
+    ]
+    assert all("lease ended" in r["last_error"] and "dead-1" in r["last_error"] for r in rows)
