@@ -24,11 +24,12 @@ import asyncpg
 import nats
 import uvloop
 
-# The partial index ix_router_outbox_claim (target, seq) WHERE status IN ('pending',
-# 'processing', 'failed') serves the inner SELECT: its predicate is the index's, word for word,
-# and ``seq >=`` the first open row keeps the scan off the published rows, as router_claim()
-# does (statistics, which a fresh backlog lacks, could not tell the planner they come first).
-# A processing row is due again once its lease ends, so a crashed relay's rows go out again.
+# The partial index ix_router_outbox_claim (target, seq) WHERE status IN ('pending', 'failed')
+# serves the inner SELECT: its predicate is the index's, word for word, and ``seq >=`` the
+# first queued row keeps the scan off the published rows, as router_claim() does
+# (statistics, which a fresh backlog lacks, could not tell the planner they come first). A
+# row this relay claimed leaves that index; after a crash its rows stay 'processing' (the
+# router gives such rows back once their lease ends; this page of code does not).
 # The outer UPDATE takes the picked keys as an array: ``seq IN (subquery)`` is planned as a
 # hash join over the whole table.
 CLAIM = """
@@ -36,10 +37,9 @@ UPDATE router_outbox SET status = 'processing', locked_until = now() + interval 
     attempts = attempts + 1
 WHERE seq = ANY(ARRAY(
     SELECT seq FROM router_outbox
-    WHERE target = 'events' AND status IN ('pending', 'processing', 'failed')
-      AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END <= now()
+    WHERE target = 'events' AND status IN ('pending', 'failed') AND available_at <= now()
       AND seq >= (SELECT min(seq) FROM router_outbox
-                  WHERE target = 'events' AND status IN ('pending', 'processing', 'failed'))
+                  WHERE target = 'events' AND status IN ('pending', 'failed'))
     ORDER BY seq LIMIT $1
     FOR UPDATE SKIP LOCKED))
 RETURNING seq, message_id::text, destination, envelope::text

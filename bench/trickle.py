@@ -1,7 +1,7 @@
 """trickle: does commit-to-arrival latency creep while a fresh router follows a steady trickle?
 
     python -m bench.trickle [--rate 800] [--seconds 60] [--runs 3] [--autovacuum off|on|both]
-                            [--vacuum-after-rows 5000]
+                            [--vacuum-after-rows 5000] [--server-autovacuum]
 
 The reported defect: one application connection commits one event per transaction (each its
 own stream key) at a steady 800/s while a freshly started ``router serve`` delivers to a
@@ -16,15 +16,19 @@ rows every second. Reported per second of the run (by commit time) and over the 
 with the drift: p99 of the last 10 s minus p99 of the first 10 s.
 
 ``--autovacuum on`` needs autovacuum on in the server: the per-table switch does nothing while
-the global one is off. Then, instead, the router vacuums the outbox itself every
-``--vacuum-after-rows`` marked rows, and the output says so. ``off`` switches it off for the
-table, so it holds on any server; the router's own vacuum keeps its default there.
+the global one is off. ``--server-autovacuum`` switches it on server-wide for those runs
+(ALTER SYSTEM, reload, and reset after each run); without it the router vacuums the outbox
+itself every ``--vacuum-after-rows`` marked rows instead, and the output says so. ``off``
+switches it off for the table, so it holds on any server; the router's own vacuum keeps its
+default there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -41,6 +45,13 @@ OFF = Variant(
     "(outbox.vacuum_after_rows 50,000 marked rows, or 1,000 after 60 s)",
 )
 ON = Variant("autovacuum on", True, None, "autovacuum on for the outbox (server-wide on)")
+SWITCHED_ON = Variant(
+    "autovacuum on",
+    True,
+    None,
+    "autovacuum switched on server-wide for these runs only (ALTER SYSTEM + reload, reset "
+    "after each), at the server's own naptime and thresholds",
+)
 PER_SECOND = ["s", "committed", "txn p99 ms", "arrived", "p50 ms", "p99 ms", "max ms"]
 PER_SECOND += ["missing", "n_dead_tup", "n_live_tup", "open rows", "vacuums"]
 SUMMARY = ["run", "variant", "commit/s", "late s", "committed", "delivered", "p50 ms"]
@@ -51,6 +62,24 @@ SUMMARY_KEYS += ["p99_ms", "max_ms", "p99_first_10s_ms", "p99_last_10s_ms", "dri
 SUMMARY_KEYS += ["steady_drift_ms", "drain_s", "max_open_rows"]
 
 
+@contextlib.asynccontextmanager
+async def server_autovacuum(switch: bool) -> AsyncIterator[None]:
+    """Autovacuum on server-wide while the block runs (when ``switch``); the server's
+    configuration files are left as they were."""
+    if not switch:
+        yield
+        return
+    admin = await asyncpg.connect(ADMIN_DSN)
+    try:
+        await admin.execute("ALTER SYSTEM SET autovacuum = on")
+        await admin.execute("SELECT pg_reload_conf()")
+        yield
+    finally:
+        await admin.execute("ALTER SYSTEM RESET autovacuum")
+        await admin.execute("SELECT pg_reload_conf()")
+        await admin.close()
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (nearest rank) of sorted ``values``; 0 for none."""
     if not values:
@@ -58,7 +87,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[max(0, min(len(values) - 1, round(q / 100 * len(values)) - 1))]
 
 
-async def variants(choice: str, vacuum_after_rows: int) -> list[Variant]:
+async def variants(choice: str, vacuum_after_rows: int, switch: bool) -> list[Variant]:
     """The variants ``--autovacuum`` asks for, as this server can run them."""
     admin = await asyncpg.connect(ADMIN_DSN)
     try:
@@ -66,14 +95,17 @@ async def variants(choice: str, vacuum_after_rows: int) -> list[Variant]:
     finally:
         await admin.close()
     vacuumed = ON
-    if choice != "off" and global_autovacuum != "on":
+    if choice != "off" and global_autovacuum != "on" and switch:
+        vacuumed = SWITCHED_ON
+    elif choice != "off" and global_autovacuum != "on":
         vacuumed = Variant(
             f"router vacuum/{vacuum_after_rows}",
             None,
             vacuum_after_rows,
             f"autovacuum is {global_autovacuum} server-wide: 'on' cannot be tested here "
-            "without a server restart (the per-table switch does nothing while the global "
-            f"one is off); ran instead with outbox.vacuum_after_rows = {vacuum_after_rows}",
+            "unless --server-autovacuum may switch it on (the per-table switch does nothing "
+            "while the global one is off); ran instead with outbox.vacuum_after_rows = "
+            f"{vacuum_after_rows}",
         )
     return {"off": [OFF], "on": [vacuumed], "both": [OFF, vacuumed]}[choice]
 
@@ -188,14 +220,20 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--autovacuum", choices=["off", "on", "both"], default="both")
     parser.add_argument("--vacuum-after-rows", type=int, default=5000)
+    parser.add_argument(
+        "--server-autovacuum",
+        action="store_true",
+        help="for the 'on' runs, switch autovacuum on server-wide when it is off, and back",
+    )
     args = parser.parse_args()
-    chosen = await variants(args.autovacuum, args.vacuum_after_rows)
+    chosen = await variants(args.autovacuum, args.vacuum_after_rows, args.server_autovacuum)
     for variant in chosen:
         print(f"{variant.name}: {variant.note}")
     results: list[dict[str, Any]] = []
     # Variants take turns within each round, so drift on the shared machine hits them alike.
     for variant in [v for _ in range(args.runs) for v in chosen]:
-        trace = await run(variant, args.rate, args.seconds)
+        async with server_autovacuum(variant is SWITCHED_ON):
+            trace = await run(variant, args.rate, args.seconds)
         rows = per_second(trace)
         show_run(len(results) + 1, variant, rows, trace)
         samples = [vars(s) for s in trace.samples]  # the drain's seconds too
