@@ -93,7 +93,13 @@ async def _check_database(config: RouterConfig, name: str) -> str:
         raise RouterError(
             f"{name}: schema at {revision}, this router needs {head}; run 'router init-db'"
         )
-    return f"reachable, schema {revision}"
+    if config.databases[name].kind != "postgresql":
+        return f"reachable, schema {revision}"
+    from router._db import asyncpg_dsn
+    from router.ops.pg_health import postgres_warnings
+
+    warnings = await postgres_warnings(asyncpg_dsn(config.databases[name]), sorted(config.brokers))
+    return "; ".join([f"reachable, schema {revision}", *(f"WARNING: {w}" for w in warnings)])
 
 
 async def _check_broker(

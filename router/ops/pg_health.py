@@ -1,0 +1,106 @@
+"""What `router check` warns about on PostgreSQL: the outbox's two slow poisons.
+
+- **A held xmin horizon.** While any transaction of the database keeps an old snapshot (an
+  idle-in-transaction session, a long report, a prepared transaction, a replication slot),
+  VACUUM cannot remove a single dead row version: every published row leaves its earlier
+  versions and their index entries behind, and claims read past more of them each time.
+- **A claim that is no longer index-served.** The claim must reach the queued rows through
+  ``ix_router_outbox_claim`` and check streams in ``ix_router_outbox_stream``; any other plan
+  costs time in proportion to the outbox's history (migration 0008 says how that happened).
+  The check plans the claim's own query, as ``router_claim()`` runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from router.relay.store.postgres_sql import CLAIM_FUNCTION
+
+__all__ = ["CLAIM_QUERY", "claim_plan_problem", "postgres_warnings", "xmin_holders"]
+
+# The claim's choice of rows, cut from the function's own text, with its arguments as
+# parameters: $1 the target, $2 the batch size.
+CLAIM_QUERY = (
+    CLAIM_FUNCTION[CLAIM_FUNCTION.index("WITH picked AS (") + len("WITH picked AS (") :]
+    .split("\n    )\n", 1)[0]
+    .replace("p_target", "$1")
+    .replace("p_limit", "$2")
+)
+
+# The function's own planner settings (its SET clauses), for EXPLAIN.
+_CLAIM_SETTINGS = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off")
+
+HOLDERS = """
+SELECT 'pid ' || pid || coalesce(' (' || nullif(application_name, '') || ')', '')
+       || ', ' || coalesce(state, 'unknown state'),
+       extract(epoch FROM now() - xact_start)::float8
+FROM pg_stat_activity
+WHERE datname = current_database() AND backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+  AND xact_start < now() - make_interval(secs => $1)
+UNION ALL
+SELECT 'prepared transaction ' || quote_literal(gid), extract(epoch FROM now() - prepared)
+FROM pg_prepared_xacts
+WHERE database = current_database() AND prepared < now() - make_interval(secs => $1)
+UNION ALL
+SELECT 'replication slot ' || quote_literal(slot_name) || ' (xmin '
+       || age(xmin) || ' transactions old)', NULL
+FROM pg_replication_slots
+WHERE xmin IS NOT NULL AND (database IS NULL OR database = current_database())
+ORDER BY 2 DESC NULLS LAST
+"""
+
+
+async def xmin_holders(conn: Any, older_than: float) -> list[tuple[str, float | None]]:
+    """Who has held the database's xmin horizon for more than ``older_than`` seconds: a
+    description (never the query text, which may carry secrets) and for how long."""
+    return [(r[0], r[1]) for r in await conn.fetch(HOLDERS, older_than)]
+
+
+async def claim_plan_problem(conn: Any, target: str) -> str | None:
+    """None when the claim of ``target`` reads the indexes it should; else what it does."""
+    async with conn.transaction():
+        for setting in _CLAIM_SETTINGS:
+            await conn.execute(setting)
+        rows = await conn.fetch(f"EXPLAIN {CLAIM_QUERY}", target, 500)
+    plan = "\n".join(r[0] for r in rows)
+    expected = (
+        "Index Scan using ix_router_outbox_claim on router_outbox o",
+        "Index Scan using ix_router_outbox_stream on router_outbox p",
+    )
+    if all(step in plan for step in expected):
+        return None
+    scans = [line.strip() for line in plan.splitlines() if "Scan" in line]
+    return "; ".join(scans) or plan.splitlines()[0]
+
+
+async def postgres_warnings(
+    dsn: str, targets: Sequence[str], *, xmin_limit: float = 300.0
+) -> list[str]:
+    """Every warning for one database, worded for the operator."""
+    import asyncpg  # the relay's driver: only a PostgreSQL database needs it
+
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        warnings = [
+            f"xmin horizon held for {_age(age)} by {holder}: VACUUM can remove no dead row "
+            "version until it ends, so the outbox and its indexes bloat and claims slow down"
+            for holder, age in await xmin_holders(conn, xmin_limit)
+        ]
+        for target in targets:
+            problem = await claim_plan_problem(conn, target)
+            if problem is not None:
+                warnings.append(
+                    f"the claim of target {target!r} is not index-served ({problem}); "
+                    "check that ix_router_outbox_claim and ix_router_outbox_stream exist and "
+                    "are valid (`\\d router_outbox` in psql)"
+                )
+        return warnings
+    finally:
+        await conn.close()
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "an unknown time"
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
