@@ -148,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=_positive,
         default=int(os.environ.get("ROUTER_WORKERS", "1")),
-        help="worker processes (default 1; $ROUTER_WORKERS)",
+        help="worker processes (default 1, $ROUTER_WORKERS): workers share every target, so "
+        "a second one adds database work; worth it only when this process is CPU-bound "
+        "and the database has cores to spare",
     )
     serve.add_argument(
         "--instance",
