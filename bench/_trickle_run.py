@@ -88,8 +88,12 @@ def trickle_config(url: str, stream: Stream, variant: Variant) -> dict[str, Any]
     return router_config(url, stream, **outbox)
 
 
-async def run(variant: Variant, rate: float, seconds: float) -> Trace:
-    """One run on a fresh database and a fresh file-storage stream."""
+async def run(
+    variant: Variant, rate: float, seconds: float, *, producer_sync: bool = True
+) -> Trace:
+    """One run on a fresh database and a fresh file-storage stream; with ``producer_sync``
+    off the producer's commits do not wait for the WAL flush (the router's work is the same:
+    it sees a row at its commit either way)."""
     trace = Trace()
     async with (
         fresh_database("trickle") as url,
@@ -105,7 +109,9 @@ async def run(variant: Variant, rate: float, seconds: float) -> Trace:
         await client.subscribe(stream.subject + ".>", cb=on_message)
         # Both connections exist before the clock starts: the application is already running
         # when the router is (re)started, only the router is fresh.
-        producer = await asyncpg.connect(url)
+        producer = await asyncpg.connect(
+            url, server_settings={} if producer_sync else {"synchronous_commit": "off"}
+        )
         monitor = await connect_monitor(url, variant)
         try:
             trace.started = time.time()

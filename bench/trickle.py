@@ -2,6 +2,7 @@
 
     python -m bench.trickle [--rate 800] [--seconds 60] [--runs 3] [--autovacuum off|on|both]
                             [--vacuum-after-rows 5000] [--server-autovacuum]
+                            [--producer-async]
 
 The reported defect: one application connection commits one event per transaction (each its
 own stream key) at a steady 800/s while a freshly started ``router serve`` delivers to a
@@ -225,6 +226,12 @@ async def main() -> None:
         action="store_true",
         help="for the 'on' runs, switch autovacuum on server-wide when it is off, and back",
     )
+    parser.add_argument(
+        "--producer-async",
+        action="store_true",
+        help="the producer commits with synchronous_commit off: for a disk whose fsync is "
+        "too slow for one connection to commit --rate transactions a second",
+    )
     args = parser.parse_args()
     chosen = await variants(args.autovacuum, args.vacuum_after_rows, args.server_autovacuum)
     for variant in chosen:
@@ -233,7 +240,9 @@ async def main() -> None:
     # Variants take turns within each round, so drift on the shared machine hits them alike.
     for variant in [v for _ in range(args.runs) for v in chosen]:
         async with server_autovacuum(variant is SWITCHED_ON):
-            trace = await run(variant, args.rate, args.seconds)
+            trace = await run(
+                variant, args.rate, args.seconds, producer_sync=not args.producer_async
+            )
         rows = per_second(trace)
         show_run(len(results) + 1, variant, rows, trace)
         samples = [vars(s) for s in trace.samples]  # the drain's seconds too

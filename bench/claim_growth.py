@@ -1,0 +1,111 @@
+"""claim_growth: does a claim get slower with every row the target has delivered?
+
+    python -m bench.claim_growth [--rows 10000] [--window 1000]
+
+What a router following a trickle does, without the broker: one connection stages one event
+per transaction, claims it with ``router_claim()`` and marks it published, ``--rows`` times,
+on a fresh outbox with no statistics and no VACUUM (autovacuum off for the table). Run twice
+in turn: on the claim and indexes of migration 0008 (what ships), and on migration 0007's (the
+0008 migration's own downgrade statements, applied to a fresh database). Per window of
+``--window`` rows: the claim's median and p99 time as the client sees it, and the claim's
+PostgreSQL buffer reads (pg_stat_statements is not needed: the backend's own counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from typing import Any
+
+import asyncpg
+import uvloop
+
+from bench._common import fresh_database, order, print_table, write_results
+from router import Outbox
+from tests.conftest import make_config
+
+CLAIM = "SELECT seq FROM router_claim('events', 100, 'w', 30, $1, true)"
+MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', '{}', true)"
+BLOCKS = "SELECT sum(heap_blks_hit + idx_blks_hit) FROM pg_statio_user_tables"
+
+# The 0008 migration's downgrade, by its own texts: migration 0007's claim and indexes.
+_M0008 = importlib.import_module("router.migrations.versions.0008_index_served_claims")
+SCHEMA_0007 = [
+    *(f"DROP INDEX ix_router_outbox_{name}" for name in ("claim", "stream", "due")),
+    _M0008.DEFAULT_STATISTICS,
+    *_M0008.PREVIOUS_INDEXES,
+    _M0008.PREVIOUS_CLAIM_FUNCTION,
+]
+
+
+async def measure(schema: str, rows: int, window: int) -> list[dict[str, Any]]:
+    """Stage, claim and mark ``rows`` events one at a time; figures per window."""
+    async with fresh_database("growth") as url:
+        outbox = Outbox(
+            make_config({"main": url}, {"events": {"type": "memory", "internal": True}})
+        )
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("ALTER TABLE router_outbox SET (autovacuum_enabled = off)")
+            if schema == "0007":
+                for statement in SCHEMA_0007:
+                    await conn.execute(statement)
+            figures: list[dict[str, Any]] = []
+            times: list[float] = []
+            blocks = int(await conn.fetchval(BLOCKS) or 0)
+            for i in range(rows):
+                async with conn.transaction():
+                    await outbox.stage(conn, order(i), stream_key=f"s-{i}")
+                started = time.perf_counter()
+                seqs = [r[0] for r in await conn.fetch(CLAIM, i + 1)]
+                times.append((time.perf_counter() - started) * 1000)
+                await conn.execute(MARK, i + 1, seqs)
+                if len(times) == window:
+                    times.sort()
+                    # pg_statio counts reach the view at the end of each transaction.
+                    now_blocks = int(await conn.fetchval(BLOCKS) or 0)
+                    figures.append(
+                        {
+                            "rows": i + 1,
+                            "claim_p50_ms": round(times[len(times) // 2], 3),
+                            "claim_p99_ms": round(times[int(len(times) * 0.99) - 1], 3),
+                            "blocks_per_row": round((now_blocks - blocks) / window, 1),
+                        }
+                    )
+                    blocks, times = now_blocks, []
+            return figures
+        finally:
+            await conn.close()
+            await outbox.close()
+
+
+async def main() -> None:
+    """Both schemas, in turn; print and save."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=10_000)
+    parser.add_argument("--window", type=int, default=1_000)
+    args = parser.parse_args()
+    results = {schema: await measure(schema, args.rows, args.window) for schema in ("0007", "0008")}
+    header = ["rows delivered"]
+    for schema in results:
+        header += [f"{schema} p50 ms", f"{schema} p99 ms", f"{schema} blocks/row"]
+    table = []
+    for windows in zip(*results.values(), strict=True):
+        row: list[object] = [f"{windows[0]['rows']:,}"]
+        for w in windows:
+            row += [w["claim_p50_ms"], w["claim_p99_ms"], w["blocks_per_row"]]
+        table.append(row)
+    print_table(
+        f"claim_growth: stage 1 event, claim, mark, {args.rows:,} times on a fresh outbox "
+        "(no statistics, no VACUUM); claim time as the client sees it, and buffers read per "
+        "row (heap and index, staging and marking included)",
+        header,
+        table,
+    )
+    path = write_results("claim_growth", vars(args), results)
+    print(f"written to {path.relative_to(path.parents[2])}")
+
+
+if __name__ == "__main__":
+    uvloop.run(main())
