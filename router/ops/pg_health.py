@@ -17,7 +17,13 @@ from typing import Any
 
 from router.relay.store.postgres_sql import CLAIM_FUNCTION
 
-__all__ = ["CLAIM_QUERY", "claim_plan_problem", "postgres_warnings", "xmin_holders"]
+__all__ = [
+    "CLAIM_QUERY",
+    "CLAIM_SETTINGS",
+    "claim_plan_problem",
+    "postgres_warnings",
+    "xmin_holders",
+]
 
 # The claim's choice of rows, cut from the function's own text, with its arguments as
 # parameters: $1 the target, $2 the batch size.
@@ -29,7 +35,7 @@ CLAIM_QUERY = (
 )
 
 # The function's own planner settings (its SET clauses), for EXPLAIN.
-_CLAIM_SETTINGS = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off")
+CLAIM_SETTINGS = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off")
 
 HOLDERS = """
 SELECT 'pid ' || pid || coalesce(' (' || nullif(application_name, '') || ')', '')
@@ -60,7 +66,7 @@ async def xmin_holders(conn: Any, older_than: float) -> list[tuple[str, float | 
 async def claim_plan_problem(conn: Any, target: str) -> str | None:
     """None when the claim of ``target`` reads the indexes it should; else what it does."""
     async with conn.transaction():
-        for setting in _CLAIM_SETTINGS:
+        for setting in CLAIM_SETTINGS:
             await conn.execute(setting)
         rows = await conn.fetch(f"EXPLAIN {CLAIM_QUERY}", target, 500)
     plan = "\n".join(r[0] for r in rows)
