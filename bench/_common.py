@@ -154,23 +154,29 @@ def router_config(
     return {
         "service": "bench",
         "databases": {"main": database_url},
-        "brokers": {
-            "events": {
-                "type": "nats",
-                "internal": True,
-                "url": NATS_URL,
-                "destination": stream.destination,
-                "stream": {
-                    "name": stream.name,
-                    "subjects": [stream.subject + ".>"],
-                    "storage": stream.storage.value,
-                    "create": create,
-                },
-            }
-        },
+        "brokers": {"events": nats_broker(stream, internal=True, create=create)},
         "outbox": outbox,
         "http": {"enabled": False},
     }
+
+
+def nats_broker(stream: Stream, *, internal: bool = False, create: bool = False) -> dict[str, Any]:
+    """A NATS broker on the running server writing to ``stream`` (a partner unless
+    ``internal``), whose stream the router only looks up (with ``create``: checks at start)."""
+    broker: dict[str, Any] = {
+        "type": "nats",
+        "url": NATS_URL,
+        "destination": stream.destination,
+        "stream": {
+            "name": stream.name,
+            "subjects": [stream.subject + ".>"],
+            "storage": stream.storage.value,
+            "create": create,
+        },
+    }
+    if internal:
+        broker["internal"] = True
+    return broker
 
 
 class RouterProcess:

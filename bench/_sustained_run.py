@@ -22,6 +22,7 @@ from bench._common import (
     Stream,
     fresh_database,
     fresh_stream,
+    nats_broker,
     order,
     router_config,
 )
@@ -80,21 +81,6 @@ class Trace:
     router_log: str = ""
 
 
-def partner(stream: Stream) -> dict[str, Any]:
-    """An external NATS broker (a partner) writing to its own file stream."""
-    return {
-        "type": "nats",
-        "url": NATS_URL,
-        "destination": stream.destination,
-        "stream": {
-            "name": stream.name,
-            "subjects": [stream.subject + ".>"],
-            "storage": stream.storage.value,
-            "create": False,
-        },
-    }
-
-
 @contextlib.asynccontextmanager
 async def three_streams() -> AsyncIterator[dict[str, Stream]]:
     """A fresh file stream per target."""
@@ -112,7 +98,7 @@ async def run(plan: Plan) -> Trace:
     connections, _ = plan.shape
     async with fresh_database("sustained") as url, three_streams() as streams:
         config = router_config(url, streams["events"])
-        config["brokers"] |= {t: partner(streams[t]) for t in TARGETS[1:]}
+        config["brokers"] |= {t: nats_broker(streams[t]) for t in TARGETS[1:]}
         outbox = Outbox(make_config({"main": url}, config["brokers"]))
         client = await nats.connect(NATS_URL)
         # The application is already running when the router starts: its connections exist.
