@@ -35,7 +35,7 @@ from bench._common import (
     router_config,
     write_results,
 )
-from router.ops.pg_health import CLAIM_QUERY, CLAIM_SETTINGS, claim_plan_problem
+from router.ops.pg_health import claim_plan_problem, explain_claim
 
 FILL = """
 INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, envelope)
@@ -71,15 +71,7 @@ async def claim_plan(url: str) -> tuple[str, str | None]:
     conn = await asyncpg.connect(url)
     try:
         problem = await claim_plan_problem(conn, "events")
-        transaction = conn.transaction()
-        await transaction.start()
-        try:
-            for setting in CLAIM_SETTINGS:
-                await conn.execute(setting)
-            rows = await conn.fetch(f"EXPLAIN (ANALYZE, BUFFERS) {CLAIM_QUERY}", "events", 500)
-        finally:
-            await transaction.rollback()
-        return "\n".join(r[0] for r in rows), problem
+        return await explain_claim(conn, "events", "(ANALYZE, BUFFERS)"), problem
     finally:
         await conn.close()
 

@@ -19,8 +19,8 @@ from router.relay.store.postgres_sql import CLAIM_FUNCTION
 
 __all__ = [
     "CLAIM_QUERY",
-    "CLAIM_SETTINGS",
     "claim_plan_problem",
+    "explain_claim",
     "postgres_warnings",
     "xmin_holders",
 ]
@@ -35,7 +35,11 @@ CLAIM_QUERY = (
 )
 
 # The function's own planner settings (its SET clauses), for EXPLAIN.
-CLAIM_SETTINGS = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_bitmapscan = off")
+_CLAIM_SETTINGS = tuple(
+    f"SET LOCAL {line.removeprefix('SET ')}"
+    for line in CLAIM_FUNCTION.splitlines()
+    if line.startswith("SET ")
+)
 
 HOLDERS = """
 SELECT 'pid ' || pid || coalesce(' (' || nullif(application_name, '') || ')', '')
@@ -63,13 +67,23 @@ async def xmin_holders(conn: Any, older_than: float) -> list[tuple[str, float | 
     return [(r[0], r[1]) for r in await conn.fetch(HOLDERS, older_than)]
 
 
+async def explain_claim(conn: Any, target: str, options: str = "") -> str:
+    """The plan of a 500-row claim of ``target`` under the claim's own settings, with EXPLAIN
+    ``options`` (``(ANALYZE, BUFFERS)`` runs it: it is rolled back either way)."""
+    transaction = conn.transaction()
+    await transaction.start()
+    try:
+        for setting in _CLAIM_SETTINGS:
+            await conn.execute(setting)
+        rows = await conn.fetch(f"EXPLAIN {options} {CLAIM_QUERY}", target, 500)
+    finally:
+        await transaction.rollback()
+    return "\n".join(r[0] for r in rows)
+
+
 async def claim_plan_problem(conn: Any, target: str) -> str | None:
     """None when the claim of ``target`` reads the indexes it should; else what it does."""
-    async with conn.transaction():
-        for setting in CLAIM_SETTINGS:
-            await conn.execute(setting)
-        rows = await conn.fetch(f"EXPLAIN {CLAIM_QUERY}", target, 500)
-    plan = "\n".join(r[0] for r in rows)
+    plan = await explain_claim(conn, target)
     expected = (
         "Index Scan using ix_router_outbox_claim on router_outbox o",
         "Index Scan using ix_router_outbox_stream on router_outbox p",
