@@ -13,6 +13,10 @@ An adapter turns rendered messages into broker writes. The processor relies on t
   fails the others. If the broker cannot be reached at all, ``publish`` raises
   ``BrokerUnavailable`` instead, and nothing in the batch counts as sent.
 - Every message carries ``wire.message_id`` as the broker's native dedup id where one exists.
+- An acknowledged result carries the broker's *receipt* where the broker gives one: a small
+  JSON object naming where the message landed (JetStream stream and sequence, Kafka partition
+  and offset, Redis entry id, RabbitMQ confirm time). It is stored on the row and shown by
+  ``router trace``, so an operator can prove which partner got which event.
 - ``ping()`` checks the broker answers (raises ``BrokerUnavailable``); ``close()`` is idempotent.
 """
 
@@ -42,11 +46,13 @@ class PublishResult:
     ok: bool
     error: str | None = None
     retryable: bool = True
+    receipt: str | None = None
+    """The broker's receipt as a JSON object's text, when it gave one."""
 
     @classmethod
-    def acked(cls) -> PublishResult:
-        """The broker durably acknowledged the message."""
-        return _ACKED
+    def acked(cls, receipt: str | None = None) -> PublishResult:
+        """The broker durably acknowledged the message (``receipt``: where it landed)."""
+        return _ACKED if receipt is None else cls(ok=True, receipt=receipt)
 
     @classmethod
     def failed(cls, error: str, *, retryable: bool) -> PublishResult:

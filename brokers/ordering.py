@@ -22,7 +22,7 @@ __all__ = ["NOT_SENT", "publish_in_order", "waves"]
 
 T = TypeVar("T")
 
-Send = Callable[[OutgoingMessage], Awaitable[None]]
+Send = Callable[[OutgoingMessage], Awaitable[str | None]]
 Classify = Callable[[Exception], PublishResult]
 
 NOT_SENT = "not sent: an earlier message of its stream failed"
@@ -33,7 +33,8 @@ async def publish_in_order(
 ) -> list[PublishResult]:
     """Send every message; one result per message, in batch order.
 
-    ``send`` returns once the broker confirmed the message, or raises. ``classify`` turns an
+    ``send`` returns once the broker confirmed the message (with the broker's receipt, or
+    None when it gives none), or raises. ``classify`` turns an
     exception into a failed result. If ``send`` raises ``BrokerUnavailable`` and nothing was
     confirmed, that is raised again: the broker could not be used at all.
     """
@@ -48,7 +49,7 @@ async def publish_in_order(
     async def one(index: int) -> bool:
         async with gate:
             try:
-                await send(batch[index])
+                receipt = await send(batch[index])
             except BrokerUnavailable as exc:
                 unavailable.append(exc)
                 results[index] = PublishResult.failed(str(exc), retryable=True)
@@ -56,7 +57,7 @@ async def publish_in_order(
             except Exception as exc:  # the adapter's classify decides what it means
                 results[index] = classify(exc)
                 return False
-            results[index] = PublishResult.acked()
+            results[index] = PublishResult.acked(receipt)
             return True
 
     async def chain(indexes: list[int]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiokafka.errors as kafka_errors
+import orjson
 from faststream.kafka import KafkaBroker as FastStreamKafka
 
 from brokers._describe import describe
@@ -73,10 +74,10 @@ class KafkaBroker(FastStreamAdapter):
         """Send every message and wait for its acknowledgement; streams in order."""
         broker = await self._connected()
 
-        async def send(message: OutgoingMessage) -> None:
+        async def send(message: OutgoingMessage) -> str:
             wire = message.wire
             try:
-                await broker.publish(
+                landed = await broker.publish(
                     wire.body,
                     topic=message.destination,
                     key=wire.stream_key.encode() if wire.stream_key else None,
@@ -85,10 +86,18 @@ class KafkaBroker(FastStreamAdapter):
                 )
             except _UNAVAILABLE as exc:
                 raise BrokerUnavailable(f"{self.name}: Kafka unreachable: {describe(exc)}") from exc
+            return _receipt(landed)
 
         return await publish_in_order(
             batch, send, _classify, concurrency=self.settings.max_in_flight
         )
+
+
+def _receipt(landed: Any) -> str:
+    """Where the record landed: its topic, partition and offset (aiokafka's RecordMetadata)."""
+    return orjson.dumps(
+        {"topic": landed.topic, "partition": landed.partition, "offset": landed.offset}
+    ).decode()
 
 
 def _classify(exc: Exception) -> PublishResult:

@@ -172,8 +172,8 @@ def _outcome(data: bytes, no_responders: bool) -> PublishResult:
     except orjson.JSONDecodeError:
         return PublishResult.failed(f"unreadable JetStream answer: {data[:80]!r}", retryable=True)
     error = answer.get("error") if isinstance(answer, dict) else None
-    if error is None:
-        return PublishResult.acked()
+    if error is None:  # the PubAck itself is the receipt: stream, sequence, duplicate flag
+        return PublishResult.acked(data.decode())
     if error.get("err_code") == _STREAM_NOT_FOUND:
         return NO_STREAM
     code = error.get("code")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika.exceptions
@@ -77,7 +78,7 @@ class RabbitBroker(FastStreamAdapter):
         broker = await self._connected()
         settings = self.settings
 
-        async def send(message: OutgoingMessage) -> None:
+        async def send(message: OutgoingMessage) -> str:
             wire = message.wire
             try:
                 await broker.publish(
@@ -97,11 +98,19 @@ class RabbitBroker(FastStreamAdapter):
                 raise BrokerUnavailable(
                     f"{self.name}: RabbitMQ unreachable: {describe(exc)}"
                 ) from exc
+            # AMQP confirms carry no position (a delivery tag is per channel and reused):
+            # the receipt is when the broker confirmed the message.
+            return _confirmed_at()
 
         results = await publish_in_order(batch, send, _classify, concurrency=settings.max_in_flight)
         if any(_closes_channel(r) for r in results):
             await self.close()  # the channel is gone; the next batch opens a fresh one
         return results
+
+
+def _confirmed_at() -> str:
+    at = datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return f'{{"confirmed_at":"{at}"}}'
 
 
 def _classify(exc: Exception) -> PublishResult:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+import orjson
 import redis.exceptions
 from redis.asyncio import ConnectionPool, Redis
 from redis.typing import EncodableT, FieldT
@@ -187,7 +188,15 @@ class RedisBroker:
         except _NO_ANSWER as exc:
             raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
         for i, reply in zip(chunk, replies, strict=True):
-            results[i] = _classify(reply) if isinstance(reply, Exception) else PublishResult.acked()
+            if isinstance(reply, Exception):
+                results[i] = _classify(reply)
+            else:  # XADD answers the entry's id: the receipt, with the stream it is in
+                results[i] = PublishResult.acked(_receipt(batch[i].destination, reply))
+
+
+def _receipt(stream: str, entry_id: bytes | str) -> str:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return orjson.dumps({"stream": stream, "id": text}).decode()
 
 
 def _plain_fields(wire: WireMessage) -> _Fields:

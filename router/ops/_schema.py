@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-__all__ = ["inbox", "metadata", "outbox", "targets"]
+__all__ = ["audit", "inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
 
@@ -37,6 +37,20 @@ outbox = sa.Table(
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("published_at", _Time),
     sa.Column("last_attempt_at", _Time),
+    sa.Column("first_attempt_at", _Time),
+    sa.Column("receipt", sa.Text),
+)
+
+audit = sa.Table(
+    "router_audit",
+    metadata,
+    sa.Column("id", sa.BigInteger, primary_key=True),
+    sa.Column("at", _Time, nullable=False),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("target", sa.Text),
+    sa.Column("detail", sa.Text),
+    sa.Column("row_count", sa.Integer, nullable=False),
 )
 
 inbox = sa.Table(

@@ -120,41 +120,41 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 
 async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
     from router.ops import operations
-    from router.ops._tables import table
 
     rows = await operations.trace(config, args.message_id)
     if not rows and not args.json:
         print(f"no outbox row has message id {args.message_id}")
         return EXIT_FAILED
-    human = table(
-        [
-            "database",
-            "target",
-            "destination",
-            "status",
-            "attempts",
-            "published at",
-            "lease holder",
-            "last error",
-        ],
-        [
-            (
-                r.database,
-                r.target,
-                r.destination,
-                r.status,
-                r.attempts,
-                r.published_at,
-                r.locked_by,
-                r.last_error,
-            )
-            for r in rows
-        ],
-    )
+    blocks = [f"message {args.message_id} ({rows[0].event_type})"] if rows else []
+    for r in rows:
+        # A block per target: a message has a few targets, and each has more to say
+        # (times, the receipt, an error) than a table row can hold legibly.
+        fields: list[tuple[str, object]] = [
+            ("destination", r.destination),
+            ("attempts", r.attempts),
+            ("first attempt", r.first_attempt_at),
+            ("last attempt", r.last_attempt_at),
+            ("published at", r.published_at),
+            ("receipt", _receipt_text(r.receipt)),
+            ("lease holder", r.locked_by),
+            ("last error", r.last_error),
+        ]
+        lines = [f"\n{r.database}/{r.target}: {r.status}"]
+        lines += [f"  {name:<14} {'-' if value is None else value}" for name, value in fields]
+        blocks.append("\n".join(lines))
     _emit(
-        args, {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]}, redactor(human)
+        args,
+        {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]},
+        redactor("\n".join(blocks)),
     )
     return EXIT_OK if rows else EXIT_FAILED
+
+
+def _receipt_text(receipt: dict[str, Any] | None) -> str | None:
+    """``stream=EVENTS seq=12``: the broker's receipt, one line."""
+    if not receipt:
+        return None
+    return " ".join(f"{key}={value}" for key, value in receipt.items())
 
 
 async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:

@@ -10,6 +10,7 @@ in how ``cleanup`` picks a batch.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -78,6 +79,10 @@ class TraceRow:
     locked_until: str | None
     created_at: str | None
     published_at: str | None
+    first_attempt_at: str | None = None
+    last_attempt_at: str | None = None
+    receipt: dict[str, Any] | None = None
+    """Where the broker put the message, as it said when it acknowledged it."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -145,6 +150,18 @@ def _utc(value: Any) -> datetime | None:
 def _text(value: Any) -> str | None:
     moment = _utc(value)
     return moment.isoformat(timespec="milliseconds") if moment else None
+
+
+def _receipt(text: str | None) -> dict[str, Any] | None:
+    """A stored receipt (a JSON object's text) as a dict; one that does not parse is kept
+    whole under ``raw`` rather than hidden."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return value if isinstance(value, dict) else {"raw": text}
 
 
 def _databases(config: RouterConfig, database: str | None) -> list[str]:
@@ -270,6 +287,9 @@ async def trace(config: RouterConfig, message_id: str) -> list[TraceRow]:
                         locked_until=_text(row.locked_until),
                         created_at=_text(row.created_at),
                         published_at=_text(row.published_at),
+                        first_attempt_at=_text(row.first_attempt_at),
+                        last_attempt_at=_text(row.last_attempt_at),
+                        receipt=_receipt(row.receipt),
                     )
                 )
     return found

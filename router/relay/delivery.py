@@ -173,6 +173,8 @@ class Delivery:
         back its stream)."""
         if result.ok:
             marks.published.append(row.seq)
+            if result.receipt is not None:
+                marks.receipts[row.seq] = result.receipt
             return True
         error = result.error or "failed"
         if not result.retryable:

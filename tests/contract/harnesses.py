@@ -50,6 +50,10 @@ class Arrived:
     # The broker's own message properties besides the headers, where it has them
     # (AMQP 0-9-1 properties on RabbitMQ; message_id, subject, ... on Service Bus).
     properties: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Where the broker holds it, as the adapter's receipt should name it (JetStream stream
+    # and sequence, Kafka topic, partition and offset, Redis stream and entry id); None on
+    # brokers whose acknowledgement names no position.
+    position: dict[str, Any] | None = None
 
 
 class Harness:
@@ -173,7 +177,11 @@ class NatsHarness(Harness):
             await client.close()
         return [
             Arrived(
-                m.data or b"", dict(m.headers or {}), (m.headers or {}).get("Nats-Msg-Id"), None
+                m.data or b"",
+                dict(m.headers or {}),
+                (m.headers or {}).get("Nats-Msg-Id"),
+                None,
+                position={"stream": self.stream, "seq": m.seq},
             )
             for m in found
             if m.subject == destination
@@ -239,6 +247,11 @@ class KafkaHarness(Harness):
                                 headers,
                                 headers.get("message-id"),
                                 r.key.decode() if r.key else None,
+                                position={
+                                    "topic": r.topic,
+                                    "partition": r.partition,
+                                    "offset": r.offset,
+                                },
                             )
                         )
         finally:
@@ -357,6 +370,9 @@ class RedisHarness(Harness):
 
     async def entries(self, destination: str, count: int, timeout: float = 10) -> list[Any]:
         """Wait for ``count`` entries at ``destination``; each one's fields, as XRANGE gives."""
+        return [fields for _, fields in await self._xrange(destination, count, timeout)]
+
+    async def _xrange(self, destination: str, count: int, timeout: float) -> list[Any]:
         client = aioredis.Redis.from_url(REDIS_URL)
         try:
             deadline = time.monotonic() + timeout
@@ -368,14 +384,19 @@ class RedisHarness(Harness):
                 await asyncio.sleep(0.05)
         finally:
             await client.aclose()
-        return [fields for _, fields in entries]
+        return list(entries)
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
         # As any Redis client reads the plain format: a body field, every other one a header.
         found = []
-        for fields in await self.entries(destination, count, timeout):
+        for entry_id, fields in await self._xrange(destination, count, timeout):
             headers = {k.decode(): v.decode() for k, v in fields.items() if k != b"body"}
-            found.append(Arrived(fields[b"body"], headers, headers.get("message-id"), None))
+            position = {"stream": destination, "id": entry_id.decode()}
+            found.append(
+                Arrived(
+                    fields[b"body"], headers, headers.get("message-id"), None, position=position
+                )
+            )
         return found
 
     async def cleanup(self) -> None:

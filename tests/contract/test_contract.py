@@ -103,6 +103,34 @@ async def test_a_batch_arrives_complete_with_identity_headers_and_body(
         assert json.loads(first.body)["id"] == batch[0].wire.message_id
 
 
+async def test_each_acknowledged_message_has_the_brokers_receipt(harness: Harness) -> None:
+    """The receipt names where the message landed, as the broker holds it: read back with the
+    broker's own client at that position. RabbitMQ's confirm names no position, only a time;
+    Service Bus's SDK returns nothing, so there is no receipt."""
+    settings = harness.settings()
+    destination = harness.destination("receipts")
+    await harness.prepare(destination)
+    batch = [message(settings, destination, n, stream=f"r-{n % 2}") for n in range(4)]
+    before = datetime.now(UTC)
+    results = await publish(create_broker("partner", settings), batch)
+    after = datetime.now(UTC)
+    assert [r.ok for r in results] == [True] * 4
+    receipts = {m.wire.message_id: r.receipt for m, r in zip(batch, results, strict=True)}
+    if harness.kind == "servicebus":
+        assert set(receipts.values()) == {None}
+        return
+    parsed = {mid: json.loads(text) for mid, text in receipts.items() if text is not None}
+    assert len(parsed) == 4, receipts
+    if harness.kind == "rabbitmq":
+        for receipt in parsed.values():
+            confirmed = datetime.fromisoformat(receipt["confirmed_at"])
+            assert before <= confirmed <= after
+        return
+    arrived = await harness.arrived(destination, 4)
+    positions = {a.headers["message-id"]: a.position for a in arrived}
+    assert parsed == {mid: positions[mid] for mid in parsed}
+
+
 async def test_stream_order_holds_inside_a_batch(harness: Harness) -> None:
     settings = harness.settings()
     destination = harness.destination("ordered")

@@ -22,7 +22,7 @@ from tests.integration.events import OrderPlaced
 
 BROKERS = {"events": {"type": "memory", "internal": True}}
 CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, $2, true)"
-MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', '{}', true)"
+MARK = "SELECT router_mark($1, $2, $3, '{}', '{}', '{}', '{}', '{}', '{}', true)"
 CLAIMS = 8  # PL/pgSQL plans the first five calls for their values, then may go generic
 
 
@@ -45,6 +45,16 @@ async def staged(url: str, events: int, per_stream: int) -> None:
 
 async def claim_plans(conn: asyncpg.Connection, batch: int) -> list[str]:
     """Claim and mark ``CLAIMS`` batches; the plan of each claim's main statement."""
+    return [n for n in await plans(conn, batch) if "WITH picked AS" in n]
+
+
+async def mark_plans(conn: asyncpg.Connection, batch: int) -> list[str]:
+    """Claim and mark ``CLAIMS`` batches; the plan of each mark's published statement."""
+    return [n for n in await plans(conn, batch) if "SET status = 'published'" in n]
+
+
+async def plans(conn: asyncpg.Connection, batch: int) -> list[str]:
+    """Claim and mark ``CLAIMS`` batches (each row with a receipt); every plan ran."""
     notices: list[str] = []
     conn.add_log_listener(lambda _, message: notices.append(message.message))
     await conn.execute(
@@ -55,9 +65,10 @@ async def claim_plans(conn: asyncpg.Connection, batch: int) -> list[str]:
     for token in range(1, CLAIMS + 1):
         seqs = [r[0] for r in await conn.fetch(CLAIM, batch, token)]
         assert len(seqs) == batch
-        await conn.execute(MARK, token, seqs)
+        receipts = [f'{{"stream":"S","seq":{seq}}}' for seq in seqs]
+        await conn.execute(MARK, token, seqs, receipts)
     await conn.execute("SET auto_explain.log_min_duration = -1")
-    return [n for n in notices if "WITH picked AS" in n]
+    return notices
 
 
 @pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
@@ -82,6 +93,37 @@ async def test_every_claim_reads_the_claim_index_and_checks_streams_in_the_strea
         assert re.search(r"Index Scan using ix_router_outbox_stream on router_outbox p\b", plan)
         assert "ix_router_outbox_claim on router_outbox p" not in plan
         assert "ix_router_outbox_due" not in plan
+
+
+@pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
+async def test_a_mark_finds_its_rows_by_primary_key_with_their_receipts(
+    pg_databases: PgDatabases, analyzed: bool
+) -> None:
+    url = await pg_databases.new()
+    await staged(url, 3_000, per_stream=3)
+    conn = await asyncpg.connect(url)
+    try:
+        if analyzed:
+            await conn.execute("ANALYZE router_outbox")
+        found = await mark_plans(conn, batch=150)
+        published = await conn.fetch(
+            "SELECT seq, receipt FROM router_outbox WHERE status = 'published' ORDER BY seq"
+        )
+    finally:
+        await conn.close()
+    assert len(found) == CLAIMS
+    for plan in found:
+        # Never the whole table (a hash or merge join over it): the rows come from an index
+        # by their seqs, the primary key or the in-flight rows' index, and the receipts only
+        # pair up with them.
+        assert "Seq Scan on router_outbox" not in plan and "Bitmap" not in plan, plan
+        assert re.search(
+            r"Index Scan using (router_outbox_pkey|ix_router_outbox_stream) on router_outbox o\b"
+            r".*\n\s*Index Cond: \(seq = ANY",
+            plan,
+        ), plan
+    assert len(published) == CLAIMS * 150
+    assert all(r["receipt"] == f'{{"stream":"S","seq":{r["seq"]}}}' for r in published)
 
 
 async def test_a_lease_that_ran_out_gives_the_row_back_as_a_failed_attempt(

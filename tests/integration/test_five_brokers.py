@@ -5,58 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from decimal import Decimal
-from typing import Any
-
-import pytest
 
 from envelopes import EXTERNAL_FIELDS, INTERNAL_ONLY_FIELDS
 from router import Outbox
-from tests.conftest import NatsStreams, make_config
-from tests.contract.harnesses import (
-    Harness,
-    KafkaHarness,
-    NatsHarness,
-    RabbitHarness,
-    RedisHarness,
-    ServiceBusHarness,
-)
+from tests.conftest import NatsStreams
+from tests.contract.harnesses import Harness, ServiceBusHarness
 from tests.integration.events import OrderPlaced
+from tests.integration.five import config_for
 from tests.integration.test_delivery import serving, statuses, wait_until
-from tests.peers.servicebus import ServiceBusPeer
-from tests.services import RABBITMQ, REDIS, free_port, require
-
-
-@pytest.fixture
-async def partners(kafka_peer: str) -> AsyncIterator[dict[str, Harness]]:
-    require("RabbitMQ", RABBITMQ)
-    require("Redis", REDIS)
-    peer = ServiceBusPeer(port=free_port())  # its own: this test stops and restarts it
-    peer.start()
-    harnesses: dict[str, Harness] = {
-        "events": NatsHarness(),
-        "kafka": KafkaHarness(kafka_peer),
-        "servicebus": ServiceBusHarness(peer),
-        "rabbitmq": RabbitHarness(),
-        "redis": RedisHarness(),
-    }
-    try:
-        yield harnesses
-    finally:
-        for harness in harnesses.values():
-            await harness.cleanup()
-        peer.stop()
-
-
-def config_for(url: str, harnesses: dict[str, Harness]) -> Any:
-    brokers: dict[str, Any] = {}
-    for name, harness in harnesses.items():
-        brokers[name] = harness.config(
-            internal=(name == "events"), connect_timeout=2, publish_timeout=5
-        )
-    retry = {"base_delay": 0.2, "max_delay": 0.5, "jitter": 0.1, "max_attempts": 1000}
-    return make_config({"main": url}, brokers, outbox={"retry": retry})
 
 
 async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local(

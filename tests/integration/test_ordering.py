@@ -302,7 +302,7 @@ async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_onl
         await note_setting(conn)
         async with conn.transaction():
             await conn.execute(
-                "SELECT router_mark(7, $1, '{}', '{}', '{}', '{}', '{}', '{}', $2)",
+                "SELECT router_mark(7, $1, NULL, '{}', '{}', '{}', '{}', '{}', '{}', $2)",
                 [row["seq"]],
                 not durable,
             )

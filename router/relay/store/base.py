@@ -31,7 +31,7 @@ OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0009"
 VERSION_TABLE = "router_alembic_version"
 
 
@@ -87,6 +87,8 @@ class Marks:
     """Outcomes of one batch, written back with one statement per kind."""
 
     published: list[int] = field(default_factory=list)
+    receipts: dict[int, str] = field(default_factory=dict)
+    """seq -> the broker's receipt (JSON object text), for published rows that have one"""
     failed: list[tuple[int, float, str]] = field(default_factory=list)
     """(seq, seconds until the next attempt, error)"""
     abandoned: list[tuple[int, str]] = field(default_factory=list)

@@ -117,10 +117,18 @@ class MysqlStore:
         under the token), so the processor's retry of a half-written batch is harmless.
         """
         async with self._cursor() as cursor:
-            if marks.published:
+            published, receipts = marks.published, marks.receipts
+            if published and receipts:
                 await cursor.execute(
-                    sql.MARK_PUBLISHED.format(seqs=sql.in_list(len(marks.published))),
-                    [*marks.published, token],
+                    sql.MARK_PUBLISHED_RECEIPTS.format(
+                        receipts=sql.when_seq(len(published)), seqs=sql.in_list(len(published))
+                    ),
+                    [*_flat([(s, receipts.get(s)) for s in published]), *published, token],
+                )
+            elif published:
+                await cursor.execute(
+                    sql.MARK_PUBLISHED.format(seqs=sql.in_list(len(published))),
+                    [*published, token],
                 )
             if marks.failed:
                 seqs = [seq for seq, _, _ in marks.failed]

@@ -42,6 +42,7 @@ __all__ = [
     "MARK_ABANDONED",
     "MARK_FAILED",
     "MARK_PUBLISHED",
+    "MARK_PUBLISHED_RECEIPTS",
     "NEXT_DUE",
     "RECORD_CIRCUIT",
     "RELEASE",
@@ -130,12 +131,14 @@ FOR UPDATE SKIP LOCKED
 """
 
 # attempts counts this attempt; last_attempt_at feeds the retry rate and abandoned-row
-# retention. Parameters: worker, token, lease in microseconds, then the seqs.
+# retention; first_attempt_at is for `router trace`. Parameters: worker, token, lease in
+# microseconds, then the seqs.
 LEASE = """
 UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = 'processing', locked_by = %s, lease_token = %s,
     locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND,
-    attempts = attempts + 1, last_attempt_at = UTC_TIMESTAMP(6)
+    attempts = attempts + 1, last_attempt_at = UTC_TIMESTAMP(6),
+    first_attempt_at = coalesce(first_attempt_at, UTC_TIMESTAMP(6))
 WHERE seq IN ({seqs})
 """
 
@@ -147,6 +150,15 @@ MARK_PUBLISHED = f"""
 UPDATE router_outbox FORCE INDEX (PRIMARY)
 SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
     locked_by = NULL, locked_until = NULL
+WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+# Published rows with the broker's receipts, as CASE seq WHEN ... (``when_seq``). Parameters:
+# the receipts' list, the seqs, the token.
+MARK_PUBLISHED_RECEIPTS = f"""
+UPDATE router_outbox FORCE INDEX (PRIMARY)
+SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
+    locked_by = NULL, locked_until = NULL, receipt = CASE seq {{receipts}} END
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 """
 

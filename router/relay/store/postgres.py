@@ -38,7 +38,7 @@ CHANNEL = "router_outbox"
 CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip; the function is in postgres_sql.py.
-MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
 
 # The heartbeat of a batch still being published: fenced by the claim's token alone (rows
 # another claim took over carry its token) and 'processing' (a marked row is done). The
@@ -135,11 +135,13 @@ class PostgresStore:
         failed_errors = [e for _, _, e in marks.failed]
         abandoned = [s for s, _ in marks.abandoned]
         abandoned_errors = [e for _, e in marks.abandoned]
+        receipts = marks.receipts
         async with self._connection() as conn:
             await conn.execute(
                 MARK,
                 token,
                 marks.published,
+                [receipts.get(seq) for seq in marks.published] if receipts else None,
                 failed,
                 delays,
                 failed_errors,

@@ -1,7 +1,7 @@
 """The PostgreSQL claim and mark as the newest migration installs them, clause by clause.
 
 ``router_claim()`` is the PostgreSQL twin of the SQLite claim (``router.relay.store.sqlite.CLAIM``);
-``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0008 built them a step at a
+``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0009 built them a step at a
 time, and each keeps a literal copy of what it installed, as history. This module is the text
 head installs, in one place, with why each clause is there (the ``#`` comments: anything
 inside the strings is part of the function bodies). The router calls the functions by name
@@ -117,12 +117,14 @@ BEGIN
     )
 """
     # The lease: this worker and token until now + p_lease_seconds; attempts counts this
-    # attempt, last_attempt_at feeds the retry rate and abandoned-row retention (0003).
+    # attempt, last_attempt_at feeds the retry rate and abandoned-row retention (0003);
+    # first_attempt_at is for `router trace` (0009).
     """\
     UPDATE router_outbox AS u
     SET status = 'processing', locked_by = p_worker, lease_token = p_token,
         locked_until = now() + make_interval(secs => p_lease_seconds),
-        attempts = u.attempts + 1, last_attempt_at = now()
+        attempts = u.attempts + 1, last_attempt_at = now(),
+        first_attempt_at = coalesce(u.first_attempt_at, now())
 """
     # The picked rows by primary key, not joined back to the table: a join hashed the whole
     # table on outboxes of some tens of thousands of rows (0007).
@@ -140,10 +142,11 @@ $$
 
 MARK_FUNCTION = (
     # A batch's outcomes in one round trip (0006): failed rows come as parallel arrays of
-    # seq, delay in seconds and error; abandoned ones as seq and error.
+    # seq, delay in seconds and error; abandoned ones as seq and error; published ones as
+    # seq and the broker's receipt, or NULL where the broker gives none (0009).
     """
 CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
-                                       p_published bigint[],
+                                       p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
                                        p_abandoned bigint[], p_abandoned_errors text[],
@@ -165,10 +168,16 @@ BEGIN
     # (0002). An empty outcome sends no statement.
     """\
     IF cardinality(p_published) > 0 THEN
-        UPDATE router_outbox
+        UPDATE router_outbox AS o
         SET status = 'published', published_at = now(), last_error = NULL,
-            locked_by = NULL, locked_until = NULL
-        WHERE seq = ANY(p_published) AND lease_token = p_token AND status = 'processing';
+            locked_by = NULL, locked_until = NULL, receipt = t.receipt
+        FROM unnest(p_published, p_receipts) AS t(seq, receipt)
+"""
+    # The rows are found by primary key from the array (seq = ANY), as before receipts; the
+    # join to the receipts only matches each to its own (0009).
+    """\
+        WHERE o.seq = ANY(p_published) AND o.seq = t.seq
+          AND o.lease_token = p_token AND o.status = 'processing';
     END IF;
 """
     # Failed: due again after its own retry delay.

@@ -38,7 +38,7 @@ __all__ = ["SqliteStore"]
 CLAIM = f"""
 UPDATE router_outbox
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
-    attempts = attempts + 1, last_attempt_at = ?
+    attempts = attempts + 1, last_attempt_at = ?, first_attempt_at = coalesce(first_attempt_at, ?)
 WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused)
   AND seq IN (
     SELECT o.seq FROM router_outbox o
@@ -67,7 +67,8 @@ SET circuit = excluded.circuit, circuit_since = excluded.circuit_since,
 
 MARK_PUBLISHED = """
 UPDATE router_outbox
-SET status = 'published', published_at = ?, last_error = NULL, locked_by = NULL, locked_until = NULL
+SET status = 'published', published_at = ?, last_error = NULL, locked_by = NULL,
+    locked_until = NULL, receipt = ?
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
@@ -134,7 +135,7 @@ class SqliteStore:
         stamp = sqlite_time(now)
         async with self._transaction() as db:
             cursor = await db.execute(
-                CLAIM, (worker, token, until, stamp, target, target, stamp, stamp, limit)
+                CLAIM, (worker, token, until, stamp, stamp, target, target, stamp, stamp, limit)
             )
             records = await cursor.fetchall()
         rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
@@ -147,7 +148,11 @@ class SqliteStore:
         stamp = sqlite_time(now)
         async with self._transaction() as db:
             if marks.published:
-                await db.executemany(MARK_PUBLISHED, [(stamp, s, token) for s in marks.published])
+                receipts = marks.receipts
+                await db.executemany(
+                    MARK_PUBLISHED,
+                    [(stamp, receipts.get(s), s, token) for s in marks.published],
+                )
             if marks.failed:
                 await db.executemany(
                     MARK_FAILED,
