@@ -1,19 +1,18 @@
-"""The HTTP console of ``router serve``: health, readiness, metrics, the status API and the
-dashboard, on asyncio streams (no web framework needed). Shared by a single router and by the
-parent of a worker pool.
+"""The HTTP console of ``router serve``: health, readiness, metrics, the status API, the
+dashboard, and pausing or resuming a target. Shared by a single router and by the parent of a
+worker pool.
 
-``StatusService`` holds the routes (async functions returning ``Response``); ``HttpServer``
-serves them. With a token configured, every route but ``/healthz`` and ``/readyz`` (and the
-dashboard page itself, which holds no data and asks for the token) needs
-``Authorization: Bearer <token>``.
+``StatusService`` holds the routes (async functions returning ``Response``);
+``router.ops.http_app`` serves them with Starlette on uvicorn and holds the token rules. With a
+token configured, every route but ``/healthz`` and ``/readyz`` (and the dashboard page itself,
+which holds no data and asks for the token) needs ``Authorization: Bearer <token>``; without
+one, the routes that change state are off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import hmac
 import json
 import logging
 import time
@@ -32,21 +31,13 @@ from router.relay.metrics import BacklogCollector, counter_totals
 if TYPE_CHECKING:
     # The operator queries run on SQLAlchemy, imported at the first request that reads the
     # backlog: the server itself is up before the processors start, so it must cost little.
+    from router.ops.http_app import HttpServer
     from router.ops.operations import TargetStatus
 
-__all__ = ["HttpServer", "Response", "StatusService", "json_response"]
+__all__ = ["Response", "Route", "StatusService", "json_response"]
 
 log = logging.getLogger(__name__)
 
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
 OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/"})
 
 
@@ -66,93 +57,6 @@ def json_response(status: int, document: Any) -> Response:
 
 
 Route = Callable[[], Awaitable[Response]]
-
-
-class HttpServer:
-    """Serves a few GET routes."""
-
-    def __init__(
-        self, host: str, port: int, routes: dict[str, Route], token: str | None = None
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.routes = routes
-        self._token = token.encode() if token else None
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        """Listen; the bound port is in ``self.port`` afterwards (useful with port 0).
-
-        Raises ``RouterError`` naming ``http.bind`` when the address cannot be listened on.
-        """
-        try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        except OSError as exc:
-            raise RouterError(_bind_problem(f"{self.host}:{self.port}", exc)) from exc
-        self.port = self._server.sockets[0].getsockname()[1]
-        log.info("http.started", extra={"bind": f"{self.host}:{self.port}"})
-
-    async def stop(self) -> None:
-        """Stop listening."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            response = await self._respond(request.decode("latin-1"))
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            response = json_response(400, {"error": "bad request"})
-        head = (
-            f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'OK')}\r\n"
-            f"Content-Type: {response.content_type}\r\n"
-            f"Content-Length: {len(response.body)}\r\nConnection: close\r\n"
-            "Cache-Control: no-store\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in response.headers.items())
-            + "\r\n"
-        )
-        with contextlib.suppress(ConnectionError):
-            writer.write(head.encode() + response.body)
-            await writer.drain()
-        writer.close()
-
-    async def _respond(self, request: str) -> Response:
-        lines = request.split("\r\n")
-        method, _, rest = lines[0].partition(" ")
-        path = rest.partition(" ")[0].partition("?")[0]
-        if method != "GET":
-            return json_response(405, {"error": "only GET is served"})
-        route = self.routes.get(path)
-        if route is None:
-            return json_response(404, {"error": f"no route {path}", "routes": sorted(self.routes)})
-        if self._token is not None and path not in OPEN_ROUTES and not self._authorised(lines):
-            return json_response(401, {"error": "a bearer token is required"})
-        try:
-            return await route()
-        except Exception as exc:  # a route's failure is an answer, never a dead server
-            log.exception("http.route_failed", extra={"path": path})
-            return json_response(500, {"error": type(exc).__name__})
-
-    def _authorised(self, lines: list[str]) -> bool:
-        assert self._token is not None
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "authorization":
-                scheme, _, given = value.strip().partition(" ")
-                if scheme.lower() == "bearer":
-                    return hmac.compare_digest(given.strip().encode(), self._token)
-        return False
-
-
-def _bind_problem(bind: str, exc: OSError) -> str:
-    """One line for the operator: which setting, what is wrong, what to do."""
-    if exc.errno == errno.EADDRINUSE:
-        return f"http.bind {bind} is already in use; stop the other process or change http.bind"
-    reason = exc.strerror or str(exc)
-    return f"http.bind {bind}: cannot listen ({reason}); change http.bind"
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -183,21 +87,21 @@ class StatusService:
         self._error: str | None = None
 
     def server(self) -> HttpServer:
-        """An HTTP server with every route."""
-        http = self.config.http
-        token = http.token.get_secret_value() if http.token else None
-        return HttpServer(
-            http.host,
-            http.port,
-            {
-                "/healthz": self.healthz,
-                "/readyz": self.readyz,
-                "/metrics": self.metrics,
-                "/api/outbox": self.api,
-                "/": self.dashboard,
-            },
-            token=token,
-        )
+        """An HTTP server with every route, on ``http.bind``."""
+        # Starlette and uvicorn: imported when the console starts, after the processors.
+        from router.ops.http_app import HttpServer, build_app
+
+        return HttpServer(self.config.http.host, self.config.http.port, build_app(self))
+
+    def routes(self) -> dict[str, Route]:
+        """The GET routes by path."""
+        return {
+            "/healthz": self.healthz,
+            "/readyz": self.readyz,
+            "/metrics": self.metrics,
+            "/api/outbox": self.api,
+            "/": self.dashboard,
+        }
 
     async def rows(self) -> list[TargetStatus]:
         """The backlog, read at most once per ``max_age`` however many clients poll."""
@@ -279,3 +183,20 @@ class StatusService:
         """A self-contained page that polls /api/outbox and draws the figures."""
         page = resources.files("router.ops").joinpath("dashboard.html").read_bytes()
         return Response(200, page, "text/html; charset=utf-8")
+
+    async def set_paused(self, database: str, target: str, *, paused: bool, by: str) -> Response:
+        """Pause or resume one target in one database, as ``router pause/resume --database``."""
+        if database not in self.config.databases:
+            return json_response(404, {"error": f"unknown database {database!r}"})
+        if target not in self.config.brokers_of(database):
+            return json_response(404, {"error": f"database {database!r} has no target {target!r}"})
+        from router.ops.operations import set_paused
+
+        try:
+            await set_paused(self.config, target, paused=paused, database=database, by=by)
+        except RouterError as exc:
+            return json_response(503, {"error": str(exc)})
+        self._read_at = 0.0  # the next status read shows the change
+        event = "http.target_paused" if paused else "http.target_resumed"
+        log.info(event, extra={"database": database, "target": target, "by": by})
+        return json_response(200, {"database": database, "target": target, "paused": paused})

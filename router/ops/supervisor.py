@@ -31,9 +31,10 @@ from router.write.catalog import check_partners, load_catalog
 from router.write.pinning import Pinning
 
 if TYPE_CHECKING:
-    # The console and the operator queries (SQLAlchemy) are imported when they start, after
-    # the processors: a third of a second a worker would otherwise spend before its first claim.
-    from router.ops.console import HttpServer
+    # The console (Starlette, uvicorn) and the operator queries (SQLAlchemy) are imported when
+    # they start, after the processors: time a worker would otherwise spend before its first
+    # claim.
+    from router.ops.http_app import HttpServer
 
 __all__ = [
     "INSTANCE",

@@ -1,39 +1,48 @@
 """router serve's HTTP endpoint: metrics and the status API agree with `router status`,
-the token guards them, and the dashboard shows every target in headless Chromium."""
+the token guards them, and the dashboard shows every target in headless Chromium. Then the
+console's own rules, on the real uvicorn server started in-process on port 0: which routes the
+token guards, JSON errors, a failing route, the router's signals left alone, a quick stop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+import signal
+import socket
 import subprocess
-import urllib.error
-import urllib.request
+import time
+from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from envelopes import RouterError
 from router import Outbox
-from tests.conftest import NatsStreams, make_config, nats_broker
+from router.ops.console import StatusService
+from router.ops.http_app import HttpServer, build_app
+from tests.conftest import MEMORY_BROKERS, Database, NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving, router
 from tests.integration.events import OrderPlaced
-from tests.services import free_port, in_ci
+from tests.services import free_port, in_ci, reachable
 
 TOKEN = "dashboard-t0ken-value"
+# The console's tests run on both kinds of database a newcomer and a service use.
+ON_EACH_DATABASE = pytest.mark.parametrize("database", ["postgresql", "sqlite"], indirect=True)
 
 
 def get(port: int, path: str, token: str | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.get(
+        f"http://127.0.0.1:{port}{path}", headers=headers, timeout=10, trust_env=False
+    )
+    return response.status_code, response.text
 
 
 def sample(metrics: str, name: str, target: str) -> float:
@@ -241,3 +250,185 @@ def screenshot_dashboard(port: int, folder: Path) -> tuple[Path, str]:
         check=True,
     ).stdout
     return page, dom
+
+
+def a_health() -> dict[str, Any]:
+    return {"worker": "test"}
+
+
+@contextlib.asynccontextmanager
+async def console(
+    database: Database,
+    *,
+    token: str | None = TOKEN,
+    health: Callable[[], dict[str, Any]] = a_health,
+) -> AsyncIterator[tuple[HttpServer, httpx.AsyncClient]]:
+    """The console of a router on ``database`` (memory brokers), served by the real uvicorn
+    server on a port the system picks, and a client of it."""
+    http = {"token": token} if token else {}
+    config = make_config({"main": database.url}, MEMORY_BROKERS, database.base_dir, http=http)
+    service = StatusService(config, CollectorRegistry(), health)
+    server = HttpServer("127.0.0.1", 0, build_app(service))
+    await server.start()
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{server.port}", timeout=10, trust_env=False
+        ) as client:
+            yield server, client
+    finally:
+        await server.stop()
+
+
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+PARTNER_CIRCUITS = {"main/analytics": "closed", "main/billing": "closed"}
+GET_ROUTES = ["/", "/api/outbox", "/healthz", "/metrics", "/readyz"]
+ROUTES = sorted(
+    [*GET_ROUTES, *(f"/api/targets/{{database}}/{{target}}/{a}" for a in ("pause", "resume"))]
+)
+
+
+@ON_EACH_DATABASE
+async def test_the_token_guards_every_get_route_but_the_probes_and_the_page(
+    database: Database,
+) -> None:
+    async with console(database) as (_, client):
+        opened = {path: await client.get(path) for path in ("/healthz", "/readyz", "/")}
+        refused = [
+            await client.get(path, headers=headers)
+            for path in ("/metrics", "/api/outbox")
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN})
+        ]
+        served = {path: await client.get(path, headers=BEARER) for path in GET_ROUTES}
+        unknown = await client.get("/api/outbox/", headers=BEARER)
+        unknown_without_token = await client.get("/nothing")
+        wrong_method = await client.delete("/metrics", headers=BEARER)
+
+    assert {path: r.status_code for path, r in opened.items()} == dict.fromkeys(opened, 200)
+    assert opened["/healthz"].json() == {
+        "status": "ok",
+        "worker": "test",
+        "partner_circuits": PARTNER_CIRCUITS,
+    }
+    assert opened["/readyz"].json() == {
+        "status": "ready",
+        "database_error": None,
+        "open_circuits": [],
+        "partner_circuits": PARTNER_CIRCUITS,
+        "ready_requires_partners": False,
+    }
+    assert opened["/"].headers["content-type"] == "text/html; charset=utf-8"
+    assert [(r.status_code, r.json()) for r in refused] == [
+        (401, {"error": "a bearer token is required"})
+    ] * 6
+    assert {path: r.status_code for path, r in served.items()} == dict.fromkeys(GET_ROUTES, 200)
+    assert served["/metrics"].headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "router_pending{" in served["/metrics"].text
+    targets = served["/api/outbox"].json()["targets"]
+    assert [(t["target"], t["paused"]) for t in targets] == [
+        ("analytics", False),
+        ("billing", False),
+        ("events", False),
+    ]
+    # A path that is no route is 404 with or without the token, as before the token check.
+    assert (unknown.status_code, unknown.json()) == (
+        404,
+        {"error": "no route /api/outbox/", "routes": ROUTES},
+    )
+    assert unknown_without_token.status_code == 404
+    assert (wrong_method.status_code, wrong_method.json()) == (
+        405,
+        {"error": "DELETE is not served on /metrics"},
+    )
+    every = [*opened.values(), *refused, *served.values(), unknown, wrong_method]
+    assert {r.headers["cache-control"] for r in every} == {"no-store"}
+    assert {r.headers["content-type"] for r in [*refused, unknown, wrong_method]} == {
+        "application/json"
+    }
+
+
+@ON_EACH_DATABASE
+async def test_without_a_token_every_get_route_is_open(database: Database) -> None:
+    async with console(database, token=None) as (_, client):
+        served = {path: (await client.get(path)).status_code for path in GET_ROUTES}
+    assert served == dict.fromkeys(GET_ROUTES, 200)
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_a_failing_route_answers_500_and_the_console_goes_on(
+    database: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("the health reading failed")
+
+    async with console(database, health=broken) as (_, client):
+        failed = await client.get("/healthz")
+        ready = await client.get("/readyz")
+    assert (failed.status_code, failed.json()) == (500, {"error": "RuntimeError"})
+    assert failed.headers["cache-control"] == "no-store"
+    assert ready.status_code == 200
+    logged = [r for r in caplog.records if r.getMessage() == "http.route_failed"]
+    assert [(r.levelname, r.exc_info and r.exc_info[0]) for r in logged] == [
+        ("ERROR", RuntimeError)
+    ]
+    assert not [r for r in caplog.records if r.name.startswith("uvicorn")]
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_serving_leaves_the_routers_signal_handling_alone(database: Database) -> None:
+    """``router serve`` stops on SIGTERM through ``loop.add_signal_handler``; uvicorn must
+    neither take the signal over nor stop the console by itself when it comes."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        async with console(database) as (_, client):
+            serving = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            signal.raise_signal(signal.SIGTERM)
+            await asyncio.wait_for(stopping.wait(), 5)
+            await asyncio.sleep(0.3)  # uvicorn would look at its exit flag every 0.1 s
+            after_signal = await client.get("/healthz")
+        after = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    assert serving == before
+    assert after == before
+    assert after_signal.status_code == 200
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_stop_is_quick_with_open_keep_alive_and_idle_connections(
+    database: Database,
+) -> None:
+    async with console(database) as (server, client):
+        first = await client.get("/healthz")
+        second = await client.get("/api/outbox", headers=BEARER)
+        # One connection, kept alive by the server for both requests.
+        assert "connection" not in first.headers
+        assert {
+            r.extensions["network_stream"].get_extra_info("client_addr") for r in (first, second)
+        } == {first.extensions["network_stream"].get_extra_info("client_addr")}
+        idle = socket.create_connection(("127.0.0.1", server.port))  # sends nothing
+        half = socket.create_connection(("127.0.0.1", server.port))
+        half.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers unfinished
+        started = time.monotonic()
+        await server.stop()
+        took = time.monotonic() - started
+        for sock in (idle, half):
+            sock.settimeout(5)
+            assert sock.recv(1024) == b""  # closed by the server
+            sock.close()
+        assert not reachable("127.0.0.1", server.port)
+    assert took < 2
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_a_taken_port_is_one_router_error_naming_http_bind(database: Database) -> None:
+    async with console(database) as (server, _):
+        second = HttpServer("127.0.0.1", server.port, server.app)
+        with pytest.raises(RouterError) as raised:
+            await second.start()
+    assert str(raised.value) == (
+        f"http.bind 127.0.0.1:{server.port} is already in use; "
+        "stop the other process or change http.bind"
+    )
