@@ -27,6 +27,8 @@ outbox = sa.Table(
     sa.Column("destination", sa.Text, nullable=False),
     sa.Column("event_type", sa.Text, nullable=False),
     sa.Column("stream_key", sa.Text),
+    # JSON on PostgreSQL; read and written here as its text, as the store does.
+    sa.Column("envelope", sa.Text, nullable=False),
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),
     sa.Column("available_at", _Time, nullable=False),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,12 +24,14 @@ from envelopes import DatabaseError
 from router._db import create_engine
 from router.config import RouterConfig
 from router.ops._schema import inbox, outbox, targets
+from router.ops.audit import record
 
 __all__ = [
     "Cleanup",
     "TargetStatus",
     "TraceRow",
     "cleanup",
+    "exact_errors",
     "requeue",
     "set_paused",
     "status",
@@ -302,57 +304,123 @@ async def requeue(
     targets_: Sequence[str] = (),
     event_types: Sequence[str] = (),
     error: str | None = None,
+    errors: Sequence[str | None] | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
     statuses: Iterable[str] = ("abandoned",),
     dry_run: bool = False,
+    actor: str | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Put abandoned (or failed) rows back to pending; returns how many, per database."""
+    """Put abandoned (or failed) rows back to pending; returns how many, per database.
+
+    ``errors``: only rows whose last error is exactly one of these (a failure group's rows,
+    ``router.ops.groups``). ``actor``: who asked, for the audit row written with the change
+    (none on a dry run); ``context`` is added to that row's detail.
+    """
+    filters = {
+        "targets": list(targets_),
+        "event_types": list(event_types),
+        "error": error,
+        "since": since,
+        "until": until,
+        "statuses": list(statuses),
+    }
+    conditions = _requeue_conditions(**filters)
     counts: dict[str, int] = {}
     for name in _databases(config, database):
         async with _connect(config, name) as conn:
-            o = outbox
-            conditions: list[sa.ColumnElement[bool]] = [o.c.status.in_(tuple(statuses))]
-            if targets_:
-                conditions.append(o.c.target.in_(tuple(targets_)))
-            if event_types:
-                conditions.append(o.c.event_type.in_(tuple(event_types)))
-            if error:
-                conditions.append(
-                    sa.func.lower(o.c.last_error).contains(error.lower(), autoescape=True)
-                )
-            if since is not None:
-                conditions.append(o.c.created_at >= since.astimezone(UTC))
-            if until is not None:
-                conditions.append(o.c.created_at < until.astimezone(UTC))
-            where = sa.and_(*conditions)
+            wheres = [sa.and_(*conditions, part) for part in exact_errors(errors)]
             if dry_run:
-                counts[name] = int(
-                    (
-                        await conn.execute(sa.select(sa.func.count()).select_from(o).where(where))
-                    ).scalar_one()
-                )
+                counts[name] = sum([await _count(conn, where) for where in wheres])
                 continue
-            touched = [
-                r[0]
-                for r in (await conn.execute(sa.select(o.c.target).where(where).distinct())).all()
-            ]
-            result = await conn.execute(
-                sa.update(o)
-                .where(where)
-                .values(
-                    status="pending",
-                    attempts=0,
-                    available_at=_clock(conn),
-                    locked_by=None,
-                    locked_until=None,
-                    lease_token=None,
+            counts[name], touched = await _requeue_rows(conn, wheres)
+            if actor is not None:
+                await record(
+                    conn,
+                    actor=actor,
+                    action="requeue",
+                    target=touched[0] if len(touched) == 1 else None,
+                    detail={**filters, **(context or {}), "database": name, "touched": touched},
+                    row_count=counts[name],
                 )
-            )
-            counts[name] = result.rowcount or 0
-            if touched:
-                await _notify(conn, touched)
     return counts
+
+
+def _requeue_conditions(
+    *,
+    targets: Sequence[str],
+    event_types: Sequence[str],
+    error: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    statuses: Sequence[str],
+) -> list[sa.ColumnElement[bool]]:
+    o = outbox
+    conditions: list[sa.ColumnElement[bool]] = [o.c.status.in_(tuple(statuses))]
+    if targets:
+        conditions.append(o.c.target.in_(tuple(targets)))
+    if event_types:
+        conditions.append(o.c.event_type.in_(tuple(event_types)))
+    if error:
+        conditions.append(sa.func.lower(o.c.last_error).contains(error.lower(), autoescape=True))
+    if since is not None:
+        conditions.append(o.c.created_at >= since.astimezone(UTC))
+    if until is not None:
+        conditions.append(o.c.created_at < until.astimezone(UTC))
+    return conditions
+
+
+# Values per IN list: SQLite binds at most 32,766 parameters in one statement (999 before
+# 3.32), and a failure group may hold thousands of distinct texts.
+EXACT_CHUNK = 500
+
+
+def exact_errors(errors: Sequence[str | None] | None) -> list[sa.ColumnElement[bool]]:
+    """Conditions that together pick the rows whose last error is one of ``errors`` (one
+    per chunk of the list; None matches no error); ``[true]`` when ``errors`` is None."""
+    if errors is None:
+        return [sa.true()]
+    column = outbox.c.last_error
+    texts = sorted({e for e in errors if e is not None})
+    parts: list[sa.ColumnElement[bool]] = [
+        column.in_(texts[i : i + EXACT_CHUNK]) for i in range(0, len(texts), EXACT_CHUNK)
+    ]
+    if None in errors:
+        parts.append(column.is_(None))
+    return parts
+
+
+async def _count(conn: AsyncConnection, where: sa.ColumnElement[bool]) -> int:
+    query = sa.select(sa.func.count()).select_from(outbox).where(where)
+    return int((await conn.execute(query)).scalar_one())
+
+
+async def _requeue_rows(
+    conn: AsyncConnection, wheres: Sequence[sa.ColumnElement[bool]]
+) -> tuple[int, list[str]]:
+    """Back to pending, attempts reset, due now; returns (rows changed, their targets)."""
+    o = outbox
+    changed, touched = 0, set()
+    for where in wheres:
+        found = await conn.execute(sa.select(o.c.target).where(where).distinct())
+        touched.update(r[0] for r in found)
+        result = await conn.execute(
+            sa.update(o)
+            .where(where)
+            .values(
+                status="pending",
+                attempts=0,
+                available_at=_clock(conn),
+                locked_by=None,
+                locked_until=None,
+                lease_token=None,
+            )
+        )
+        changed += result.rowcount or 0
+    if touched:
+        await _notify(conn, sorted(touched))
+    return changed, sorted(touched)
 
 
 async def set_paused(
@@ -362,8 +430,10 @@ async def set_paused(
     paused: bool,
     database: str | None = None,
     by: str | None = None,
+    actor: str | None = None,
 ) -> list[str]:
-    """Pause or resume a target in every database that publishes to it."""
+    """Pause or resume a target in every database that publishes to it; ``actor``: who
+    asked, for the audit row written with the change."""
     changed = []
     for name in _databases(config, database):
         if target not in config.brokers_of(name):
@@ -377,6 +447,15 @@ async def set_paused(
             await conn.execute(_upsert_target(conn.dialect.name, target, values))
             if not paused:
                 await _notify(conn, [target])
+            if actor is not None:
+                await record(
+                    conn,
+                    actor=actor,
+                    action="pause" if paused else "resume",
+                    target=target,
+                    detail={"database": name, "by": by},
+                    row_count=1,
+                )
         changed.append(name)
     if not changed:
         raise DatabaseError(
