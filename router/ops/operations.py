@@ -318,6 +318,8 @@ async def requeue(
     ``router.ops.groups``). ``actor``: who asked, for the audit row written with the change
     (none on a dry run); ``context`` is added to that row's detail.
     """
+    statuses = tuple(statuses)
+    conditions = _requeue_conditions(targets_, event_types, error, since, until, statuses)
     filters = {
         "targets": list(targets_),
         "event_types": list(event_types),
@@ -326,11 +328,10 @@ async def requeue(
         "until": until,
         "statuses": list(statuses),
     }
-    conditions = _requeue_conditions(**filters)
+    wheres = [sa.and_(*conditions, part) for part in exact_errors(errors)]
     counts: dict[str, int] = {}
     for name in _databases(config, database):
         async with _connect(config, name) as conn:
-            wheres = [sa.and_(*conditions, part) for part in exact_errors(errors)]
             if dry_run:
                 counts[name] = sum([await _count(conn, where) for where in wheres])
                 continue
@@ -348,7 +349,6 @@ async def requeue(
 
 
 def _requeue_conditions(
-    *,
     targets: Sequence[str],
     event_types: Sequence[str],
     error: str | None,
@@ -401,7 +401,7 @@ async def _requeue_rows(
 ) -> tuple[int, list[str]]:
     """Back to pending, attempts reset, due now; returns (rows changed, their targets)."""
     o = outbox
-    changed, touched = 0, set()
+    changed, touched = 0, set[str]()
     for where in wheres:
         found = await conn.execute(sa.select(o.c.target).where(where).distinct())
         touched.update(r[0] for r in found)
