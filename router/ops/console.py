@@ -193,7 +193,8 @@ class StatusService:
         from router.ops.operations import set_paused
 
         try:
-            await set_paused(self.config, target, paused=paused, database=database, by=by)
+            # As `router pause`: ``by`` on the target's row, and an audit row naming who.
+            await set_paused(self.config, target, paused=paused, database=database, by=by, actor=by)
         except RouterError as exc:
             return json_response(503, {"error": str(exc)})
         self._read_at = 0.0  # the next status read shows the change

@@ -17,6 +17,7 @@ import httpx
 import yaml
 
 from router import Outbox
+from router.ops.audit import history
 from tests.conftest import Database, make_config
 from tests.e2e.helpers import Serving, router
 from tests.e2e.test_http import BEARER, ON_EACH_DATABASE, TOKEN, console
@@ -137,6 +138,11 @@ async def test_pause_and_resume_over_http_hold_and_free_a_targets_delivery(
             assert time.monotonic() - started < 5
     finally:
         serving.stop()
+    trail = await history(make_config({"main": database.url}, BROKERS, folder))
+    assert [(r.actor, r.action, r.target, r.detail["database"]) for r in trail] == [
+        ("http:127.0.0.1", "resume", "partner", "main"),
+        ("http:127.0.0.1", "pause", "partner", "main"),
+    ]
     log = serving.log.read_text()
     assert "http.target_paused" in log
     assert "http.target_resumed" in log
