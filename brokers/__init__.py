@@ -9,6 +9,8 @@ from brokers._settings import (
     EmbeddedServer,
     EventFilter,
     EventRoute,
+    OnBacklog,
+    RateLimit,
     redact_url,
 )
 from brokers.memory import MemoryBroker, MemorySettings
@@ -27,8 +29,10 @@ __all__ = [
     "MemoryBroker",
     "MemorySettings",
     "MissingClient",
+    "OnBacklog",
     "OutgoingMessage",
     "PublishResult",
+    "RateLimit",
     "create_broker",
     "publish_in_order",
     "redact_url",

@@ -97,6 +97,44 @@ class EventFilter(BaseModel):
         )
 
 
+class RateLimit(BaseModel):
+    """At most ``messages_per_second`` to this target, with bursts of up to ``burst``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    messages_per_second: float = Field(gt=0, description="The steady rate allowed.")
+    burst: int | None = Field(
+        None,
+        ge=1,
+        description="Messages sent at once after a quiet spell; default: one "
+        "second's worth (at least 1).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # rate_limit: 200 is rate_limit: {messages_per_second: 200}
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return {"messages_per_second": value}
+        return value
+
+    @property
+    def capacity(self) -> int:
+        """The bucket's size: ``burst``, or one second's worth."""
+        return self.burst or max(1, int(self.messages_per_second))
+
+
+class OnBacklog(BaseModel):
+    """What to do when a target's queue (rows pending or waiting to retry) passes
+    ``max_rows``: ``alert`` (a warning in the log and a metric, delivery goes on) or
+    ``pause`` (the target is paused, as `router pause` does, until an operator resumes it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_rows: int = Field(ge=1, description="Queued rows allowed before the action.")
+    action: Literal["alert", "pause"] = Field("alert", description="alert | pause")
+
+
 class BrokerSettings(BaseModel):
     """Fields every broker kind has; each kind adds its connection and destination settings."""
 
@@ -133,6 +171,16 @@ class BrokerSettings(BaseModel):
         "structured",
         description="With envelope: cloudevents, the whole event as the body (structured) or "
         "the data as the body and the attributes as headers (binary).",
+    )
+    rate_limit: RateLimit | None = Field(
+        None,
+        description="Messages per second to this target at most (a number, or "
+        "{messages_per_second, burst}); default: as fast as the broker acknowledges.",
+    )
+    on_backlog: OnBacklog | None = Field(
+        None,
+        description="When this target's queue passes max_rows: alert (log and metric) or "
+        "pause it (load shedding for a runaway backlog).",
     )
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     publish_timeout: float = Field(

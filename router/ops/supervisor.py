@@ -40,6 +40,7 @@ __all__ = [
     "INSTANCE",
     "BrokerFactory",
     "Supervisor",
+    "backlog_loop",
     "check_config_schemas",
     "check_schemas",
     "cleanup_loop",
@@ -181,6 +182,7 @@ class Supervisor:
             self._exit_stack.push_async_callback(self.http.stop)
         if self._run_cleanup:
             self._background.append(asyncio.create_task(cleanup_loop(self.config)))
+            self._background.append(asyncio.create_task(backlog_loop(self.config)))
         for processor in self.processors:
             self._tasks.append(asyncio.create_task(processor.run(), name=processor.name))
         log.info(
@@ -287,6 +289,16 @@ async def check_config_schemas(config: RouterConfig) -> None:
     finally:
         for store in stores.values():
             await store.close()
+
+
+async def backlog_loop(config: RouterConfig) -> None:
+    """Apply the targets' ``on_backlog`` rules (router.ops.backlog), if any target has one."""
+    if not any(b.on_backlog for db in config.databases for b in config.brokers_of(db).values()):
+        return
+    from router.ops.backlog import BACKLOG_CHECK_SECONDS, BacklogWatch  # SQLAlchemy: later
+
+    await asyncio.sleep(BACKLOG_CHECK_SECONDS)  # not in the way of the first claims
+    await BacklogWatch(config).run()
 
 
 async def cleanup_loop(config: RouterConfig) -> None:

@@ -48,6 +48,7 @@ from router.ops.forkserver import Forkserver, die_with_parent
 from router.ops.supervisor import (
     PID,
     READY_FD,
+    backlog_loop,
     check_schemas,
     cleanup_loop,
     new_worker_id,
@@ -151,6 +152,7 @@ class WorkerPool:
                 await http.start()
                 stack.push_async_callback(http.stop)
             stack.callback(asyncio.Task.cancel, asyncio.create_task(cleanup_loop(self.config)))
+            stack.callback(asyncio.Task.cancel, asyncio.create_task(backlog_loop(self.config)))
             for worker in self.workers:
                 await self._spawn(worker)
             log.info(

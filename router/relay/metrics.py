@@ -88,6 +88,12 @@ class Metrics:
         self.retried = Counter(
             "router_retried", "Attempts after the first of a row.", LABELS, registry=self.registry
         )
+        self.rate_limited = Counter(
+            "router_rate_limited_seconds",
+            "Seconds the target's rate_limit held its claims back.",
+            LABELS,
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "router_commit_to_ack_seconds",
             "From the row's commit (created_at) to the broker's acknowledgement.",

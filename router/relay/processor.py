@@ -36,6 +36,7 @@ from router.relay.circuit import Circuit
 from router.relay.delivery import Delivery
 from router.relay.lease import Lease
 from router.relay.metrics import Metrics
+from router.relay.ratelimit import TokenBucket
 from router.relay.stats import ProcessorStats
 from router.relay.store import Claim, Marks, OutboxStore
 
@@ -97,6 +98,9 @@ class Processor:
         self._next_due: float | None = None
         self._due_checked_at = -math.inf
         self._in_flight: dict[int, Claim] = {}  # claims not yet marked, by token
+        limit = settings.rate_limit
+        self.bucket = TokenBucket(limit) if limit is not None else None
+        self._metrics = metrics
 
     @property
     def name(self) -> str:
@@ -157,7 +161,11 @@ class Processor:
 
     async def run_once(self) -> int:
         """One cycle, without overlap: claim, publish, mark. Returns the rows handled."""
-        claim, end = await self._claim()
+        limit = self._claim_limit()
+        if limit == 0:
+            await asyncio.sleep(self._token_wait())
+            limit = self._claim_limit()
+        claim, end = await self._claim(limit)
         if claim.rows:
             await self._deliver_and_mark(claim, end)
         return len(claim)
@@ -167,9 +175,14 @@ class Processor:
         of the current; then say how long to wait (None: go on at once)."""
         previous: asyncio.Task[None] | None = None
         current: asyncio.Task[None] | None = None
+        claimed, limit = 0, self.outbox.batch_size
         try:
             while True:
-                claim, end = await self._claim()
+                limit = self._claim_limit()
+                if limit == 0:  # the rate limit holds the pace: wait for its tokens
+                    break
+                claim, end = await self._claim(limit)
+                claimed = len(claim)
                 current = (
                     asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
                 )
@@ -181,22 +194,46 @@ class Processor:
                 previous, current = current, None
                 if self._stopping or self.circuit.is_open:
                     break
-                if len(claim) < self.outbox.batch_size and not overlapped:
+                if claimed < limit and not overlapped:
                     break
             if previous is not None:
                 await previous
                 previous = None
         finally:
             await _settle(previous, current)
-        return await self._idle_timeout(len(claim))
+        if limit == 0:
+            return self._token_wait()
+        return await self._idle_timeout(claimed, limit)
 
-    async def _claim(self) -> tuple[Claim, float]:
-        """A claim, and when its lease ends on the event loop's clock: counted from before
-        the claim was sent, so never later than the database's end."""
+    def _claim_limit(self) -> int:
+        """Rows the next claim may take: a batch, or what the rate limit has tokens for
+        (0: too few to be worth a claim yet)."""
+        if self.bucket is None:
+            return self.outbox.batch_size
+        tokens = self.bucket.available()
+        if tokens < self.bucket.least:
+            self.bucket.hold()
+            return 0
+        held = self.bucket.release()
+        if held and self._metrics is not None:
+            self._metrics.rate_limited.labels(self.database, self.target).inc(held)
+        return min(self.outbox.batch_size, tokens)
+
+    def _token_wait(self) -> float:
+        """Seconds until the rate limit allows the next claim."""
+        assert self.bucket is not None
+        return self.bucket.wait_for(self.bucket.least)
+
+    async def _claim(self, limit: int) -> tuple[Claim, float]:
+        """A claim of ``limit`` rows at most, and when its lease ends on the event loop's
+        clock: counted from before the claim was sent, so never later than the database's
+        end. The rows it took are spent from the rate limit's tokens."""
         sent = asyncio.get_running_loop().time()
         claim = await self.store.claim(
-            self.target, self.outbox.batch_size, self.worker_id, self.outbox.lease_seconds
+            self.target, limit, self.worker_id, self.outbox.lease_seconds
         )
+        if self.bucket is not None:
+            self.bucket.take(len(claim))
         return claim, sent + self.outbox.lease_seconds
 
     async def _deliver_and_mark(self, claim: Claim, end: float) -> None:
@@ -244,7 +281,7 @@ class Processor:
         self.circuit.reachable()
         return None
 
-    async def _idle_timeout(self, handled: int) -> float | None:
+    async def _idle_timeout(self, handled: int, limit: int) -> float | None:
         """None to go on at once; otherwise how long to wait for a wake-up.
 
         Nothing wakes a processor when a retry falls due or when another worker's lease ends
@@ -255,7 +292,7 @@ class Processor:
         host's rows over when their lease ends, not a ``poll_interval`` later, and a busy one
         adds at most one query a second.
         """
-        if handled >= self.outbox.batch_size:
+        if handled >= limit:  # a full claim: there may be more
             return None
         loop = asyncio.get_running_loop()
         recheck = handled == 0 or loop.time() - self._due_checked_at >= _DUE_RECHECK
