@@ -36,9 +36,11 @@ async def stored_times(stream: str, count: int) -> list[float]:
     client = await nats.connect(NATS_URL)
     try:
         js = client.jetstream()
-        return [(await js.get_msg(stream, seq=i)).time.timestamp() for i in range(1, count + 1)]
+        found = [(await js.get_msg(stream, seq=i)).time for i in range(1, count + 1)]
     finally:
         await client.close()
+    assert all(found), "JetStream stores a time with every message"
+    return [t.timestamp() for t in found if t is not None]
 
 
 async def stage(outbox: Outbox, events: int) -> None:
