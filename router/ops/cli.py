@@ -4,10 +4,13 @@ router serve       run every processor until SIGINT/SIGTERM (--workers N: N proc
 router init-db     create or upgrade the outbox table in every database
 router check       validate the config and reach every database and broker (--create)
 router status      backlog, failures and circuits per target (--json)
-router requeue     abandoned (or failed) rows back to pending, with filters (--dry-run)
+router groups      failed and abandoned rows grouped by what went wrong
+router requeue     abandoned (or failed) rows back to pending, with filters or --group (--dry-run)
+router discard     delete a failure group's rows: they will never be sent (--dry-run)
 router trace ID    every target's row of one event
 router pause T     stop claiming target T (every worker); router resume T undoes it
 router cleanup     delete published and abandoned rows past their retention
+router audit       who requeued, discarded, paused or resumed what, newest first
 router preview T   the exact message each target would receive for an event of type T
 router contract    what partners receive: export (AsyncAPI 3.0), lock, check against the lock
 """
@@ -30,7 +33,7 @@ from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
 from router.config import RouterConfig
-from router.ops import commands
+from router.ops import commands, commands_groups
 from router.ops._logs import setup_logging
 from router.ops.commands import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from router.write.catalog import check_partners, load_catalog
@@ -85,11 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "init-db": _init_db,
         "check": _check,
         "status": commands.status,
+        "groups": commands_groups.groups,
         "requeue": commands.requeue,
+        "discard": commands_groups.discard,
         "trace": commands.trace,
         "pause": commands.pause,
         "resume": commands.pause,
         "cleanup": commands.cleanup,
+        "audit": commands_groups.audit,
         "preview": commands.preview,
         "contract": commands.contract,
     }[args.command]
@@ -178,6 +184,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--database", help="only this database")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
+    groups = commands.add_parser(
+        "groups", help="failed and abandoned rows grouped by what went wrong"
+    )
+    groups.add_argument("--database", help="only this database")
+    groups.add_argument("--target", help="only this target")
+    groups.add_argument("--json", action="store_true")
+
     requeue = commands.add_parser("requeue", help="put abandoned (or failed) rows back to pending")
     requeue.add_argument("--database", help="only this database")
     requeue.add_argument(
@@ -196,8 +209,21 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also rows waiting to retry (default: only abandoned ones)",
     )
+    requeue.add_argument(
+        "--group", metavar="G", help="exactly the rows of failure group G (router groups)"
+    )
     requeue.add_argument("--dry-run", action="store_true", help="only count what would change")
     requeue.add_argument("--json", action="store_true")
+
+    discard = commands.add_parser(
+        "discard", help="delete a failure group's rows: they will never be sent"
+    )
+    discard.add_argument(
+        "--group", metavar="G", required=True, help="the failure group (router groups)"
+    )
+    discard.add_argument("--database", help="only look for the group in this database")
+    discard.add_argument("--dry-run", action="store_true", help="only count what would go")
+    discard.add_argument("--json", action="store_true")
 
     trace = commands.add_parser("trace", help="every target's row of one event")
     trace.add_argument("message_id")
@@ -215,6 +241,13 @@ def _parser() -> argparse.ArgumentParser:
     cleanup = commands.add_parser("cleanup", help="delete rows past their retention")
     cleanup.add_argument("--database", help="only this database")
     cleanup.add_argument("--json", action="store_true")
+
+    audit = commands.add_parser("audit", help="who requeued, discarded, paused or resumed what")
+    audit.add_argument("--database", help="only this database")
+    audit.add_argument(
+        "--limit", type=_positive, default=50, help="the latest N actions (default 50)"
+    )
+    audit.add_argument("--json", action="store_true")
 
     preview = commands.add_parser(
         "preview", help="the exact message each target would get for an event"

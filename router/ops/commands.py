@@ -8,9 +8,7 @@ tools...): ``router.ops.cli`` imports this module for every command, ``router se
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
-import socket
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -98,7 +96,12 @@ def _age(seconds: float | None) -> str:
 
 async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
     from router.ops import operations
+    from router.ops.audit import cli_actor
 
+    if args.group:
+        from router.ops.commands_groups import requeue_group
+
+        return await requeue_group(config, args, redactor)
     statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
     counts = await operations.requeue(
         config,
@@ -110,6 +113,7 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
         until=args.until,
         statuses=statuses,
         dry_run=args.dry_run,
+        actor=cli_actor(),
     )
     total = sum(counts.values())
     verb = "would requeue" if args.dry_run else "requeued"
@@ -159,11 +163,12 @@ def _receipt_text(receipt: dict[str, Any] | None) -> str | None:
 
 async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
     from router.ops import operations
+    from router.ops.audit import cli_actor
 
     paused = args.command == "pause"
-    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    by = cli_actor()
     databases = await operations.set_paused(
-        config, args.target, paused=paused, database=args.database, by=by
+        config, args.target, paused=paused, database=args.database, by=by, actor=by
     )
     state = "paused" if paused else "resumed"
     _emit(

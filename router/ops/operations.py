@@ -453,7 +453,7 @@ async def set_paused(
                     actor=actor,
                     action="pause" if paused else "resume",
                     target=target,
-                    detail={"database": name, "by": by},
+                    detail={"database": name},
                     row_count=1,
                 )
         changed.append(name)

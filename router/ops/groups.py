@@ -1,0 +1,378 @@
+"""Failure groups: the failed and abandoned rows of an outbox, grouped by what went wrong.
+
+A group is (database, target, error class, broker error code, normalised message): the rows
+of one target that failed the same way, whatever their event, time, id or attempt count.
+``router groups`` lists them; ``router requeue --group`` and ``router discard --group`` act
+on exactly one group's rows.
+
+The database groups the rows by their exact ``last_error`` (so nothing loads every row);
+``signature`` then normalises each distinct text and the groups with equal signatures merge.
+A group keeps the exact texts it is made of, which is how its rows are found again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from router.config import RouterConfig
+from router.ops._schema import outbox
+from router.ops.audit import record
+from router.ops.operations import _connect, _databases, _text, _utc, exact_errors, requeue
+
+__all__ = [
+    "FailureGroup",
+    "Sample",
+    "Signature",
+    "discard",
+    "find_group",
+    "group_id",
+    "list_groups",
+    "requeue_group",
+    "signature",
+]
+
+FAILED = ("failed", "abandoned")
+DISCARD_BATCH = 1000
+AUDITED_IDS = 100
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What one error text says, with what varies between rows taken out."""
+
+    error_class: str
+    code: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The group's oldest row."""
+
+    seq: int
+    message_id: str
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class FailureGroup:
+    """Failed and abandoned rows of one target that failed the same way."""
+
+    id: str
+    database: str
+    target: str
+    error_class: str
+    code: str | None
+    message: str
+    statuses: dict[str, int]
+    count: int
+    first_seen: str | None
+    last_seen: str | None
+    sample: Sample
+    errors: tuple[str | None, ...] = field(repr=False)
+    """The exact ``last_error`` texts of the group's rows."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (without the exact texts, which may be many)."""
+        document = asdict(self)
+        del document["errors"]
+        return document
+
+
+# What the relay puts before a broker's error when it gives a row up
+# (router/relay/delivery.py, Delivery._classify).
+_RELAY_PREFIX = re.compile(r"^(?:gave up after \d+ attempts: |not retryable: )+")
+# A name that says it is an exception; else a CamelCase name in the ``Name: message`` shape
+# of brokers._describe.describe (aiormq's ChannelNotFoundEntity...).
+_CLASSES = (
+    re.compile(r"\b[A-Z][A-Za-z0-9]*(?:Error|Exception|Refused|Exceeded|Timeout|Failure)\b"),
+    re.compile(r"(?:^|(?<=: ))[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+(?=: |$)"),
+)
+# When the text names no exception: what the router itself says, first match wins.
+_CATEGORIES = (
+    ("rejected by ", "rejected"),
+    ("cannot render envelope", "render"),
+    ("cannot downcast", "downcast"),
+    ("lease ended", "lease"),
+    ("unroutable", "unroutable"),
+    ("an earlier message of its stream failed", "held"),
+    ("within the timeout", "timeout"),
+    ("no confirm within", "timeout"),
+)
+_CODES = (
+    # JetStream: "(code 400, err_code 10054)"; the err_code is the precise one.
+    (re.compile(r"\berr_code (\d+)"), "err_code {}"),
+    (re.compile(r"\bcode (\d+)\b"), "code {}"),
+    # AMQP 0-9-1 (aiormq): '(404, "NOT_FOUND - no exchange ...")'; a returned message's
+    # reply text alone: "(NO_ROUTE)".
+    (re.compile(r"\((\d{3}), ['\"]([A-Z]+(?:_[A-Z]+)*)\b"), "{} {}"),
+    (re.compile(r"\(([A-Z]+(?:_[A-Z]+)+)\)"), "{}"),
+    # AMQP 1.0 (Service Bus): "amqp:not-found", "com.microsoft:entity-disabled".
+    (re.compile(r"\b((?:amqp|com\.microsoft):[a-z-]+(?::[a-z-]+)*)"), "{}"),
+    # Kafka (aiokafka): "[Error 10] MessageSizeTooLargeError"; librdkafka: "code=MSG_SIZE...".
+    (re.compile(r"\[Error (\d+)\]"), "Error {}"),
+    (re.compile(r"\bcode=([A-Z_]+)\b"), "{}"),
+    # Redis: the reply's first word, "rejected by Redis: ResponseError: WRONGTYPE Operation...".
+    (re.compile(r"\bRedis\b[^:]*: \w+Error: ([A-Z][A-Z_]{2,})\b"), "{}"),
+)
+_PLACEHOLDERS = (
+    (re.compile(r"(lease ended before the attempt was marked) \(.*\)"), r"\1 (<worker>)"),
+    (re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"()\[\],]+"), "<addr>"),
+    # A socket address as Python prints it: ('127.0.0.1', 4222), ("h", 9092, <family>).
+    (re.compile(r"\(\s*['\"][^'\"]*['\"],\s*\d+\s*(?:,[^()]*)?\)"), "<addr>"),
+    (
+        re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|\b(?=[\w.-]*[A-Za-z.])[A-Za-z0-9][\w.-]*):\d{1,5}\b"),
+        "<addr>",
+    ),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b"), "<addr>"),
+    (re.compile(r"\b[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b"), "<id>"),
+    # Quoted names and values (no spaces: a quoted sentence is part of the message).
+    (re.compile(r"\bb'[^'\n]*'|\bb\"[^\"\n]*\""), "<str>"),
+    (re.compile(r"'[^'\s]*'|\"[^\"\s]*\""), "<str>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<id>"),
+    (re.compile(r"\b(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{6,}\b"), "<id>"),
+    (re.compile(r"\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9_-]{16,}\b"), "<id>"),
+    (re.compile(r"(?<![\w<])\d+(?:[.,]\d+)*(?![\w>])"), "<n>"),
+)
+
+
+def signature(error: str | None) -> Signature:
+    """The error class, broker error code and normalised message of one ``last_error``."""
+    text = " ".join(_RELAY_PREFIX.sub("", (error or "").strip()).split())
+    return Signature(_class(text), _code(text), normalise(text))
+
+
+def _class(text: str) -> str:
+    for pattern in _CLASSES:
+        found = pattern.search(text)
+        if found:
+            return found.group(0)
+    lowered = text.lower()
+    return next((category for part, category in _CATEGORIES if part in lowered), "error")
+
+
+def _code(text: str) -> str | None:
+    for pattern, shape in _CODES:
+        found = pattern.search(text)
+        if found:
+            return shape.format(*found.groups())
+    return None
+
+
+def normalise(text: str) -> str:
+    """``text`` with numbers, ids, quoted names and addresses replaced by placeholders."""
+    for pattern, placeholder in _PLACEHOLDERS:
+        text = pattern.sub(placeholder, text)
+    return text
+
+
+def group_id(database: str, target: str, sig: Signature) -> str:
+    """A short id that stays the same while the group's rows stay (10 hex digits)."""
+    key = "\x1f".join((database, target, sig.error_class, sig.code or "", sig.message))
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+async def list_groups(
+    config: RouterConfig, database: str | None = None, target: str | None = None
+) -> list[FailureGroup]:
+    """Every failure group, the most recently seen first."""
+    found: list[FailureGroup] = []
+    for name in _databases(config, database):
+        async with _connect(config, name) as conn:
+            found.extend(await _groups_of(conn, name, target))
+    found.sort(key=lambda g: (g.last_seen or "", g.count), reverse=True)
+    return found
+
+
+async def find_group(
+    config: RouterConfig, group: str, database: str | None = None
+) -> FailureGroup | None:
+    """The group with id ``group``, or None."""
+    for name in _databases(config, database):
+        async with _connect(config, name) as conn:
+            for found in await _groups_of(conn, name, None):
+                if found.id == group:
+                    return found
+    return None
+
+
+@dataclass
+class _Merging:
+    """One group as the rows of its distinct texts add up."""
+
+    target: str
+    sig: Signature
+    statuses: dict[str, int] = field(default_factory=dict)
+    first: datetime | None = None
+    last: datetime | None = None
+    sample: tuple[int, str | None] | None = None
+    errors: set[str | None] = field(default_factory=set)
+
+    def add(self, row: Any) -> None:
+        self.statuses[row.status] = self.statuses.get(row.status, 0) + int(row.rows)
+        first, last = _utc(row.first), _utc(row.last)
+        if first is not None and (self.first is None or first < self.first):
+            self.first = first
+        if last is not None and (self.last is None or last > self.last):
+            self.last = last
+        if self.sample is None or row.sample < self.sample[0]:
+            self.sample = (int(row.sample), row.last_error)
+        self.errors.add(row.last_error)
+
+
+async def _groups_of(
+    conn: AsyncConnection, database: str, target: str | None
+) -> list[FailureGroup]:
+    o = outbox
+    time = o.c.last_attempt_at.type
+    query = (
+        sa.select(
+            o.c.target,
+            o.c.status,
+            o.c.last_error,
+            sa.func.count().label("rows"),
+            sa.type_coerce(sa.func.min(o.c.last_attempt_at), time).label("first"),
+            sa.type_coerce(sa.func.max(o.c.last_attempt_at), time).label("last"),
+            sa.func.min(o.c.seq).label("sample"),
+        )
+        .where(o.c.status.in_(FAILED))
+        .group_by(o.c.target, o.c.status, o.c.last_error)
+    )
+    if target is not None:
+        query = query.where(o.c.target == target)
+    merged: dict[tuple[str, Signature], _Merging] = {}
+    for row in await conn.execute(query):
+        sig = signature(row.last_error)
+        merged.setdefault((row.target, sig), _Merging(row.target, sig)).add(row)
+    ids = await _message_ids(conn, [m.sample[0] for m in merged.values() if m.sample])
+    return [_group(database, m, ids) for m in merged.values()]
+
+
+async def _message_ids(conn: AsyncConnection, seqs: list[int]) -> dict[int, str]:
+    found: dict[int, str] = {}
+    for i in range(0, len(seqs), DISCARD_BATCH):
+        query = sa.select(outbox.c.seq, outbox.c.message_id).where(
+            outbox.c.seq.in_(seqs[i : i + DISCARD_BATCH])
+        )
+        found.update((int(r.seq), str(r.message_id)) for r in await conn.execute(query))
+    return found
+
+
+def _group(database: str, merging: _Merging, ids: dict[int, str]) -> FailureGroup:
+    seq, error = merging.sample or (0, None)
+    sig = merging.sig
+    return FailureGroup(
+        id=group_id(database, merging.target, sig),
+        database=database,
+        target=merging.target,
+        error_class=sig.error_class,
+        code=sig.code,
+        message=sig.message,
+        statuses={status: merging.statuses.get(status, 0) for status in FAILED},
+        count=sum(merging.statuses.values()),
+        first_seen=_text(merging.first),
+        last_seen=_text(merging.last),
+        sample=Sample(seq, ids.get(seq, ""), error),
+        errors=tuple(sorted(merging.errors, key=lambda e: (e is None, e or ""))),
+    )
+
+
+def _context(group: FailureGroup) -> dict[str, Any]:
+    """What an audit row says of the group it acted on."""
+    return {
+        "group": group.id,
+        "target": group.target,
+        "error_class": group.error_class,
+        "code": group.code,
+        "message": group.message,
+    }
+
+
+async def requeue_group(
+    config: RouterConfig, group: FailureGroup, *, dry_run: bool = False, actor: str | None = None
+) -> int:
+    """Put the group's rows back to pending (``router.ops.operations.requeue``)."""
+    counts = await requeue(
+        config,
+        group.database,
+        targets_=[group.target],
+        statuses=FAILED,
+        errors=group.errors,
+        dry_run=dry_run,
+        actor=actor,
+        context=_context(group),
+    )
+    return counts.get(group.database, 0)
+
+
+async def discard(
+    config: RouterConfig,
+    group: FailureGroup,
+    *,
+    dry_run: bool = False,
+    actor: str | None = None,
+    batch_size: int = DISCARD_BATCH,
+) -> int:
+    """Delete the group's rows: they will never be sent. Returns how many.
+
+    The rows go in batches by primary key, each DELETE checking the row is still failed
+    with one of the group's texts (a row retried meanwhile stays), all in one transaction
+    with the audit row: a discard that stops half-way leaves nothing deleted unaudited.
+    """
+    o = outbox
+    wheres = [
+        sa.and_(o.c.target == group.target, o.c.status.in_(FAILED), part)
+        for part in exact_errors(group.errors)
+    ]
+    async with _connect(config, group.database) as conn:
+        if dry_run:
+            query = sa.select(sa.func.count()).select_from(o)
+            return sum([int((await conn.execute(query.where(w))).scalar_one()) for w in wheres])
+        deleted = 0
+        message_ids: list[str] = []
+        for where in wheres:
+            done, ids = await _delete_batches(conn, where, batch_size)
+            deleted += done
+            message_ids.extend(ids[: AUDITED_IDS - len(message_ids)])
+        if actor is not None:
+            detail = {**_context(group), "database": group.database, "message_ids": message_ids}
+            await record(
+                conn,
+                actor=actor,
+                action="discard",
+                target=group.target,
+                detail=detail,
+                row_count=deleted,
+            )
+    return deleted
+
+
+async def _delete_batches(
+    conn: AsyncConnection, where: sa.ColumnElement[bool], size: int
+) -> tuple[int, list[str]]:
+    """Delete the rows ``where`` picks, ``size`` keys at a time in ``seq`` order (so a row
+    that changed meanwhile and stays is not picked again); (rows deleted, their first
+    message ids)."""
+    o = outbox
+    deleted, after = 0, -1
+    message_ids: list[str] = []
+    while True:
+        query = sa.select(o.c.seq, o.c.message_id).where(where, o.c.seq > after)
+        batch = (await conn.execute(query.order_by(o.c.seq).limit(size))).all()
+        if not batch:
+            return deleted, message_ids
+        seqs = [int(r.seq) for r in batch]
+        result = await conn.execute(sa.delete(o).where(o.c.seq.in_(seqs), where))
+        deleted += result.rowcount or 0
+        if len(message_ids) < AUDITED_IDS:
+            message_ids.extend(str(r.message_id) for r in batch[: AUDITED_IDS - len(message_ids)])
+        after = seqs[-1]
+        if len(batch) < size:
+            return deleted, message_ids
