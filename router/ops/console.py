@@ -1,12 +1,14 @@
 """The HTTP console of ``router serve``: health, readiness, metrics, the status API, the
-dashboard, and pausing or resuming a target. Shared by a single router and by the parent of a
-worker pool.
+dashboard, pausing or resuming a target, and the operator API (failure groups, requeue and
+discard, the message browser, one message as each target receives it, the audit trail).
+Shared by a single router and by the parent of a worker pool.
 
 ``StatusService`` holds the routes (async functions returning ``Response``);
 ``router.ops.http_app`` serves them with Starlette on uvicorn and holds the token rules. With a
 token configured, every route but ``/healthz`` and ``/readyz`` (and the dashboard page itself,
 which holds no data and asks for the token) needs ``Authorization: Bearer <token>``; without
-one, the routes that change state are off.
+one, the routes that change state are off. The operator API answers through the config's
+``Redactor``: a secret a driver or broker quoted into an error is shown as ``***``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from envelopes import RouterError
+from router._secrets import Redactor, secrets_of
 from router.config import RouterConfig
 from router.relay.metrics import BacklogCollector, counter_totals
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
     from router.ops.http_app import HttpServer
     from router.ops.operations import TargetStatus
 
-__all__ = ["Response", "Route", "StatusService", "json_response"]
+__all__ = ["Action", "Params", "Query", "Response", "Route", "StatusService", "json_response"]
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +60,20 @@ def json_response(status: int, document: Any) -> Response:
 
 
 Route = Callable[[], Awaitable[Response]]
+Params = Mapping[str, str]
+"""A request's path parameters and query string."""
+Query = Callable[[Params], Awaitable[Response]]
+Action = Callable[[Params, Mapping[str, Any], str], Awaitable[Response]]
+"""A route that changes state: path parameters, the JSON body, who asks (``http:<client>``)."""
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 # How long /healthz waits for a fresh database reading before it answers from the last one:
 # a liveness probe must not fail, and get the router restarted, because a database is slow.
 HEALTH_READ_WAIT = 1.0
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 200
+BAD_LIMIT = {"error": f"limit: a number of rows, at most {MAX_LIMIT}"}
 
 
 class StatusService:
@@ -85,6 +96,7 @@ class StatusService:
         self._read_at = 0.0
         self._lock = asyncio.Lock()
         self._error: str | None = None
+        self._redact = Redactor(secrets_of(config))
 
     def server(self) -> HttpServer:
         """An HTTP server with every route, on ``http.bind``."""
@@ -101,6 +113,24 @@ class StatusService:
             "/metrics": self.metrics,
             "/api/outbox": self.api,
             "/": self.dashboard,
+        }
+
+    def queries(self) -> dict[str, Query]:
+        """The GET routes that read path and query parameters, by path."""
+        return {
+            "/api/groups": self.groups,
+            "/api/messages": self.messages,
+            "/api/messages/{message_id}": self.message,
+            "/api/audit": self.audit,
+        }
+
+    def actions(self) -> dict[str, Action]:
+        """The POST routes, which change state, by path."""
+        return {
+            "/api/targets/{database}/{target}/pause": self.pause,
+            "/api/targets/{database}/{target}/resume": self.resume,
+            "/api/groups/{database}/{group_id}/requeue": self.requeue_group,
+            "/api/groups/{database}/{group_id}/discard": self.discard_group,
         }
 
     async def rows(self) -> list[TargetStatus]:
@@ -201,3 +231,151 @@ class StatusService:
         event = "http.target_paused" if paused else "http.target_resumed"
         log.info(event, extra={"database": database, "target": target, "by": by})
         return json_response(200, {"database": database, "target": target, "paused": paused})
+
+    async def pause(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
+        """POST /api/targets/{database}/{target}/pause."""
+        return await self.set_paused(params["database"], params["target"], paused=True, by=actor)
+
+    async def resume(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
+        """POST /api/targets/{database}/{target}/resume."""
+        return await self.set_paused(params["database"], params["target"], paused=False, by=actor)
+
+    # --- the operator API -------------------------------------------------------------------
+
+    async def groups(self, params: Params) -> Response:
+        """GET /api/groups: the failure groups, as ``router groups --json``."""
+        from router.ops.groups import list_groups
+
+        database = params.get("database") or None
+        if database is not None and database not in self.config.databases:
+            return self._unknown_database(database)
+        try:
+            found = await list_groups(self.config, database, params.get("target") or None)
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        return self._json(200, {"groups": [group.as_dict() for group in found]})
+
+    async def requeue_group(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
+        """POST /api/groups/{database}/{group_id}/requeue: the group's rows back to pending."""
+        return await self._act_on_group("requeue", params, body, actor)
+
+    async def discard_group(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
+        """POST /api/groups/{database}/{group_id}/discard: delete the group's rows."""
+        return await self._act_on_group("discard", params, body, actor)
+
+    async def _act_on_group(
+        self, action: str, params: Params, body: Mapping[str, Any], actor: str
+    ) -> Response:
+        """As ``router requeue|discard --group``; ``{"dry_run": true}`` counts and changes
+        nothing."""
+        from router.ops import groups
+
+        database, group_id = params["database"], params["group_id"]
+        if database not in self.config.databases:
+            return self._unknown_database(database)
+        unknown = sorted(set(body) - {"dry_run"})
+        if unknown or not isinstance(body.get("dry_run", False), bool):
+            # A misspelt dry_run must not act for real.
+            return self._json(400, {"error": 'the body is {"dry_run": true} or {}'})
+        dry_run = bool(body.get("dry_run", False))
+        try:
+            group = await groups.find_group(self.config, group_id, database)
+            if group is None:
+                error = f"no failure group {group_id!r} in database {database!r}"
+                return self._json(404, {"error": error})
+            if action == "requeue":
+                rows = await groups.requeue_group(self.config, group, dry_run=dry_run, actor=actor)
+            else:
+                rows = await groups.discard(self.config, group, dry_run=dry_run, actor=actor)
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        if not dry_run:
+            self._read_at = 0.0  # the next status read shows the change
+            extra = {"database": database, "group": group_id, "rows": rows, "by": actor}
+            log.info(f"http.group_{action}", extra=extra)
+        return self._json(
+            200, {"group": group.id, "database": database, "rows": rows, "dry_run": dry_run}
+        )
+
+    async def messages(self, params: Params) -> Response:
+        """GET /api/messages: one entry per outbox row, newest first, filtered and paged."""
+        from router.ops.browse import QueryError, messages
+
+        database = params.get("database") or None
+        if database is not None and database not in self.config.databases:
+            return self._unknown_database(database)
+        limit = _limit(params)
+        if limit is None:
+            return self._json(400, BAD_LIMIT)
+        try:
+            rows, after = await messages(
+                self.config,
+                database=database,
+                q=params.get("q"),
+                event_type=params.get("type"),
+                stream_key=params.get("stream_key"),
+                status=params.get("status"),
+                error=params.get("error"),
+                target=params.get("target"),
+                limit=limit,
+                before=params.get("before"),
+            )
+        except QueryError as exc:
+            return self._json(400, {"error": str(exc)})
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        return self._json(200, {"messages": [r.as_dict() for r in rows], "next_before": after})
+
+    async def message(self, params: Params) -> Response:
+        """GET /api/messages/{message_id}: every target's row, with the message it receives."""
+        from router.ops.browse import message
+
+        message_id = params["message_id"]
+        try:
+            targets = await message(self.config, message_id)
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        if not targets:
+            return self._json(404, {"error": f"no message {message_id!r}"})
+        return self._json(200, {"message_id": message_id, "targets": targets})
+
+    async def audit(self, params: Params) -> Response:
+        """GET /api/audit: the operator actions, newest first, as ``router audit --json``."""
+        from router.ops.audit import history
+
+        database = params.get("database") or None
+        if database is not None and database not in self.config.databases:
+            return self._unknown_database(database)
+        limit = _limit(params)
+        if limit is None:
+            return self._json(400, BAD_LIMIT)
+        try:
+            rows = await history(self.config, database, limit)
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        return self._json(200, {"entries": [row.as_dict() for row in rows]})
+
+    def _unknown_database(self, database: str) -> Response:
+        return self._json(404, {"error": f"unknown database {database!r}"})
+
+    def _json(self, status: int, document: Any) -> Response:
+        """A JSON answer with every secret of the config replaced by ``***``."""
+        return json_response(status, _redacted(document, self._redact))
+
+
+def _limit(params: Params) -> int | None:
+    """``limit`` (default DEFAULT_LIMIT), at most MAX_LIMIT; None when it is no number."""
+    text = params.get("limit", "").strip()
+    if not text:
+        return DEFAULT_LIMIT
+    return max(1, min(int(text), MAX_LIMIT)) if text.isdigit() else None
+
+
+def _redacted(value: Any, redact: Redactor) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {key: _redacted(item, redact) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(item, redact) for item in value]
+    return value

@@ -8,7 +8,8 @@ Rules, in the order they are checked:
   dashboard page holds no data and asks for the token) need ``Authorization: Bearer <token>``.
 - ``POST`` routes (they change state) are off without ``http.token`` (403). With it, a request
   that a browser marks as cross-site (``Origin`` not this host, ``Sec-Fetch-Site: cross-site``)
-  is refused (403), then the bearer token is required (401).
+  is refused (403), then the bearer token is required (401). A body, when there is one, must
+  be a JSON object (400).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import contextlib
 import errno
 import functools
 import hmac
+import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -32,7 +34,15 @@ from starlette.responses import Response as StarletteResponse
 from starlette.routing import Route as StarletteRoute
 
 from envelopes import RouterError
-from router.ops.console import OPEN_ROUTES, Response, Route, json_response
+from router.ops.console import (
+    OPEN_ROUTES,
+    Action,
+    Params,
+    Query,
+    Response,
+    Route,
+    json_response,
+)
 
 if TYPE_CHECKING:
     from router.ops.console import StatusService
@@ -47,34 +57,45 @@ Endpoint = Callable[[Request], Awaitable[StarletteResponse]]
 # server itself is given STOP_WAIT in all, so a stuck request never holds up a shutdown.
 GRACE = 1
 STOP_WAIT = 1.5
-PAUSE_ROUTES = ("/api/targets/{database}/{target}/pause", "/api/targets/{database}/{target}/resume")
 
 
 def build_app(service: StatusService) -> Starlette:
     """The console's routes, token rules and JSON errors as an ASGI app."""
     http = service.config.http
     token = http.token.get_secret_value().encode() if http.token else None
+    gets = {path: _without_params(route) for path, route in service.routes().items()}
+    gets.update(service.queries())
     routes = [
-        StarletteRoute(path, _get(path, route, token), methods=["GET"])
-        for path, route in service.routes().items()
+        StarletteRoute(path, _get(path, query, token), methods=["GET"])
+        for path, query in gets.items()
     ]
-    for path, paused in zip(PAUSE_ROUTES, (True, False), strict=True):
-        routes.append(StarletteRoute(path, _post(service, token, paused=paused), methods=["POST"]))
+    routes.extend(
+        StarletteRoute(path, _post(action, token), methods=["POST"])
+        for path, action in service.actions().items()
+    )
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.router.redirect_slashes = False  # /healthz/ is no route, as it never was
     return app
 
 
-def _get(path: str, route: Route, token: bytes | None) -> Endpoint:
+def _without_params(route: Route) -> Query:
+    async def query(params: Params) -> Response:
+        return await route()
+
+    return query
+
+
+def _get(path: str, query: Query, token: bytes | None) -> Endpoint:
     async def endpoint(request: Request) -> StarletteResponse:
         if token is not None and path not in OPEN_ROUTES and not _authorised(request, token):
             return _send(json_response(401, {"error": "a bearer token is required"}))
-        return _send(await _answer(path, route))
+        params = {**request.query_params, **request.path_params}
+        return _send(await _answer(path, functools.partial(query, params)))
 
     return endpoint
 
 
-def _post(service: StatusService, token: bytes | None, *, paused: bool) -> Endpoint:
+def _post(action: Action, token: bytes | None) -> Endpoint:
     async def endpoint(request: Request) -> StarletteResponse:
         if token is None:
             return _send(json_response(403, {"error": "mutating routes are off: set http.token"}))
@@ -89,14 +110,25 @@ def _post(service: StatusService, token: bytes | None, *, paused: bool) -> Endpo
         # that would get this wrong.
         if not _authorised(request, token):
             return _send(json_response(401, {"error": "a bearer token is required"}))
-        database, target = request.path_params["database"], request.path_params["target"]
+        body = _object(await request.body())
+        if body is None:
+            return _send(json_response(400, {"error": "the body must be a JSON object"}))
         client = request.client.host if request.client else "unknown"
-        change = functools.partial(
-            service.set_paused, database, target, paused=paused, by=f"http:{client}"
-        )
+        change = functools.partial(action, dict(request.path_params), body, f"http:{client}")
         return _send(await _answer(request.url.path, change))
 
     return endpoint
+
+
+def _object(body: bytes) -> dict[str, Any] | None:
+    """A POST's JSON body ({} for none); None when it is not a JSON object."""
+    if not body.strip():
+        return {}
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) else None
 
 
 async def _answer(path: str, route: Route) -> Response:
