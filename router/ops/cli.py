@@ -33,7 +33,7 @@ from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
 from router.config import RouterConfig
-from router.ops import commands, commands_groups
+from router.ops import commands, commands_groups, commands_replay
 from router.ops._logs import setup_logging
 from router.ops.commands import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from router.write.catalog import check_partners, load_catalog
@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "groups": commands_groups.groups,
         "requeue": commands.requeue,
         "discard": commands_groups.discard,
+        "replay": commands_replay.replay,
         "trace": commands.trace,
         "pause": commands.pause,
         "resume": commands.pause,
@@ -224,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     discard.add_argument("--database", help="only look for the group in this database")
     discard.add_argument("--dry-run", action="store_true", help="only count what would go")
     discard.add_argument("--json", action="store_true")
+
+    commands_replay.add_parser(commands, _moment)
 
     trace = commands.add_parser("trace", help="every target's row of one event")
     trace.add_argument("message_id")

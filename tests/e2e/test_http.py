@@ -283,7 +283,12 @@ BEARER = {"Authorization": f"Bearer {TOKEN}"}
 PARTNER_CIRCUITS = {"main/analytics": "closed", "main/billing": "closed"}
 GET_ROUTES = ["/", "/api/outbox", "/healthz", "/metrics", "/readyz"]
 ROUTES = sorted(
-    [*GET_ROUTES, *(f"/api/targets/{{database}}/{{target}}/{a}" for a in ("pause", "resume"))]
+    [
+        *GET_ROUTES,
+        *(f"/api/targets/{{database}}/{{target}}/{a}" for a in ("pause", "resume")),
+        *("/api/groups", "/api/messages", "/api/messages/{message_id}", "/api/audit"),
+        *(f"/api/groups/{{database}}/{{group_id}}/{a}" for a in ("requeue", "discard")),
+    ]
 )
 
 
