@@ -182,6 +182,12 @@ class BrokerSettings(BaseModel):
         description="When this target's queue passes max_rows: alert (log and metric) or "
         "pause it (load shedding for a runaway backlog).",
     )
+    slo_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="Commit-to-acknowledgement time this target should meet: status and "
+        "/metrics report the share of rows delivered within it.",
+    )
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     publish_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for one batch's acknowledgements."

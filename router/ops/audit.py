@@ -79,7 +79,8 @@ async def history(
 ) -> list[AuditRow]:
     """The latest ``limit`` actions over the databases asked for, newest first."""
     # operations imports this module (for ``record``): imported here only when reading.
-    from router.ops.operations import _connect, _databases, _utc
+    from router.ops._times import utc as _utc
+    from router.ops.operations import _connect, _databases
 
     found: list[AuditRow] = []
     for name in _databases(config, database):

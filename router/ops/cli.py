@@ -33,7 +33,7 @@ from router import __version__
 from router._secrets import Redactor, secrets_of
 from router._yaml import load_config, require_clients
 from router.config import RouterConfig
-from router.ops import commands, commands_groups, commands_replay
+from router.ops import commands, commands_groups, commands_replay, commands_status
 from router.ops._logs import setup_logging
 from router.ops.commands import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from router.write.catalog import check_partners, load_catalog
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": _serve,
         "init-db": _init_db,
         "check": _check,
-        "status": commands.status,
+        "status": commands_status.status,
         "groups": commands_groups.groups,
         "requeue": commands.requeue,
         "discard": commands_groups.discard,
@@ -181,9 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         help="create the streams and exchanges that serve would create",
     )
 
-    status = commands.add_parser("status", help="backlog, failures and circuits per target")
-    status.add_argument("--database", help="only this database")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    commands_status.add_parser(commands)
 
     groups = commands.add_parser(
         "groups", help="failed and abandoned rows grouped by what went wrong"

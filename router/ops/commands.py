@@ -29,7 +29,6 @@ __all__ = [
     "pause",
     "preview",
     "requeue",
-    "status",
     "trace",
 ]
 
@@ -38,60 +37,6 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
     print(json.dumps(document, indent=2, default=str) if args.json else human)
-
-
-async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import operations
-    from router.ops._tables import table
-
-    rows = await operations.status(config, args.database)
-    human = table(
-        [
-            "database",
-            "target",
-            "pending",
-            "in flight",
-            "retrying",
-            "abandoned",
-            "published",
-            "oldest due",
-            "retries/min",
-            "circuit",
-            "paused",
-        ],
-        [
-            (
-                r.database,
-                r.target,
-                r.pending,
-                r.in_flight,
-                r.failed,
-                r.abandoned,
-                r.published,
-                _age(r.oldest_claimable_age),
-                r.retries_per_minute,
-                r.circuit,
-                "yes" if r.paused else "no",
-            )
-            for r in rows
-        ],
-        right=2,
-    )
-    errors = [f"  {r.database}/{r.target}: {r.last_error}" for r in rows if r.last_error]
-    if errors:
-        human += "\n\nlatest errors:\n" + "\n".join(errors)
-    _emit(args, {"targets": [r.as_dict() for r in rows]}, redactor(human))
-    return EXIT_OK
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:

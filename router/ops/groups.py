@@ -23,8 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from router.config import RouterConfig
 from router.ops._schema import outbox
+from router.ops._times import utc as _utc
 from router.ops.audit import record
-from router.ops.operations import _connect, _databases, _text, _utc, exact_errors, requeue
+from router.ops.operations import _connect, _databases, _text, exact_errors, requeue
 
 __all__ = [
     "FailureGroup",

@@ -20,11 +20,14 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from brokers import BrokerSettings
 from envelopes import DatabaseError
 from router._db import create_engine
 from router.config import RouterConfig
 from router.ops._schema import inbox, outbox, targets
+from router.ops._times import utc as _utc
 from router.ops.audit import record
+from router.ops.flow import WINDOW, Flow, flows, time_to_empty
 
 __all__ = [
     "Cleanup",
@@ -60,10 +63,29 @@ class TargetStatus:
     circuit_since: str | None = None
     paused: bool = False
     last_error: str | None = None
+    # The last minute (router.ops.flow), and the target's limits from the config.
+    staged_per_second: float = 0.0
+    published_per_second: float = 0.0
+    time_to_empty_seconds: float | None = None  # None: not shrinking
+    delivered_within_slo: float | None = None
+    slo_seconds: float = 1.0
+    rate_limit: dict[str, Any] | None = None
+    max_in_flight: int | None = None
+    on_backlog: dict[str, Any] | None = None
+
+    @property
+    def new(self) -> int:
+        """Queued rows never tried (pending)."""
+        return self.pending
+
+    @property
+    def retrying(self) -> int:
+        """Queued rows waiting for their next attempt (failed)."""
+        return self.failed
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return asdict(self)
+        return asdict(self) | {"new": self.new, "retrying": self.retrying}
 
 
 @dataclass(frozen=True)
@@ -141,14 +163,6 @@ def _clock(conn: AsyncConnection) -> Any:
     return sa.func.utc_timestamp(6) if conn.dialect.name == "mysql" else _now()
 
 
-def _utc(value: Any) -> datetime | None:
-    """SQLite hands times back naive (they are stored in UTC)."""
-    if value is None:
-        return None
-    moment: datetime = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 def _text(value: Any) -> str | None:
     moment = _utc(value)
     return moment.isoformat(timespec="milliseconds") if moment else None
@@ -188,13 +202,15 @@ async def status(
     found: list[TargetStatus] = []
     for name in _databases(config, database):
         async with _connect(config, name) as conn:
-            configured = list(config.brokers_of(name))
-            found.extend(await _status_of(conn, name, configured, published))
+            found.extend(await _status_of(conn, name, config.brokers_of(name), published))
     return found
 
 
 async def _status_of(
-    conn: AsyncConnection, database: str, configured: list[str], published: bool
+    conn: AsyncConnection,
+    database: str,
+    configured: Mapping[str, BrokerSettings],
+    published: bool,
 ) -> list[TargetStatus]:
     now = _now()
     o = outbox
@@ -222,17 +238,24 @@ async def _status_of(
                 o.c.status.in_(("failed", "abandoned")), o.c.last_attempt_at > now - RETRY_WINDOW
             )
         ),
+        count(sa.and_(o.c.status.in_(OPEN), o.c.created_at > now - WINDOW)),
     ).group_by(o.c.target)
     if not published:
         query = query.where(o.c.status.in_((*OPEN, "abandoned")))
     rows = {r[0]: r for r in (await conn.execute(query)).all()}
     states = {r.target: r for r in (await conn.execute(sa.select(targets))).all()}
     errors = await _latest_errors(conn)
+    slos = {name: settings.slo_seconds for name, settings in configured.items()}
+    moving = await flows(conn, slos, {t: int(r[8] or 0) for t, r in rows.items()}, now)
     result = []
     for target in sorted(set(configured) | set(rows)):
         row = rows.get(target)
         state = states.get(target)
         oldest = _utc(row[6]) if row is not None else None
+        flow = moving.get(target, Flow())
+        settings = configured.get(target)
+        queued = sum(int(row[i] or 0) for i in (1, 2, 3)) if row else 0
+        paused = bool(state.paused) if state else False
         result.append(
             TargetStatus(
                 database=database,
@@ -246,11 +269,33 @@ async def _status_of(
                 retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
                 circuit=state.circuit if state else "closed",
                 circuit_since=_text(state.circuit_since) if state else None,
-                paused=bool(state.paused) if state else False,
+                paused=paused,
                 last_error=errors.get(target),
+                staged_per_second=flow.staged_per_second,
+                published_per_second=flow.published_per_second,
+                time_to_empty_seconds=time_to_empty(queued, flow, paused),
+                delivered_within_slo=flow.delivered_within_slo,
+                **_limits(settings),
             )
         )
     return result
+
+
+def _limits(settings: BrokerSettings | None) -> dict[str, Any]:
+    """What the config says about a target's pace, as status shows it."""
+    if settings is None:  # rows of a target the config no longer has
+        return {}
+    limit = settings.rate_limit
+    return {
+        "slo_seconds": settings.slo_seconds,
+        "rate_limit": (
+            None
+            if limit is None
+            else {"messages_per_second": limit.messages_per_second, "burst": limit.capacity}
+        ),
+        "max_in_flight": getattr(settings, "max_in_flight", None),
+        "on_backlog": settings.on_backlog.model_dump() if settings.on_backlog else None,
+    }
 
 
 async def _latest_errors(conn: AsyncConnection) -> dict[str, str]:

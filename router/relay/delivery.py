@@ -140,10 +140,15 @@ class Delivery:
         return sendable
 
     async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
+        started = time.perf_counter()
         try:
             results = await asyncio.wait_for(
                 self.broker.publish(messages), self.settings.publish_limit
             )
+            if self._metrics is not None:  # one wave: from the first send to the last ack
+                self._metrics.publish.labels(self._log["database"], self.target).observe(
+                    time.perf_counter() - started
+                )
         except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
             self.circuit.unreachable(str(exc))
             return await self._all_failed(messages, str(exc))
@@ -252,6 +257,8 @@ class Delivery:
             if created is not None:
                 latencies.append(max(0.0, now - created))
         observe_all(metrics.latency.labels(*labels), latencies)
+        slo = self.settings.slo_seconds
+        metrics.within_slo.labels(*labels).inc(sum(1 for latency in latencies if latency <= slo))
 
 
 def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:

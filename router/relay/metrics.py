@@ -94,6 +94,19 @@ class Metrics:
             LABELS,
             registry=self.registry,
         )
+        self.within_slo = Counter(
+            "router_delivered_within_slo",
+            "Rows published within the target's slo_seconds of their commit.",
+            LABELS,
+            registry=self.registry,
+        )
+        self.publish = Histogram(
+            "router_publish_seconds",
+            "One wave's publish: from its first send to the broker's last acknowledgement.",
+            LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "router_commit_to_ack_seconds",
             "From the row's commit (created_at) to the broker's acknowledgement.",
@@ -173,3 +186,54 @@ class BacklogCollector:
             paused.add_metric([row.database, row.target], 1.0 if row.paused else 0.0)
         yield circuit
         yield paused
+        yield from self._flow()
+
+    def _flow(self) -> Iterator[GaugeMetricFamily]:
+        """The last minute's flow and the limits (router.ops.flow; the config)."""
+        inf, nan = float("inf"), float("nan")
+
+        def rate_limit(row: Any) -> float:
+            return float(row.rate_limit["messages_per_second"]) if row.rate_limit else 0.0
+
+        def max_rows(row: Any) -> float:
+            return float(row.on_backlog["max_rows"]) if row.on_backlog else 0.0
+
+        def over(row: Any) -> float:
+            limit = max_rows(row)
+            return 1.0 if limit and row.pending + row.in_flight + row.failed > limit else 0.0
+
+        figures: Iterable[tuple[str, str, Any]] = (
+            (
+                "router_staged_per_second",
+                "Rows staged a second over the last minute.",
+                lambda r: r.staged_per_second,
+            ),
+            (
+                "router_published_per_second",
+                "Rows published a second over the last minute.",
+                lambda r: r.published_per_second,
+            ),
+            (
+                "router_time_to_empty_seconds",
+                "When the queue is empty at the last minute's pace (+Inf: not shrinking).",
+                lambda r: inf if r.time_to_empty_seconds is None else r.time_to_empty_seconds,
+            ),
+            (
+                "router_delivered_within_slo_ratio",
+                "Share of the last minute's published rows delivered within slo_seconds.",
+                lambda r: nan if r.delivered_within_slo is None else r.delivered_within_slo,
+            ),
+            ("router_slo_seconds", "The target's slo_seconds.", lambda r: r.slo_seconds),
+            (
+                "router_rate_limit_messages_per_second",
+                "The target's rate_limit (0: none).",
+                rate_limit,
+            ),
+            ("router_backlog_limit_rows", "The target's on_backlog.max_rows (0: none).", max_rows),
+            ("router_backlog_over_limit", "1 while the queue is over on_backlog.max_rows.", over),
+        )
+        for name, documentation, value in figures:
+            family = GaugeMetricFamily(name, documentation, labels=list(LABELS))
+            for row in self.rows:
+                family.add_metric([row.database, row.target], float(value(row)))
+            yield family

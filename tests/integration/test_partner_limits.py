@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from decimal import Decimal
-from typing import Any
 
 import nats
 import pytest
@@ -14,22 +13,11 @@ import pytest
 from router import Outbox
 from router.ops.backlog import BacklogWatch
 from router.ops.operations import set_paused, status
-from tests.conftest import NATS_URL, Database, NatsStreams, make_config
+from tests.conftest import NATS_URL, Database, NatsStreams, make_config, nats_broker
 from tests.integration.events import OrderPlaced
 from tests.integration.test_delivery import serving, wait_until
 
 EVENTS, RATE, BURST = 120, 100, 20
-
-
-def nats_broker(streams: NatsStreams, label: str, **extra: Any) -> dict[str, Any]:
-    name, subject = streams.stream(label)
-    return {
-        "type": "nats",
-        "url": NATS_URL,
-        "destination": subject + ".{event_type}",
-        "stream": {"name": name, "subjects": [subject + ".>"], "storage": "memory"},
-        **extra,
-    }
 
 
 async def stored_times(stream: str, count: int) -> list[float]:
@@ -55,8 +43,8 @@ async def test_a_rate_limit_paces_only_its_partner(
     config = make_config(
         {"main": database.url},
         {
-            "events": nats_broker(nats_streams, "internal", internal=True),
-            "slow": nats_broker(nats_streams, "slow", rate_limit=limit),
+            "events": nats_broker(nats_streams.stream("internal"), internal=True),
+            "slow": nats_broker(nats_streams.stream("slow"), rate_limit=limit),
         },
         database.base_dir,
     )
@@ -98,9 +86,9 @@ async def test_a_runaway_backlog_alerts_or_pauses_its_target(
     config = make_config(
         {"main": database.url},
         {
-            "events": nats_broker(nats_streams, "internal", internal=True),
+            "events": nats_broker(nats_streams.stream("internal"), internal=True),
             "partner": nats_broker(
-                nats_streams, "partner", on_backlog={"max_rows": 5, "action": action}
+                nats_streams.stream("partner"), on_backlog={"max_rows": 5, "action": action}
             ),
         },
         database.base_dir,

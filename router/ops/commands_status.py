@@ -1,0 +1,148 @@
+"""``router status``: the backlog, failures, flow and limits of every target, once or
+redrawn every few seconds (``--watch``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from router._secrets import Redactor
+from router.config import RouterConfig
+
+__all__ = ["add_parser", "status"]
+
+EXIT_OK = 0
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``router status``."""
+    status_ = commands.add_parser("status", help="backlog, failures and circuits per target")
+    status_.add_argument("--database", help="only this database")
+    status_.add_argument("--json", action="store_true", help="machine-readable output")
+    status_.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until interrupted",
+    )
+
+
+async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    if args.watch is None:
+        print(await _render(config, args, redactor))
+        return EXIT_OK
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    terminal = sys.stdout.isatty()
+    while not stop.is_set():
+        shown = await _render(config, args, redactor)
+        # A terminal is redrawn in place; a pipe or a file gets one frame after another,
+        # each under the time it was read.
+        if terminal:
+            print(CLEAR + shown, flush=True)
+        else:
+            print(f"# {datetime.now(UTC).isoformat(timespec='seconds')}\n{shown}\n", flush=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.1, args.watch))
+    return EXIT_OK
+
+
+async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> str:
+    from router.ops import operations
+
+    rows = await operations.status(config, args.database)
+    if args.json:
+        return json.dumps({"targets": [r.as_dict() for r in rows]}, indent=2, default=str)
+    return redactor(_human(rows))
+
+
+def _human(rows: list[Any]) -> str:
+    from router.ops._tables import table
+
+    backlog = table(
+        [
+            "database",
+            "target",
+            "pending",
+            "in flight",
+            "retrying",
+            "abandoned",
+            "published",
+            "oldest due",
+            "retries/min",
+            "circuit",
+            "paused",
+        ],
+        [
+            (
+                r.database,
+                r.target,
+                r.pending,
+                r.in_flight,
+                r.failed,
+                r.abandoned,
+                r.published,
+                _age(r.oldest_claimable_age),
+                r.retries_per_minute,
+                r.circuit,
+                "yes" if r.paused else "no",
+            )
+            for r in rows
+        ],
+        right=2,
+    )
+    flow = table(
+        ["last minute", "staged/s", "published/s", "empty in", "within slo", "limits"],
+        [
+            (
+                f"{r.database}/{r.target}",
+                f"{r.staged_per_second:.1f}",
+                f"{r.published_per_second:.1f}",
+                _age(r.time_to_empty_seconds) if r.time_to_empty_seconds is not None else "never",
+                _share(r.delivered_within_slo, r.slo_seconds),
+                _limits(r),
+            )
+            for r in rows
+        ],
+        right=1,
+    )
+    human = backlog + "\n\n" + flow
+    errors = [f"  {r.database}/{r.target}: {r.last_error}" for r in rows if r.last_error]
+    if errors:
+        human += "\n\nlatest errors:\n" + "\n".join(errors)
+    return human
+
+
+def _share(share: float | None, slo: float) -> str:
+    return "-" if share is None else f"{100 * share:.1f}% <= {slo:g}s"
+
+
+def _limits(row: Any) -> str:
+    parts = []
+    if row.rate_limit:
+        limit = row.rate_limit
+        parts.append(f"rate {limit['messages_per_second']:g}/s burst {limit['burst']}")
+    if row.on_backlog:
+        parts.append(f"backlog > {row.on_backlog['max_rows']}: {row.on_backlog['action']}")
+    return ", ".join(parts) or "-"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
