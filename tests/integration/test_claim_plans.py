@@ -11,6 +11,7 @@ for claims past the switch to the generic plan, before and after ANALYZE.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from decimal import Decimal
 
 import asyncpg
@@ -71,19 +72,27 @@ async def plans(conn: asyncpg.Connection, batch: int) -> list[str]:
     return notices
 
 
-@pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
-async def test_every_claim_reads_the_claim_index_and_checks_streams_in_the_stream_index(
-    pg_databases: PgDatabases, analyzed: bool
-) -> None:
+@pytest.fixture(params=[False, True], ids=["no statistics", "analyzed"])
+async def backlog(
+    pg_databases: PgDatabases, request: pytest.FixtureRequest
+) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to an outbox of 3,000 queued rows, three per stream, with or without
+    statistics."""
     url = await pg_databases.new()
     await staged(url, 3_000, per_stream=3)
     conn = await asyncpg.connect(url)
     try:
-        if analyzed:
+        if request.param:
             await conn.execute("ANALYZE router_outbox")
-        plans = await claim_plans(conn, batch=150)
+        yield conn
     finally:
         await conn.close()
+
+
+async def test_every_claim_reads_the_claim_index_and_checks_streams_in_the_stream_index(
+    backlog: asyncpg.Connection,
+) -> None:
+    plans = await claim_plans(backlog, batch=150)
     assert len(plans) == CLAIMS
     for plan in plans:
         assert "Seq Scan" not in plan and "Bitmap" not in plan, plan
@@ -95,22 +104,13 @@ async def test_every_claim_reads_the_claim_index_and_checks_streams_in_the_strea
         assert "ix_router_outbox_due" not in plan
 
 
-@pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
-async def test_a_mark_finds_its_rows_by_primary_key_with_their_receipts(
-    pg_databases: PgDatabases, analyzed: bool
+async def test_a_mark_finds_its_rows_by_their_seqs_with_their_receipts(
+    backlog: asyncpg.Connection,
 ) -> None:
-    url = await pg_databases.new()
-    await staged(url, 3_000, per_stream=3)
-    conn = await asyncpg.connect(url)
-    try:
-        if analyzed:
-            await conn.execute("ANALYZE router_outbox")
-        found = await mark_plans(conn, batch=150)
-        published = await conn.fetch(
-            "SELECT seq, receipt FROM router_outbox WHERE status = 'published' ORDER BY seq"
-        )
-    finally:
-        await conn.close()
+    found = await mark_plans(backlog, batch=150)
+    published = await backlog.fetch(
+        "SELECT seq, receipt FROM router_outbox WHERE status = 'published' ORDER BY seq"
+    )
     assert len(found) == CLAIMS
     for plan in found:
         # Never the whole table (a hash or merge join over it): the rows come from an index
