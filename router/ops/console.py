@@ -71,6 +71,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 # How long /healthz waits for a fresh database reading before it answers from the last one:
 # a liveness probe must not fail, and get the router restarted, because a database is slow.
 HEALTH_READ_WAIT = 1.0
+# How long the last minute's published rows (router.ops.flow) are reused between readings.
+FLOW_REUSE = 5.0
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
 BAD_LIMIT = {"error": f"limit: a number of rows, at most {MAX_LIMIT}"}
@@ -140,7 +142,9 @@ class StatusService:
                 from router.ops.operations import status
 
                 try:
-                    self.backlog.rows = await status(self.config, published=False)
+                    self.backlog.rows = await status(
+                        self.config, published=False, flow_reuse=FLOW_REUSE
+                    )
                     self._error = None
                 except RouterError as exc:
                     self._error = str(exc)

@@ -191,7 +191,11 @@ def _databases(config: RouterConfig, database: str | None) -> list[str]:
 
 
 async def status(
-    config: RouterConfig, database: str | None = None, *, published: bool = True
+    config: RouterConfig,
+    database: str | None = None,
+    *,
+    published: bool = True,
+    flow_reuse: float = 0.0,
 ) -> list[TargetStatus]:
     """Counts and ages per (database, target), for every configured target.
 
@@ -202,7 +206,9 @@ async def status(
     found: list[TargetStatus] = []
     for name in _databases(config, database):
         async with _connect(config, name) as conn:
-            found.extend(await _status_of(conn, name, config.brokers_of(name), published))
+            found.extend(
+                await _status_of(conn, name, config.brokers_of(name), published, flow_reuse)
+            )
     return found
 
 
@@ -211,6 +217,7 @@ async def _status_of(
     database: str,
     configured: Mapping[str, BrokerSettings],
     published: bool,
+    flow_reuse: float = 0.0,
 ) -> list[TargetStatus]:
     now = _now()
     o = outbox
@@ -246,7 +253,8 @@ async def _status_of(
     states = {r.target: r for r in (await conn.execute(sa.select(targets))).all()}
     errors = await _latest_errors(conn)
     slos = {name: settings.slo_seconds for name, settings in configured.items()}
-    moving = await flows(conn, slos, {t: int(r[8] or 0) for t, r in rows.items()}, now)
+    open_staged = {t: int(r[8] or 0) for t, r in rows.items()}
+    moving = await flows(conn, slos, open_staged, now, reuse=flow_reuse)
     result = []
     for target in sorted(set(configured) | set(rows)):
         row = rows.get(target)
