@@ -4,8 +4,8 @@
 rejected a day ago); from the page an operator sees the targets, pauses the partner, requeues
 one failure group after an in-page confirm that shows the dry run's count, pages through the
 message browser, opens one message as each target received it, and reads the audit trail.
-A console with no ``http.token`` shows its actions disabled. The PostgreSQL run saves the
-screenshots in docs/.
+A console with no ``http.token`` shows its actions disabled. Each run takes the screenshots;
+``UPDATE_SCREENSHOTS=1`` copies the PostgreSQL run's into docs/.
 
 Playwright drives Debian's ``chromium`` (never ``playwright install``); under CI a missing
 browser fails the test (``tests.e2e.test_http.chromium``).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -168,9 +169,13 @@ async def message_ids(client: httpx.AsyncClient, **filters: str) -> list[str]:
 
 
 async def screenshot(page: Page, database: Database, name: str) -> None:
-    """docs/console-<name>.png, from the PostgreSQL run only."""
-    if database.kind == "postgresql":
-        await page.screenshot(path=DOCS / f"console-{name}.png")
+    """console-<name>.png beside the test's database, checked to be a picture; into docs/
+    as well from the PostgreSQL run when ``UPDATE_SCREENSHOTS=1`` (the README shows them; a
+    plain test run leaves the checkout as it was)."""
+    taken = await page.screenshot(path=database.base_dir / f"console-{name}.png")
+    assert taken.startswith(b"\x89PNG") and len(taken) > 10_000
+    if database.kind == "postgresql" and os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        (DOCS / f"console-{name}.png").write_bytes(taken)
 
 
 @ON_EACH_DATABASE
