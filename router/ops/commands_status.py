@@ -59,9 +59,9 @@ async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redac
 
 
 async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> str:
-    from router.ops import operations
+    from router.ops.status import status
 
-    rows = await operations.status(config, args.database)
+    rows = await status(config, args.database)
     if args.json:
         return json.dumps({"targets": [r.as_dict() for r in rows]}, indent=2, default=str)
     return redactor(_human(rows))

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     # The operator queries run on SQLAlchemy, imported at the first request that reads the
     # backlog: the server itself is up before the processors start, so it must cost little.
     from router.ops.http_app import HttpServer
-    from router.ops.operations import TargetStatus
+    from router.ops.status import TargetStatus
 
 __all__ = ["Action", "Params", "Query", "Response", "Route", "StatusService", "json_response"]
 
@@ -139,7 +139,7 @@ class StatusService:
         """The backlog, read at most once per ``max_age`` however many clients poll."""
         async with self._lock:
             if time.monotonic() - self._read_at >= self.max_age:
-                from router.ops.operations import status
+                from router.ops.status import status
 
                 try:
                     self.backlog.rows = await status(

@@ -18,6 +18,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from router import ConfigError, Event, Outbox
 from router.ops import operations
+from router.ops import status as status_query
 from router.ops._schema import outbox as outbox_table
 from router.ops.operations import cleanup_batch, cleanup_by_key, cleanup_statement
 from tests.conftest import Database, NatsStreams, make_config, nats_broker
@@ -402,7 +403,7 @@ async def test_a_missing_mysql_driver_names_the_database(monkeypatch: pytest.Mon
         "(no_such_mysql_driver is not installed): pip install 'outbox-router[mysql]'"
     )
     for command in (
-        operations.status(config),
+        status_query.status(config),
         operations.requeue(config),
         operations.set_paused(config, "partner", paused=True),
         operations.cleanup(config),

@@ -12,7 +12,8 @@ import pytest
 
 from router import Outbox
 from router.ops.backlog import BacklogWatch
-from router.ops.operations import set_paused, status
+from router.ops.operations import set_paused
+from router.ops.status import status
 from tests.conftest import NATS_URL, Database, NatsStreams, make_config, nats_broker
 from tests.integration.events import OrderPlaced
 from tests.integration.test_delivery import serving, wait_until

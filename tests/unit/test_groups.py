@@ -14,7 +14,8 @@ from brokers.nats._acks import NO_STREAM, _outcome
 from brokers.ordering import NOT_SENT
 from brokers.rabbitmq._adapter import _classify as rabbitmq_outcome
 from brokers.redis._adapter import _classify as redis_outcome
-from router.ops.groups import Signature, group_id, normalise, signature
+from router.ops.error_text import Signature, normalise, signature
+from router.ops.groups import group_id
 
 
 def jetstream(answer: bytes) -> str:
