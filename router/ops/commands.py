@@ -35,8 +35,10 @@ __all__ = [
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 
-def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
-    print(json.dumps(document, indent=2, default=str) if args.json else human)
+def emit(args: argparse.Namespace, document: Any, human: str, redactor: Redactor) -> None:
+    """``human``, or with ``--json`` the document; either way with every secret masked (an
+    error text may quote a URL with its password)."""
+    print(redactor(json.dumps(document, indent=2, default=str) if args.json else human))
 
 
 async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
@@ -63,7 +65,7 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
     total = sum(counts.values())
     verb = "would requeue" if args.dry_run else "requeued"
     human = "\n".join(f"{db}: {verb} {n} row(s)" for db, n in counts.items())
-    _emit(args, {"dry_run": args.dry_run, "rows": counts, "total": total}, human)
+    emit(args, {"dry_run": args.dry_run, "rows": counts, "total": total}, human, redactor)
     return EXIT_OK
 
 
@@ -91,10 +93,11 @@ async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redact
         lines = [f"\n{r.database}/{r.target}: {r.status}"]
         lines += [f"  {name:<14} {'-' if value is None else value}" for name, value in fields]
         blocks.append("\n".join(lines))
-    _emit(
+    emit(
         args,
         {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]},
         redactor("\n".join(blocks)),
+        redactor,
     )
     return EXIT_OK if rows else EXIT_FAILED
 
@@ -116,10 +119,11 @@ async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redact
         config, args.target, paused=paused, database=args.database, by=by, actor=by
     )
     state = "paused" if paused else "resumed"
-    _emit(
+    emit(
         args,
         {"target": args.target, "paused": paused, "databases": databases},
         f"{args.target}: {state} in {', '.join(databases)}",
+        redactor,
     )
     return EXIT_OK
 
@@ -136,7 +140,7 @@ async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Reda
         f"{_span(retention.inbox)}"
         for d in done
     )
-    _emit(
+    emit(
         args,
         {
             "databases": [
@@ -150,6 +154,7 @@ async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Reda
             ]
         },
         human,
+        redactor,
     )
     return EXIT_OK
 
@@ -175,7 +180,7 @@ async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Reda
         return EXIT_CONFIG
     side_by_side = args.all_targets or len(previews) > 1
     human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
-    _emit(args, [p.as_dict() for p in previews], human)
+    emit(args, [p.as_dict() for p in previews], human, redactor)
     return EXIT_OK
 
 
@@ -201,7 +206,7 @@ async def contract(config: RouterConfig, args: argparse.Namespace, redactor: Red
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    _emit(args, result.as_dict(), result.human())
+    emit(args, result.as_dict(), result.human(), redactor)
     return EXIT_FAILED if result.breaking else EXIT_OK
 
 

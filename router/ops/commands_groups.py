@@ -7,12 +7,12 @@ Like ``router.ops.commands``, each imports what it uses when it runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
 from router._secrets import Redactor
 from router.config import RouterConfig
+from router.ops.commands import emit
 
 if TYPE_CHECKING:
     from router.ops.groups import FailureGroup
@@ -20,10 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["audit", "discard", "groups", "requeue_group"]
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
-
-
-def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
-    print(json.dumps(document, indent=2, default=str) if args.json else human)
 
 
 async def groups(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
@@ -61,7 +57,7 @@ async def groups(config: RouterConfig, args: argparse.Namespace, redactor: Redac
         for g in found
     ]
     human = table(header, rows, right=5) if found else "no failed or abandoned rows"
-    _emit(args, {"groups": [g.as_dict() for g in found]}, redactor(human))
+    emit(args, {"groups": [g.as_dict() for g in found]}, redactor(human), redactor)
     return EXIT_OK
 
 
@@ -103,7 +99,7 @@ async def requeue_group(config: RouterConfig, args: argparse.Namespace, redactor
     if group is None:
         return EXIT_FAILED
     count = await requeue_rows(config, group, dry_run=args.dry_run, actor=cli_actor())
-    _counted(args, group, count, "would requeue" if args.dry_run else "requeued")
+    _counted(args, group, count, "would requeue" if args.dry_run else "requeued", redactor)
     return EXIT_OK
 
 
@@ -115,15 +111,17 @@ async def discard(config: RouterConfig, args: argparse.Namespace, redactor: Reda
     if group is None:
         return EXIT_FAILED
     count = await discard_rows(config, group, dry_run=args.dry_run, actor=cli_actor())
-    _counted(args, group, count, "would discard" if args.dry_run else "discarded")
+    _counted(args, group, count, "would discard" if args.dry_run else "discarded", redactor)
     return EXIT_OK
 
 
-def _counted(args: argparse.Namespace, group: FailureGroup, count: int, verb: str) -> None:
+def _counted(
+    args: argparse.Namespace, group: FailureGroup, count: int, verb: str, redactor: Redactor
+) -> None:
     """``main: requeued 3 row(s)``, as ``router requeue`` says it."""
     rows = {group.database: count}
     document = {"dry_run": args.dry_run, "group": group.id, "rows": rows, "total": count}
-    _emit(args, document, f"{group.database}: {verb} {count} row(s)")
+    emit(args, document, f"{group.database}: {verb} {count} row(s)", redactor)
 
 
 async def audit(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
@@ -139,7 +137,12 @@ async def audit(config: RouterConfig, args: argparse.Namespace, redactor: Redact
         ],
         right=5,
     )
-    _emit(args, {"actions": [r.as_dict() for r in rows]}, redactor(human if rows else "no actions"))
+    emit(
+        args,
+        {"actions": [r.as_dict() for r in rows]},
+        redactor(human if rows else "no actions"),
+        redactor,
+    )
     return EXIT_OK
 
 

@@ -107,7 +107,7 @@ async def replay(config: RouterConfig, args: argparse.Namespace, redactor: Redac
             human += f"; {progress.skipped:,} event(s) are not for this target"
     # A run that reported JSON lines ends with one more; a dry run reports nothing before.
     as_json = args.json or (lines and not args.dry_run)
-    print(json.dumps(summary, default=str) if as_json else redactor(human))
+    print(redactor(json.dumps(summary, default=str) if as_json else human))
     return EXIT_OK
 
 

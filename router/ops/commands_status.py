@@ -63,7 +63,7 @@ async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 
     rows = await status(config, args.database)
     if args.json:
-        return json.dumps({"targets": [r.as_dict() for r in rows]}, indent=2, default=str)
+        return redactor(json.dumps({"targets": [r.as_dict() for r in rows]}, indent=2, default=str))
     return redactor(_human(rows))
 
 

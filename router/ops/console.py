@@ -157,7 +157,7 @@ class StatusService:
             # Shielded: a reading that outlasts the wait goes on and serves the next request.
             await asyncio.wait_for(asyncio.shield(self.rows()), HEALTH_READ_WAIT)
         partners = self._partner_circuits(self.backlog.rows)
-        return json_response(200, {"status": "ok", **self.health(), "partner_circuits": partners})
+        return self._json(200, {"status": "ok", **self.health(), "partner_circuits": partners})
 
     async def readyz(self) -> Response:
         """Every database answers and the internal broker's circuits are closed.
@@ -171,7 +171,7 @@ class StatusService:
         requires_partners = self.config.http.ready_requires_partners
         blocking = [c for c in open_circuits if requires_partners or c not in partners]
         ready = self._error is None and not blocking
-        return json_response(
+        return self._json(
             200 if ready else 503,
             {
                 "status": "ready" if ready else "not ready",
@@ -201,7 +201,7 @@ class StatusService:
         """The status of every target as JSON, with counters since start."""
         rows = await self.rows()
         totals = counter_totals(self.counters)
-        return json_response(
+        return self._json(
             200 if self._error is None else 503,
             {
                 "generated_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
@@ -221,20 +221,20 @@ class StatusService:
     async def set_paused(self, database: str, target: str, *, paused: bool, by: str) -> Response:
         """Pause or resume one target in one database, as ``router pause/resume --database``."""
         if database not in self.config.databases:
-            return json_response(404, {"error": f"unknown database {database!r}"})
+            return self._json(404, {"error": f"unknown database {database!r}"})
         if target not in self.config.brokers_of(database):
-            return json_response(404, {"error": f"database {database!r} has no target {target!r}"})
+            return self._json(404, {"error": f"database {database!r} has no target {target!r}"})
         from router.ops.operations import set_paused
 
         try:
             # As `router pause`: ``by`` on the target's row, and an audit row naming who.
             await set_paused(self.config, target, paused=paused, database=database, by=by, actor=by)
         except RouterError as exc:
-            return json_response(503, {"error": str(exc)})
+            return self._json(503, {"error": str(exc)})
         self._read_at = 0.0  # the next status read shows the change
         event = "http.target_paused" if paused else "http.target_resumed"
         log.info(event, extra={"database": database, "target": target, "by": by})
-        return json_response(200, {"database": database, "target": target, "paused": paused})
+        return self._json(200, {"database": database, "target": target, "paused": paused})
 
     async def pause(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
         """POST /api/targets/{database}/{target}/pause."""

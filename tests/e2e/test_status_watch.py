@@ -8,12 +8,15 @@ import re
 import signal
 import subprocess
 import time
+from decimal import Decimal
 
 import pytest
 import yaml
 
-from tests.conftest import Database
+from router import Outbox
+from tests.conftest import Database, make_config
 from tests.e2e.helpers import ROUTER
+from tests.integration.events import OrderPlaced
 
 BROKERS = {"events": {"type": "memory", "internal": True}, "partner": {"type": "memory"}}
 
@@ -52,3 +55,31 @@ async def test_watch_redraws_until_interrupted(database: Database) -> None:
     targets = {t["target"]: t for t in json.loads(once.stdout)["targets"]}
     assert targets["partner"]["rate_limit"] == {"messages_per_second": 50, "burst": 50}
     assert (targets["partner"]["new"], targets["partner"]["time_to_empty_seconds"]) == (0, 0.0)
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_json_output_masks_secrets_as_the_tables_do(database: Database) -> None:
+    """An error text may quote a URL with its password: `--json` masks it as tables do."""
+    secret = "s3cret-partner-pw"
+    partner = {"type": "redis", "url": f"redis://user:{secret}@127.0.0.1:1/0"}
+    brokers = {**BROKERS, "partner": partner}
+    (database.base_dir / "config.yaml").write_text(
+        yaml.safe_dump({"service": "shop", "databases": {"main": database.url}, "brokers": brokers})
+    )
+    outbox = Outbox(make_config({"main": database.url}, brokers, database.base_dir))
+    async with outbox.transaction() as tx:
+        await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+    await outbox.close()
+    await database.execute(
+        "UPDATE router_outbox SET status = 'abandoned', last_attempt_at = created_at,"
+        f" last_error = 'cannot connect to redis://user:{secret}@127.0.0.1:1/0'"
+        " WHERE target = 'partner'"
+    )
+    for command in (["status", "--json"], ["status"], ["groups", "--json"], ["groups"]):
+        shown = subprocess.run(  # noqa: ASYNC221
+            [str(ROUTER), *command], cwd=database.base_dir, capture_output=True, text=True
+        )
+        assert shown.returncode == 0, shown
+        assert secret not in shown.stdout, (command, shown.stdout)
+        # The raw error is shown masked; the groups table shows its normalised message.
+        assert "***" in shown.stdout or command == ["groups"], (command, shown.stdout)
