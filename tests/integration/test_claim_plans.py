@@ -113,15 +113,12 @@ async def test_a_mark_finds_its_rows_by_their_seqs_with_their_receipts(
     )
     assert len(found) == CLAIMS
     for plan in found:
-        # Never the whole table (a hash or merge join over it): the rows come from an index
-        # by their seqs, the primary key or the in-flight rows' index, and the receipts only
-        # pair up with them.
-        assert "Seq Scan on router_outbox" not in plan and "Bitmap" not in plan, plan
-        assert re.search(
-            r"Index Scan using (router_outbox_pkey|ix_router_outbox_stream) on router_outbox o\b"
-            r".*\n\s*Index Cond: \(seq = ANY",
-            plan,
-        ), plan
+        # Never the whole table: the rows come from the indexes by their seqs.
+        assert "Seq Scan on router_outbox" not in plan, plan
+        assert re.search(r"Index Cond: \(seq = ANY", plan), plan
+        # Paired with the receipts by a hash of the array, never by looping over the
+        # unnested array once per row (50 ms a mark on 500 rows, seen before 0009 shipped).
+        assert "Nested Loop" not in plan and "Hash Join" in plan, plan
     assert len(published) == CLAIMS * 150
     assert all(r["receipt"] == f'{{"stream":"S","seq":{r["seq"]}}}' for r in published)
 

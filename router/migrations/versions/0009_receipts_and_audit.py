@@ -10,8 +10,9 @@
   the command line or over HTTP): who, when, what, on which target, how many rows.
 
 On PostgreSQL ``router_mark()`` takes the published rows' receipts beside their seqs (a new
-argument, so a new function: 0006's is dropped) and ``router_claim()`` stamps the first
-attempt. Adding two NULL columns rewrites no row.
+argument, so a new function: 0006's is dropped), pairing them by hash (it plans no nested
+loop: without statistics one looped over the array for every row, 50 ms a mark), and
+``router_claim()`` stamps the first attempt. Adding two NULL columns rewrites no row.
 
 Revision ID: 0009
 Revises: 0008
@@ -96,7 +97,9 @@ CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
                                        p_abandoned bigint[], p_abandoned_errors text[],
                                        p_untried bigint[], p_async boolean)
 RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_nestloop = off
+AS $$
 BEGIN
     -- A lost mark only means its rows are delivered again once their lease ends.
     IF p_async THEN

@@ -144,6 +144,10 @@ MARK_FUNCTION = (
     # A batch's outcomes in one round trip (0006): failed rows come as parallel arrays of
     # seq, delay in seconds and error; abandoned ones as seq and error; published ones as
     # seq and the broker's receipt, or NULL where the broker gives none (0009).
+    # No nested loop (0009): joined to its outcomes' arrays, a batch's rows must be paired by
+    # hashing the arrays once. Without statistics the planner expects one row from the table
+    # and loops over the unnested array for each row instead: for 500 rows, 250,000
+    # comparisons, 50 ms a mark instead of 5.
     """
 CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
                                        p_published bigint[], p_receipts text[],
@@ -152,7 +156,9 @@ CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
                                        p_abandoned bigint[], p_abandoned_errors text[],
                                        p_untried bigint[], p_async boolean)
 RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_nestloop = off
+AS $$
 BEGIN
 """
     # As in the claim: a lost mark leaves its rows leased until the lease ends, and then they
