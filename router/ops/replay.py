@@ -152,7 +152,9 @@ class _Pace:
 
     def __init__(self, rate: float | None) -> None:
         self.rate = rate
-        self.batch = MAX_BATCH if rate is None else max(1, min(MAX_BATCH, int(rate) // 20))
+        self.batch = (
+            MAX_BATCH if rate is None else max(1, min(MAX_BATCH, int(rate) // BATCHES_PER_SECOND))
+        )
         self.start = time.monotonic()
         self.sent = 0
 
