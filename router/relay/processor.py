@@ -38,7 +38,7 @@ from router.relay.lease import Lease
 from router.relay.metrics import Metrics
 from router.relay.ratelimit import TokenBucket
 from router.relay.stats import ProcessorStats
-from router.relay.store import Claim, Marks, OutboxStore
+from router.relay.store import BatchLost, Claim, Marks, OutboxStore
 
 __all__ = ["Processor", "ProcessorStats"]
 
@@ -319,6 +319,11 @@ class Processor:
             try:
                 await self.store.mark(self.target, token, marks)
                 return
+            except BatchLost as exc:
+                log.error(
+                    "batch.mark_failed", extra={**self._log, "rows": len(marks), "error": str(exc)}
+                )
+                raise
             except DatabaseError as exc:
                 if loop.time() + delay > deadline:
                     log.error(

@@ -43,9 +43,8 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
     scratch = await pg_databases.new(migrated=False)
     expected = await definitions(scratch, CLAIM_FUNCTION, MARK_FUNCTION)
     assert [signature for signature, _ in expected] == [
-        "router_claim(text,integer,text,double precision,bigint,boolean)",
-        "router_mark(bigint,bigint[],text[],bigint[],double precision[],text[],bigint[],"
-        "text[],bigint[],boolean)",
+        "router_claim(text,integer,double precision,boolean)",
+        "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[])",
     ]
     assert await definitions(migrated) == expected
 

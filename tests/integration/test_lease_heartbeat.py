@@ -1,6 +1,9 @@
-"""The lease heartbeat, on every database: ``extend`` holds only the rows still under a claim's
-token; a batch that takes longer to publish than ``lease_seconds`` keeps its rows, so no other
-worker publishes them again; a batch whose rows were taken over sends no further wave."""
+"""The lease heartbeat: a batch that takes longer to publish than ``lease_seconds`` keeps its
+rows, so no other worker publishes them again (every database); a batch whose rows were taken
+over sends no further wave (SQLite and MariaDB: a worker taken for dead; PostgreSQL: the
+session that held the batch ended); ``extend`` holds only the rows still under a claim's token
+(SQLite and MariaDB, where a lease is written on the rows; PostgreSQL holds them in the claim's
+transaction, tests/integration/test_held_batches.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import pytest
 
 from brokers import MemoryBroker, OutgoingMessage, PublishResult
 from router import Outbox, Processor, RouterConfig
-from router.relay.store import Marks, OutboxStore, new_token, open_store
+from router.relay.store import BatchLost, Marks, OutboxStore, new_token, open_store
 from tests.conftest import make_config
 from tests.integration.events import OrderPlaced
 from tests.integration.test_write_path import Database, database  # noqa: F401 (fixture)
@@ -97,6 +100,10 @@ async def held(database: Database) -> list[tuple[str, str | None, int]]:  # noqa
     return [(r["status"], r["locked_by"], r["attempts"]) for r in rows]
 
 
+LEASED = pytest.mark.parametrize("database", ["sqlite", "mysql"], indirect=True)
+
+
+@LEASED
 async def test_extend_holds_only_the_rows_under_the_token_and_counts_them(
     database: Database,  # noqa: F811
 ) -> None:
@@ -164,6 +171,7 @@ async def test_a_batch_whose_publish_outlasts_the_configured_lease_is_not_publis
         await store.close()
 
 
+@LEASED
 async def test_a_claim_whose_rows_were_taken_over_sends_no_further_wave(
     database: Database,  # noqa: F811
     caplog: pytest.LogCaptureFixture,
@@ -194,3 +202,43 @@ async def test_a_claim_whose_rows_were_taken_over_sends_no_further_wave(
         assert (lost.rows, lost.held, lost.error) == (6, 0, None)  # type: ignore[attr-defined]
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+async def test_a_batch_whose_session_ended_sends_no_further_wave(
+    database: Database,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = config_of(database, lease_seconds=1)
+    await stage(config, 6, streams=2)
+    store = store_of(config)
+    other = store_of(config)
+
+    async def session_ends(wave: int) -> None:
+        # During the first wave the batch's session goes (the server restarts it, or an
+        # operator kills it): its rows are queued again at once, and another worker claims them.
+        if wave == 0:
+            await database.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks"
+                " WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()"
+            )
+            assert len(await other.claim("events", 10, SECOND, 30)) == 6
+
+    # As above: the lease is extended before the second wave, which finds the session gone.
+    broker = SlowBroker(1.2, during=session_ends)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="router.relay.lease"),
+            pytest.raises(BatchLost),
+        ):
+            await processor(config, store, broker, FIRST).run_once()
+
+        assert len(broker.waves) == 1  # the first wave, one row of each stream, and no more
+        assert len(broker.ids()) == 2
+        [lost] = [r for r in caplog.records if r.getMessage() == "batch.lease_lost"]
+        assert (lost.rows, lost.held) == (6, None)  # type: ignore[attr-defined]
+        # Nothing of the first batch was written: the other worker holds every row, queued.
+        assert await held(database) == [("pending", None, 0)] * 6
+    finally:
+        await store.close()
+        await other.close()

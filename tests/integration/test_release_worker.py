@@ -1,5 +1,7 @@
-"""``release_worker``: a dead worker's leases given back at once, fenced by its id, on every
-database; the rows are claimable again at once, their attempt not counted."""
+"""``release_worker``: on SQLite and MariaDB a dead worker's leases are given back at once,
+fenced by its id, and the rows are claimable again at once, their attempt not counted. On
+PostgreSQL a batch dies with its worker's connection (tests/integration/test_held_batches.py):
+releasing wakes the database's processors, so an idle one takes the rows at once."""
 
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ async def table(database: Database) -> dict[tuple[str, int], tuple[str, int, str
     return {(r["target"], r["seq"]): (r["status"], r["attempts"], r["locked_by"]) for r in rows}
 
 
+LEASED = pytest.mark.parametrize("database", ["sqlite", "mysql"], indirect=True)
+
+
+@LEASED
 async def test_a_dead_workers_rows_come_back_at_once_and_no_one_elses(
     database: Database,  # noqa: F811
 ) -> None:
@@ -75,6 +81,7 @@ async def test_a_dead_workers_rows_come_back_at_once_and_no_one_elses(
         await store.close()
 
 
+@LEASED
 async def test_a_late_mark_of_the_dead_worker_changes_nothing(
     database: Database,  # noqa: F811
 ) -> None:
@@ -95,21 +102,22 @@ async def test_a_late_mark_of_the_dead_worker_changes_nothing(
 
 
 @pytest.mark.parametrize("database", ["postgresql"], indirect=["database"])
-async def test_postgresql_wakes_the_released_targets_with_notify(
+async def test_postgresql_wakes_every_processor_when_a_worker_died(
     database: Database,  # noqa: F811
 ) -> None:
     await stage(database, 2)
-    store = store_of(database)
+    store, dying = store_of(database), store_of(database)
     heard: asyncio.Queue[str] = asyncio.Queue()
     listener = await asyncpg.connect(database.url)
     try:
-        await store.claim("partner", 2, DEAD, 30)
+        claim = await dying.claim("partner", 2, DEAD, 30)
+        await dying.close()  # the worker's process is gone, and its connections with it
         await listener.add_listener(CHANNEL, lambda *args: heard.put_nowait(args[3]))
-        assert await store.release_worker(DEAD) == 2
-        assert await asyncio.wait_for(heard.get(), 2) == "partner"
-        assert await store.release_worker(DEAD) == 0  # nothing released: nobody is woken
-        await asyncio.sleep(0.2)
-        assert heard.empty()
+        assert await store.release_worker(DEAD) == 0  # nothing of it is left to give back
+        assert await asyncio.wait_for(heard.get(), 2) == ""  # every target of the database
+        again = await store.claim("partner", 10, ALIVE, 30)
+        assert [r.seq for r in again.rows] == [r.seq for r in claim.rows]
+        assert [r.attempts for r in again.rows] == [1, 1]
     finally:
         await listener.close()
         await store.close()

@@ -9,6 +9,7 @@ from router.config import DatabaseSettings
 from router.relay.store.base import (
     OPEN_STATUSES,
     SCHEMA_REVISION,
+    BatchLost,
     Claim,
     ClaimedRow,
     Marks,
@@ -20,6 +21,7 @@ from router.relay.store.base import (
 __all__ = [
     "OPEN_STATUSES",
     "SCHEMA_REVISION",
+    "BatchLost",
     "Claim",
     "ClaimedRow",
     "Marks",

@@ -8,13 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from envelopes import SchemaError
+from envelopes import DatabaseError, SchemaError
 
 __all__ = [
     "OPEN_STATUSES",
     "OPEN_STATUSES_SQL",
     "SCHEMA_REVISION",
     "VERSION_TABLE",
+    "BatchLost",
     "Claim",
     "ClaimedRow",
     "Marks",
@@ -31,7 +32,7 @@ OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0009"
+SCHEMA_REVISION = "0010"
 VERSION_TABLE = "router_alembic_version"
 
 
@@ -47,6 +48,12 @@ def schema_problem(database: str, revision: str | None) -> SchemaError | None:
         f"database {database!r} is at schema {revision}, this router needs "
         f"{SCHEMA_REVISION}; run `router init-db` to upgrade it"
     )
+
+
+class BatchLost(DatabaseError):
+    """A batch's outcomes cannot be written any more: the transaction that held its rows
+    ended (PostgreSQL: the session was closed, or timed out idle). Its rows are queued as they
+    were and will be delivered again; trying the mark again cannot help."""
 
 
 Wake = Callable[[set[str] | None], None]

@@ -1,9 +1,12 @@
 """The outbox on PostgreSQL, through asyncpg (the processor's hot path skips SQLAlchemy).
 
-Claims use ``FOR UPDATE SKIP LOCKED`` with a lease, so any number of processors of one target,
-in any number of processes, never hold the same row at once; a row whose lease expired (its
-worker died) is claimable again. New rows announce themselves with ``NOTIFY router_outbox``,
-whose payload names the targets; it is delivered only when the writer commits.
+A claim runs in a transaction that stays open while its batch is published: the rows'
+``FOR UPDATE`` locks are its lease, and the batch's outcomes are written in the same
+transaction before it commits, one write per row (migration 0010). Batches of one target take
+turns across every worker and host (an advisory lock held to the commit), so streams stay in
+order; a worker that dies takes its transaction with it and the rows are queued as they were.
+New rows announce themselves with ``NOTIFY router_outbox``, whose payload names the targets;
+it is delivered only when the writer commits.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -20,6 +24,7 @@ import asyncpg
 from envelopes import DatabaseError
 from router.relay.store.base import (
     VERSION_TABLE,
+    BatchLost,
     Claim,
     ClaimedRow,
     Marks,
@@ -34,21 +39,12 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
 
-# One round trip; router/relay/store/postgres_sql.py has the function and why each clause is there.
-CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
+# One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
+# function and why each clause is there.
+CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4)"
 
-# All outcomes of one batch in one round trip; the function is in postgres_sql.py.
-MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
-
-# The heartbeat of a batch still being published: fenced by the claim's token alone (rows
-# another claim took over carry its token) and 'processing' (a marked row is done). The
-# target and status let the planner read ix_router_outbox_stream (the rows in flight or
-# waiting to retry), not the target's history. A plain statement, not a function in
-# postgres_sql.py: it needs no migration.
-EXTEND = """
-UPDATE router_outbox SET locked_until = now() + make_interval(secs => $3)
-WHERE target = $1 AND status = 'processing' AND lease_token = $2
-"""
+# All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
+MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7)"
 
 RECORD_CIRCUIT = """
 INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
@@ -58,34 +54,16 @@ SET circuit = EXCLUDED.circuit, circuit_since = EXCLUDED.circuit_since,
     circuit_worker = EXCLUDED.circuit_worker, circuit_error = EXCLUDED.circuit_error
 """
 
-# Pending rows are not asked about: the claim that ran just before took every pending row it
-# could, so one it left waits behind an open row of its stream (or another worker's claim),
-# and becomes claimable when that row's retry or lease falls due, which this does return.
-# Counting it as due now had an idle processor claim in vain every 50 ms.
-NEXT_DUE = """
-SELECT extract(epoch FROM least(
-    (SELECT min(available_at) FROM router_outbox
-     WHERE target = $1 AND status = 'failed'),
-    (SELECT min(locked_until) FROM router_outbox
-     WHERE target = $1 AND status = 'processing')
-) - now())::float8
-"""
+# The heartbeat of a batch still being published, in its transaction (see ``extend``).
+EXTEND = "SELECT set_config('idle_in_transaction_session_timeout', $1, true)"
 
-# A dead worker's leases, fenced by its id and 'processing' (a row whose lease ran out and
-# that another worker claimed since carries that worker's id): back as an untried release
-# puts them, the attempt not counted. A mark the worker sent just before it died that lands
-# after this is fenced by its lease token (the rows are no longer 'processing' under it); a
-# claim that lands after this keeps its rows until their lease ends. Counted per target,
-# for the NOTIFY that follows. A partial index of open rows serves it, never the history.
-RELEASE_WORKER = """
-WITH released AS (
-    UPDATE router_outbox
-    SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
-        attempts = attempts - 1, available_at = now(), locked_by = NULL, locked_until = NULL
-    WHERE locked_by = $1 AND status = 'processing'
-    RETURNING target
-)
-SELECT target, count(*) FROM released GROUP BY target
+# Pending rows are not asked about: the claim that ran just before took every pending row it
+# could, so one it left waits behind a failed row of its stream, and becomes claimable when
+# that row's retry falls due, which this does return. Counting it as due now had an idle
+# processor claim in vain every 50 ms. ix_router_outbox_stream (failed rows) serves it.
+NEXT_DUE = """
+SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox
+                           WHERE target = $1 AND status = 'failed') - now())::float8
 """
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
@@ -115,52 +93,84 @@ class PostgresStore:
         self._marked = 0
         self._vacuumed_at = time.monotonic()
         self._vacuum: asyncio.Task[None] | None = None
+        self._held: dict[int, _Held] = {}  # batches in flight, by token
 
     async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
-        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
+        """Lock up to ``limit`` due rows of ``target``, oldest first, streams in order, in a
+        transaction that stays open until ``mark`` or ``release`` (the rows' lease). Waits
+        while another batch of the target is in flight (see router_claim())."""
         token = new_token()
-        async with self._connection() as conn:
-            records = await conn.fetch(
-                CLAIM, target, limit, worker, lease_seconds, token, self._async_commit
-            )
+        pool = await self._open()
+        try:
+            conn = await pool.acquire()
+        except _DB_ERRORS as exc:
+            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+        held = _Held(pool, conn)
+        try:
+            await conn.execute("BEGIN")
+            records = await conn.fetch(CLAIM, target, limit, lease_seconds, self._async_commit)
+        except BaseException as exc:
+            await held.end()  # cancelled (stop) or failed: nothing of it is kept
+            error = _database_error(self.name, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        if not records:
+            await held.commit()
+            return Claim(token, [])
         rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
-        rows.sort(key=lambda r: r.seq)  # RETURNING does not promise an order
+        rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
+        held.rows = len(rows)
+        self._held[token] = held
         return Claim(token, rows)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
-        """One call: an UPDATE per kind of outcome, each fenced by the claim's token."""
+        """Write the batch's outcomes in its transaction, one statement, and commit. Untried
+        rows need nothing: the commit unlocks them as they were. Raises ``BatchLost`` when the
+        transaction is gone (the rows are queued again, and will be delivered again)."""
+        held = self._held.pop(token, None)
+        if held is None:
+            raise BatchLost(f"{self.name}: batch {token} is no longer held (released or ended)")
         self._count_for_vacuum(len(marks))
-        failed = [s for s, _, _ in marks.failed]
-        delays = [d for _, d, _ in marks.failed]
-        failed_errors = [e for _, _, e in marks.failed]
-        abandoned = [s for s, _ in marks.abandoned]
-        abandoned_errors = [e for _, e in marks.abandoned]
         receipts = marks.receipts
-        async with self._connection() as conn:
-            await conn.execute(
-                MARK,
-                token,
-                marks.published,
-                [receipts.get(seq) for seq in marks.published] if receipts else None,
-                failed,
-                delays,
-                failed_errors,
-                abandoned,
-                abandoned_errors,
-                marks.untried,
-                self._async_commit,
-            )
+        try:
+            if marks.published or marks.failed or marks.abandoned:
+                await held.conn.execute(
+                    MARK,
+                    marks.published,
+                    [receipts.get(seq) for seq in marks.published] if receipts else None,
+                    [s for s, _, _ in marks.failed],
+                    [d for _, d, _ in marks.failed],
+                    [e for _, _, e in marks.failed],
+                    [s for s, _ in marks.abandoned],
+                    [e for _, e in marks.abandoned],
+                )
+            await held.commit()
+        except BaseException as exc:
+            await held.end()
+            if not isinstance(exc, Exception):
+                raise
+            raise BatchLost(f"{self.name}: batch not marked: {_safe(exc)}") from exc
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
-        """Return untried rows to the queue without counting an attempt."""
-        if seqs:  # router_mark's "untried" outcome is exactly this
-            await self.mark(target, token, Marks(untried=list(seqs)))
+        """Give the batch back untried: roll its transaction back."""
+        held = self._held.pop(token, None)
+        if held is not None:
+            await held.end()
 
     async def extend(self, target: str, token: int, lease_seconds: float) -> int:
-        """Hold the rows still under ``token`` until ``lease_seconds`` from now."""
-        async with self._connection() as conn:
-            status = await conn.execute(EXTEND, target, token, lease_seconds)
-        return int(status.rpartition(" ")[2])  # "UPDATE <rows>"
+        """A live batch keeps its rows for as long as its session lives: one statement sets
+        the session's idle limit for this transaction to ``lease_seconds`` (and, being a
+        statement, starts that count again) and shows the session is still there. The rows it
+        holds: all of them, or none."""
+        held = self._held.get(token)
+        if held is None:
+            return 0
+        try:
+            await held.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
+        except _DB_ERRORS as exc:
+            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+        return held.rows
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest retry or lease end, from the database's clock."""
@@ -248,7 +258,10 @@ class PostgresStore:
             )
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Close the pool; a batch still held is rolled back (its rows stay queued)."""
+        held, self._held = list(self._held.values()), {}
+        for batch in held:
+            await batch.end()
         if self._vacuum is not None and not self._vacuum.done():
             self._vacuum.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -289,20 +302,52 @@ class PostgresStore:
             return self._pool
 
     async def release_worker(self, worker: str) -> int:
-        """Give back every row a dead ``worker`` holds, in one UPDATE, and NOTIFY its
-        targets' processors in the same transaction (delivered at COMMIT)."""
-        async with self._connection() as conn, conn.transaction():
-            released = await conn.fetch(RELEASE_WORKER, worker)
-            if released:
-                targets = ",".join(sorted(r[0] for r in released))
-                await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, targets)
-        return sum(r[1] for r in released)
+        """A dead worker's batches ended with its connections: its rows are queued again
+        already (or as soon as the server sees the connection go). Wake every processor of
+        the database, so one that is idle takes them now."""
+        async with self._connection() as conn:
+            await conn.execute("SELECT pg_notify($1, '')", CHANNEL)
+        return 0
 
 
 async def _keep_session(_connection: Any) -> None:
     """asyncpg's default reset sends a statement on every release (unlock, UNLISTEN, RESET).
     Pool connections here never change session state (the claim's locks end with its
     transaction), so an idle router can stay silent."""
+
+
+class _Held:
+    """A batch's connection, taken from the pool with its transaction open."""
+
+    def __init__(self, pool: asyncpg.Pool, conn: Any) -> None:
+        self.pool = pool
+        self.conn = conn
+        self.rows = 0
+
+    async def commit(self) -> None:
+        """Commit, and back to the pool."""
+        await self.conn.execute("COMMIT")
+        await self.end()
+
+    async def end(self) -> None:
+        """Back to the pool. A transaction still open (failed, cancelled, released) is not
+        rolled back over a connection in an unknown state: the connection is closed, which
+        ends it, and the pool opens another."""
+        # A connection that closed under it may have gone back to the pool already.
+        with contextlib.suppress(asyncpg.InterfaceError):
+            if not self.conn.is_closed() and self.conn.is_in_transaction():
+                self.conn.terminate()
+        with contextlib.suppress(Exception):
+            await self.pool.release(self.conn)
+
+
+def _database_error(name: str, exc: BaseException) -> BaseException:
+    """What a failed claim raises: cancellation as it is, driver errors as DatabaseError."""
+    if isinstance(exc, (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError)):
+        return schema_problem(name, None) or DatabaseError(name)
+    if isinstance(exc, _DB_ERRORS):
+        return DatabaseError(f"{name}: {_safe(exc)}")
+    return exc
 
 
 def _targets(payload: str) -> set[str] | None:

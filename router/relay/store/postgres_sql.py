@@ -1,7 +1,7 @@
 """The PostgreSQL claim and mark as the newest migration installs them, clause by clause.
 
 ``router_claim()`` is the PostgreSQL twin of the SQLite claim (``router.relay.store.sqlite.CLAIM``);
-``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0009 built them a step at a
+``router_mark()`` writes a batch's outcomes. Migrations 0002 to 0010 built them a step at a
 time, and each keeps a literal copy of what it installed, as history. This module is the text
 head installs, in one place, with why each clause is there (the ``#`` comments: anything
 inside the strings is part of the function bodies). The router calls the functions by name
@@ -21,18 +21,24 @@ another namespace, so a claim never waits on a stager."""
 
 
 CLAIM_FUNCTION = (
-    # One function, so a claim is one round trip (0002). p_token is the claim's fencing token:
-    # marks apply only to rows still carrying it (0002). p_async: see below (0006).
-    # created_at comes back as epoch seconds, for commit-to-ack latency.
+    # One function, so a claim is one round trip (0002). created_at comes back as epoch
+    # seconds, for commit-to-ack latency.
+    # The claim writes nothing (0010): the caller runs it in a transaction of its own and
+    # keeps that transaction open while it publishes; router_mark() then writes each row's
+    # outcome and the caller commits. The row locks taken here are the batch's lease: no
+    # other claim, requeue or discard touches the rows meanwhile, and if the worker dies its
+    # connection closes and PostgreSQL rolls the transaction back, so the rows are at once
+    # queued as they were. Before 0010 the claim wrote every row ('processing', a lease
+    # token and its end) and the mark wrote it again: two new versions of every row, each
+    # with its index entries, where one suffices (half the database's work per row).
     # The SET clauses (0008): the plan must be index-served whatever the statistics say. A
     # fresh outbox has none (autovacuum may be off, or not yet run), and PL/pgSQL keeps a
     # generic plan after five calls; without them the planner was free to read the target's
     # whole claim index per candidate row, or to aggregate over it for min(seq), and a claim
     # then cost time in proportion to every row the target had ever delivered.
     """
-CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
-                                        p_lease_seconds double precision, p_token bigint,
-                                        p_async boolean)
+CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer,
+                                        p_hold_seconds double precision, p_async boolean)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
 LANGUAGE plpgsql
@@ -42,22 +48,37 @@ AS $$
 BEGIN
 """
     # The router passes p_async = NOT outbox.durable_bookkeeping. If PostgreSQL crashes it
-    # may forget the last few claims, which only leaves their rows pending, and it saves an
-    # fsync per claim. set_config(..., true) lasts until the end of this transaction, so a
-    # pooled session never carries it over to an application (0006); the function's own SET
-    # clauses restore only the settings they name.
+    # may forget the last few marks, which only leaves their rows queued, to be delivered
+    # again, and it saves an fsync per batch. set_config(..., true) lasts until the end of
+    # this transaction, so it covers the commit after router_mark(), and a pooled session
+    # never carries it over to an application (0006).
     """\
-    -- A lost claim only leaves its rows pending: no need to wait for the WAL flush.
+    -- A lost batch only leaves its rows queued: no need to wait for the WAL flush.
     IF p_async THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
 """
-    # Per-target lock, then the claim in a statement of its own: that statement sees every
-    # claim committed before it, so a row is never claimed while an earlier row of its stream
-    # is in flight under a claim that committed a moment ago (0002).
+    # A worker that stops answering (stopped, or its host partitioned away) while its
+    # connection stays open would hold its rows, and every claim of the target behind the
+    # lock below, for as long as TCP keeps the connection. The server ends its session once
+    # it has been idle in this transaction for p_hold_seconds (outbox.lease_seconds; a live
+    # worker sends a statement before each wave of a long batch), and the rows are queued
+    # again (0010).
+    """\
+    -- A worker that goes silent for p_hold_seconds loses its session, and so its rows.
+    PERFORM set_config('idle_in_transaction_session_timeout',
+                       (ceil(p_hold_seconds * 1000))::bigint::text, true);
+"""
+    # Per-target lock, held until the batch is marked and committed (0010; 0002 held it for
+    # the claim alone). Batches of one target therefore take turns, across every worker and
+    # host: the next claim waits here and then starts with a snapshot that includes the
+    # previous batch's outcomes. That keeps streams in order: a row is never sent while an
+    # earlier row of its stream is being sent in another batch, or had just failed there.
+    # A processor sends its next claim while the current batch is still being published,
+    # so the wait ends at the commit without a round trip.
     f"""\
-    -- Claims of one target take turns; the statements below then start with a snapshot that
-    -- includes every claim committed before this one.
+    -- Batches of one target take turns; the statements below then start with a snapshot that
+    -- includes every batch committed before this one.
     PERFORM pg_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target));
 """
     # A paused target is not claimed by any worker (0003).
@@ -65,21 +86,11 @@ BEGIN
     IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
         RETURN;
     END IF;
-"""
-    # A lease that ran out (its worker died, or stalled past its heartbeat) puts the row back
-    # in the queue, its attempt counted (it may have reached the broker), due now. Until 0008
-    # such rows were claimed as they were; giving them back first keeps 'processing' rows out
-    # of the claim index, so a claim moves a row out of that index instead of adding to it.
-    # ix_router_outbox_stream holds the in-flight rows and serves this.
-    """\
-    UPDATE router_outbox
-    SET status = 'failed', available_at = now(),
-        last_error = 'lease ended before the attempt was marked (' || locked_by || ')',
-        locked_by = NULL, locked_until = NULL
-    WHERE target = p_target AND status = 'processing' AND locked_until <= now();
     RETURN QUERY
     WITH picked AS (
-        SELECT o.seq FROM router_outbox o
+        SELECT o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts + 1,
+               o.stream_key, extract(epoch FROM o.created_at)::double precision
+        FROM router_outbox o
         WHERE o.target = p_target
 """
     # Once the statistics say most rows are pending, the planner would walk the primary key
@@ -96,10 +107,12 @@ BEGIN
     """\
           AND o.status IN ('pending', 'failed') AND o.available_at <= now()
 """
-    # Streams stay in order: a row waits while an earlier row of its stream is in flight
-    # under a live lease or waiting to retry. Only ix_router_outbox_stream (in-flight and
-    # failed rows by target, stream, seq) can serve this: the claim index leaves
-    # 'processing' out (0008), so the planner has no whole-index scan to pick by mistake.
+    # Streams stay in order: a row waits while an earlier row of its stream waits to retry.
+    # Only ix_router_outbox_stream (failed rows, and rows 'processing' under a lease before
+    # 0010, by target, stream, seq) can serve this: the claim index leaves 'processing' out
+    # (0008), so the planner has no whole-index scan to pick by mistake. No row is
+    # 'processing' since 0010 (the migration queued them again); the predicate stays that
+    # index's, word for word.
     """\
           AND (o.stream_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM router_outbox p
@@ -108,113 +121,85 @@ BEGIN
                   AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
                       > now()))
 """
-    # Outbox order, in the claim index's order (target, seq). SKIP LOCKED: any number of
-    # processors of one target never hold the same row at once, nor wait on each other.
+    # Outbox order, in the claim index's order (target, seq). The row locks are the batch's
+    # lease (see above); SKIP LOCKED passes over a row an operator's requeue or discard holds
+    # this moment. attempts + 1: this attempt counts, as it will once router_mark() writes it.
     """\
         ORDER BY o.target, o.seq
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
     )
-"""
-    # The lease: this worker and token until now + p_lease_seconds; attempts counts this
-    # attempt, last_attempt_at feeds the retry rate and abandoned-row retention (0003);
-    # first_attempt_at is for `router trace` (0009).
-    """\
-    UPDATE router_outbox AS u
-    SET status = 'processing', locked_by = p_worker, lease_token = p_token,
-        locked_until = now() + make_interval(secs => p_lease_seconds),
-        attempts = u.attempts + 1, last_attempt_at = now(),
-        first_attempt_at = coalesce(u.first_attempt_at, now())
-"""
-    # The picked rows by primary key, not joined back to the table: a join hashed the whole
-    # table on outboxes of some tens of thousands of rows (0007).
-    """\
-    WHERE u.seq = ANY (ARRAY(SELECT picked.seq FROM picked))
-"""
-    # RETURNING promises no order: the caller sorts by seq.
-    """\
-    RETURNING u.seq, u.message_id::text, u.destination, u.envelope::text, u.attempts,
-              u.stream_key, extract(epoch FROM u.created_at)::double precision;
+    SELECT * FROM picked;
 END
 $$
 """
 )
 
 MARK_FUNCTION = (
-    # A batch's outcomes in one round trip (0006): failed rows come as parallel arrays of
-    # seq, delay in seconds and error; abandoned ones as seq and error; published ones as
-    # seq and the broker's receipt, or NULL where the broker gives none (0009).
+    # A batch's outcomes in one round trip (0006), in the claim's transaction (0010): failed
+    # rows come as parallel arrays of seq, delay in seconds and error; abandoned ones as seq
+    # and error; published ones as seq and the broker's receipt, or NULL where the broker
+    # gives none (0009). Each row is written once, with the attempt it was claimed for
+    # (attempts, first and last attempt): the claim wrote nothing. Rows claimed but not sent
+    # (held back behind a failed row of their stream) need no statement: the commit releases
+    # their locks and they are queued as they were, their attempt not counted.
+    # No fencing token (0002 to 0009): the rows are locked by this transaction, so no other
+    # claim can have taken them over; if the session ended (idle timeout, network), this
+    # call fails and the transaction with it.
     # No nested loop (0009): joined to its outcomes' arrays, a batch's rows must be paired by
     # hashing the arrays once. Without statistics the planner expects one row from the table
     # and loops over the unnested array for each row instead: for 500 rows, 250,000
-    # comparisons, 50 ms a mark instead of 5.
+    # comparisons, 50 ms a mark instead of 5. No sequential scan (0010): once the claim stopped
+    # writing the rows, a fresh table's missing statistics made a 3,000-row outbox look cheaper
+    # to read whole than by its primary key.
+    # Times from the clock (0010): the transaction began with the claim, so now() is when the
+    # attempt started (first_attempt_at); when it ended and the next is due count from here.
     """
-CREATE OR REPLACE FUNCTION router_mark(p_token bigint,
-                                       p_published bigint[], p_receipts text[],
+CREATE OR REPLACE FUNCTION router_mark(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
-                                       p_abandoned bigint[], p_abandoned_errors text[],
-                                       p_untried bigint[], p_async boolean)
+                                       p_abandoned bigint[], p_abandoned_errors text[])
 RETURNS void
 LANGUAGE plpgsql
 SET enable_nestloop = off
+SET enable_seqscan = off
 AS $$
+DECLARE
+    -- The time of the outcome; now() is the claim's, a publish earlier.
+    v_now timestamptz := clock_timestamp();
 BEGIN
-"""
-    # As in the claim: a lost mark leaves its rows leased until the lease ends, and then they
-    # are delivered again (at least once; brokers drop repeats by message id) (0006).
-    """\
-    -- A lost mark only means its rows are delivered again once their lease ends.
-    IF p_async THEN
-        PERFORM set_config('synchronous_commit', 'off', true);
-    END IF;
-"""
-    # Every UPDATE below is fenced by the claim's token and 'processing': a worker that lost
-    # its lease (paused, partitioned, expired) cannot mark rows another claim now holds
-    # (0002). An empty outcome sends no statement.
-    """\
     IF cardinality(p_published) > 0 THEN
         UPDATE router_outbox AS o
-        SET status = 'published', published_at = now(), last_error = NULL,
-            locked_by = NULL, locked_until = NULL, receipt = t.receipt
+        SET status = 'published', published_at = v_now, last_error = NULL,
+            receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
+            first_attempt_at = coalesce(o.first_attempt_at, now())
         FROM unnest(p_published, p_receipts) AS t(seq, receipt)
 """
     # The rows are found by primary key from the array (seq = ANY), as before receipts; the
     # join to the receipts only matches each to its own (0009).
     """\
-        WHERE o.seq = ANY(p_published) AND o.seq = t.seq
-          AND o.lease_token = p_token AND o.status = 'processing';
+        WHERE o.seq = ANY(p_published) AND o.seq = t.seq;
     END IF;
 """
     # Failed: due again after its own retry delay.
     """\
     IF cardinality(p_failed) > 0 THEN
         UPDATE router_outbox AS o
-        SET status = 'failed', available_at = now() + make_interval(secs => t.delay),
-            last_error = t.error, locked_by = NULL, locked_until = NULL
+        SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
+            last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
+            first_attempt_at = coalesce(o.first_attempt_at, now())
         FROM unnest(p_failed, p_delays, p_failed_errors) AS t(seq, delay, error)
-        WHERE o.seq = t.seq AND o.lease_token = p_token AND o.status = 'processing';
+        WHERE o.seq = t.seq;
     END IF;
 """
     # Abandoned: no longer open, so never claimed again.
     """\
     IF cardinality(p_abandoned) > 0 THEN
         UPDATE router_outbox AS o
-        SET status = 'abandoned', last_error = t.error, locked_by = NULL, locked_until = NULL
+        SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
+            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, now())
         FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
-        WHERE o.seq = t.seq AND o.lease_token = p_token AND o.status = 'processing';
-    END IF;
-"""
-    # Untried (held back behind a failed row of its stream, or released): back to what it
-    # was before this claim, 'failed' when an earlier attempt had failed, else 'pending'.
-    """\
-    IF cardinality(p_untried) > 0 THEN
-        -- Claimed but not sent: back in the queue, and the attempt does not count.
-        UPDATE router_outbox
-        SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
-            attempts = attempts - 1, available_at = now(), locked_by = NULL,
-            locked_until = NULL
-        WHERE seq = ANY(p_untried) AND lease_token = p_token AND status = 'processing';
+        WHERE o.seq = t.seq;
     END IF;
 END
 $$

@@ -1,0 +1,155 @@
+"""PostgreSQL holds a batch's rows in the claim's transaction and writes each row once
+(migration 0010): what that promises, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+
+import asyncpg
+import pytest
+
+from router import Outbox
+from router.relay.store import BatchLost, Marks
+from router.relay.store.postgres import PostgresStore
+from tests.conftest import PgDatabases, make_config
+from tests.integration.events import OrderPlaced
+
+BROKERS = {"events": {"type": "memory", "internal": True}}
+
+
+async def staged(url: str, streams: dict[str, int]) -> None:
+    """``count`` events on each stream key, in one transaction."""
+    outbox = Outbox(make_config({"main": url}, BROKERS))
+    try:
+        async with outbox.transaction() as tx:
+            for key, count in streams.items():
+                for i in range(count):
+                    await tx.stage(
+                        OrderPlaced(order_id=f"{key}-{i}", total=Decimal(i)), stream_key=key
+                    )
+    finally:
+        await outbox.close()
+
+
+async def rows(url: str) -> list[tuple[str, str, int]]:
+    """(stream, status, attempts) of every row, in outbox order."""
+    conn = await asyncpg.connect(url)
+    try:
+        records = await conn.fetch(
+            "SELECT stream_key, status, attempts FROM router_outbox ORDER BY seq"
+        )
+    finally:
+        await conn.close()
+    return [(r[0], r[1], r[2]) for r in records]
+
+
+@pytest.fixture
+async def url(pg_databases: PgDatabases) -> str:
+    return await pg_databases.new()
+
+
+async def test_the_next_claim_waits_for_the_batch_in_flight_and_sees_its_outcome(url: str) -> None:
+    await staged(url, {"A": 2, "B": 2})
+    first, second = PostgresStore("main", url), PostgresStore("main", url)
+    try:
+        batch = await first.claim("events", 2, "w-1", 30)  # A-0, A-1
+        assert [r.stream_key for r in batch.rows] == ["A", "A"]
+        waiting = asyncio.create_task(second.claim("events", 10, "w-2", 30))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # batches of one target take turns
+        # A-0 fails: A-1 is held back behind it (untried), and must stay behind it.
+        a0, a1 = (r.seq for r in batch.rows)
+        await first.mark("events", batch.token, Marks(failed=[(a0, 60, "busy")], untried=[a1]))
+        after = await asyncio.wait_for(waiting, 5)
+        assert [r.stream_key for r in after.rows] == ["B", "B"]
+        assert [r.attempts for r in after.rows] == [1, 1]  # this attempt counts
+        await second.mark("events", after.token, Marks(published=[r.seq for r in after.rows]))
+    finally:
+        await first.close()
+        await second.close()
+    # One write each: A-0 failed (its attempt counted), A-1 untouched, B published.
+    assert await rows(url) == [
+        ("A", "failed", 1),
+        ("A", "pending", 0),
+        ("B", "published", 1),
+        ("B", "published", 1),
+    ]
+
+
+async def test_a_batch_whose_connection_closes_is_queued_again_at_once(url: str) -> None:
+    await staged(url, {"A": 3})
+    store, other = PostgresStore("main", url), PostgresStore("main", url)
+    try:
+        batch = await store.claim("events", 10, "w-1", 30)
+        assert len(batch) == 3
+        # The worker dies: its connection goes, and PostgreSQL rolls the batch back.
+        store._held[batch.token].conn.terminate()
+        again = await asyncio.wait_for(other.claim("events", 10, "w-2", 30), 5)
+        assert [r.seq for r in again.rows] == [r.seq for r in batch.rows]
+        assert [r.attempts for r in again.rows] == [1, 1, 1]  # the lost attempt is not counted
+        with pytest.raises(BatchLost):
+            await store.mark("events", batch.token, Marks(published=[r.seq for r in batch.rows]))
+        await other.mark("events", again.token, Marks(published=[r.seq for r in again.rows]))
+    finally:
+        await store.close()
+        await other.close()
+    assert await rows(url) == [("A", "published", 1)] * 3
+
+
+async def test_a_silent_worker_loses_its_batch_after_its_lease_and_cannot_mark_it(url: str) -> None:
+    await staged(url, {"A": 1})
+    silent, healthy = PostgresStore("main", url), PostgresStore("main", url)
+    try:
+        stale = await silent.claim("events", 10, "silent", 0.3)
+        # The silent worker sends nothing for longer than its lease: the server ends its
+        # session, and the healthy worker's claim, waiting on the target's lock, goes on.
+        fresh = await asyncio.wait_for(healthy.claim("events", 10, "healthy", 30), 5)
+        assert [r.seq for r in fresh.rows] == [r.seq for r in stale.rows]
+        with pytest.raises(BatchLost):
+            await silent.mark(
+                "events", stale.token, Marks(failed=[(stale.rows[0].seq, 60, "late")])
+            )
+        await healthy.mark("events", fresh.token, Marks(published=[fresh.rows[0].seq]))
+    finally:
+        await silent.close()
+        await healthy.close()
+    assert await rows(url) == [("A", "published", 1)]
+
+
+async def test_a_live_worker_keeps_its_batch_past_the_lease_by_extending_it(url: str) -> None:
+    await staged(url, {"A": 1})
+    store = PostgresStore("main", url)
+    try:
+        batch = await store.claim("events", 10, "w-1", 0.4)
+        for _ in range(4):  # waves of a long batch, each under the lease
+            await asyncio.sleep(0.2)
+            assert await store.extend("events", batch.token, 0.4) == 1
+        await store.mark("events", batch.token, Marks(published=[batch.rows[0].seq]))
+    finally:
+        await store.close()
+    assert await rows(url) == [("A", "published", 1)]
+
+
+async def test_a_delivered_row_is_written_once(url: str) -> None:
+    await staged(url, {f"s-{i}": 4 for i in range(250)})
+    stats = "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'router_outbox'"
+    conn = await asyncpg.connect(url)
+    try:
+        before = await conn.fetchval(stats)
+        store = PostgresStore("main", url)
+        try:
+            while (batch := await store.claim("events", 300, "w-1", 30)).rows:
+                published = Marks(published=[r.seq for r in batch.rows])
+                await store.mark("events", batch.token, published)
+        finally:
+            await store.close()  # a backend reports its counts when it exits, at the latest
+        for _ in range(50):
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+            if (after := await conn.fetchval(stats)) != before:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await conn.close()
+    assert await rows(url) == [(f"s-{i}", "published", 1) for i in range(250) for _ in range(4)]
+    assert after - before == 1000  # one UPDATE per row: the claim wrote nothing
