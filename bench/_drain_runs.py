@@ -47,7 +47,15 @@ from bench._common import (
 from router import Outbox
 from tests.conftest import make_config
 
-__all__ = ["BATCH", "PER_ORDER", "PER_TRANSACTION", "drain", "stage_backlog", "transactions"]
+__all__ = [
+    "BATCH",
+    "HELD_BASELINE",
+    "PER_ORDER",
+    "PER_TRANSACTION",
+    "drain",
+    "stage_backlog",
+    "transactions",
+]
 
 PER_ORDER = 4
 PER_TRANSACTION = 100
@@ -168,16 +176,22 @@ class Relay:
         return self.process.wait()
 
 
+HELD_BASELINE = -1
+"""The worker count that stands for ``bench.baseline --hold`` (0: the baseline)."""
+
+
 def start(workers: int, url: str, events: int, folder: Path) -> Relay:
-    """``router serve --workers N`` on the config in ``folder``, or the baseline (N = 0)."""
-    if workers:
+    """``router serve --workers N`` on the config in ``folder``, or the baseline (N = 0;
+    ``HELD_BASELINE``: the baseline with ``--hold``)."""
+    if workers > 0:
         router = str(Path(sys.executable).with_name("router"))
         argv = [router, "--log-level", "warning", "serve", "--workers", str(workers)]
         return Relay(argv, folder, cwd=folder, exits=False)
     argv = [sys.executable, "-m", "bench.baseline", "--dsn", url, "--nats", NATS_URL]
-    return Relay(
-        [*argv, "--batch", str(BATCH), "--events", str(events)], folder, cwd=ROOT, exits=True
-    )
+    argv += ["--batch", str(BATCH), "--events", str(events)]
+    if workers == HELD_BASELINE:
+        argv.append("--hold")
+    return Relay(argv, folder, cwd=ROOT, exits=True)
 
 
 async def drain(workers: int, storage: StorageType, events: int) -> dict[str, float]:
@@ -199,7 +213,7 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
                 status = relay.stop()
             await backends_gone(database)
             cpu = postgres_cpu_ticks() - cpu_before
-            await check_published(url, events, relay, None if workers else status)
+            await check_published(url, events, relay, None if workers > 0 else status)
             size = await stream_bytes(stream)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,12 +1,21 @@
 """baseline: the strongest relay we could write by hand in a page, as a program of its own.
 
-    python -m bench.baseline --dsn DSN --nats URL [--batch 500] [--events N]
+    python -m bench.baseline --dsn DSN --nats URL [--batch 500] [--events N] [--hold]
 
 uvloop, asyncpg and nats-py's public API; one connection to each. Until a claim comes back
 empty: claim a batch by primary key (``FOR UPDATE SKIP LOCKED``), publish all of it with every
 ack in flight on one reply subject, mark it published with one UPDATE. It exits 0 once it has
 published ``--events`` messages (when given), 1 otherwise. bench.drain times it from exec, as
 it times ``router serve``.
+
+Two ways to claim:
+
+- by default, as issue #16 describes the baseline and as most outbox relays do: the claim is
+  an UPDATE that leases the rows ('processing', a lease end), so every row is written twice
+  (claimed, then published);
+- ``--hold``: the batch's transaction stays open while it is published, the rows' locks are
+  the lease, and each row is written once (published). This is what the router does on
+  PostgreSQL since migration 0010, and the stronger relay.
 
 What it leaves out, and why it may: per-stream order needs no check, because one relay runs
 alone and waits for every ack of a batch before it claims again, so no stream is ever in two
@@ -48,6 +57,19 @@ MARK = """
 UPDATE router_outbox SET status = 'published', published_at = now(), locked_until = NULL
 WHERE seq = ANY($1::bigint[])
 """
+# --hold: the same choice of rows, locked and read, not written; the mark counts the attempt.
+LOCK = """
+SELECT seq, message_id::text, destination, envelope::text FROM router_outbox
+WHERE target = 'events' AND status IN ('pending', 'failed') AND available_at <= now()
+  AND seq >= (SELECT min(seq) FROM router_outbox
+              WHERE target = 'events' AND status IN ('pending', 'failed'))
+ORDER BY seq LIMIT $1
+FOR UPDATE SKIP LOCKED
+"""
+MARK_HELD = """
+UPDATE router_outbox SET status = 'published', published_at = now(), attempts = attempts + 1
+WHERE seq = ANY($1::bigint[])
+"""
 
 
 class Acks:
@@ -75,7 +97,7 @@ class Acks:
             self.done.set_result(None)
 
 
-async def relay(dsn: str, nats_url: str, batch: int) -> int:
+async def relay(dsn: str, nats_url: str, batch: int, hold: bool) -> int:
     """Drain the outbox into JetStream; the number of messages published."""
     conn = await asyncpg.connect(dsn)
     # As the router's own bookkeeping: a claim or mark lost in a crash is only delivered again.
@@ -87,8 +109,14 @@ async def relay(dsn: str, nats_url: str, batch: int) -> int:
     client = await nats.connect(nats_url)
     acks, inbox, published = Acks(), client.new_inbox(), 0
     await client.subscribe(inbox, cb=acks.on_reply)
+    claim, mark = (LOCK, MARK_HELD) if hold else (CLAIM, MARK)
     try:
-        while rows := await conn.fetch(CLAIM, batch):
+        while True:
+            if hold:
+                await conn.execute("BEGIN")
+            rows = await conn.fetch(claim, batch)
+            if not rows:
+                break
             done = acks.expect(len(rows))
             # One reply subject for the whole batch: the acks are only counted.
             for _seq, message_id, destination, envelope in rows:
@@ -96,7 +124,9 @@ async def relay(dsn: str, nats_url: str, batch: int) -> int:
                     destination, envelope.encode(), reply=inbox, headers={"Nats-Msg-Id": message_id}
                 )
             await asyncio.wait_for(done, 30)
-            await conn.execute(MARK, [row[0] for row in rows])
+            await conn.execute(mark, [row[0] for row in rows])
+            if hold:
+                await conn.execute("COMMIT")
             published += len(rows)
     finally:
         await client.close()
@@ -111,8 +141,9 @@ def main() -> None:
     parser.add_argument("--nats", default="nats://127.0.0.1:4222")
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--events", type=int, default=None, help="expected count")
+    parser.add_argument("--hold", action="store_true", help="one write per row (see above)")
     args = parser.parse_args()
-    published = uvloop.run(relay(args.dsn, args.nats, args.batch))
+    published = uvloop.run(relay(args.dsn, args.nats, args.batch, args.hold))
     raise SystemExit(0 if args.events in (None, published) else 1)
 
 

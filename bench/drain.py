@@ -12,14 +12,18 @@ started as a process of its own and timed from exec (see ``bench._drain_runs``):
 - ``router serve`` (one process; and ``--workers 2``), with a generated NATS-only config;
 - ``python -m bench.baseline``: the strongest relay we could write by hand in a page (uvloop,
   asyncpg, nats-py; claim 500 by primary key with ``SKIP LOCKED``, publish with every ack in
-  flight, one UPDATE to mark).
+  flight, one UPDATE to mark), the baseline issue #16 describes: its claim leases the rows,
+  so it writes each row twice;
+- ``python -m bench.baseline --hold`` ("baseline, one write"): the same page holding the
+  batch's transaction while it publishes, so it writes each row once, as the router does on
+  PostgreSQL. The stronger of the two: the last column compares everything with it.
 
-Rounds interleave them (router, baseline, router --workers 2, baseline, ...) after one
-uncounted warm-up of each on a 2,000-event backlog, so drift on a shared machine hits them
-alike. Per relay: events/s from exec to the last message stored, and from the first message
-stored to the last; PostgreSQL's CPU per delivered row; the median and min-max of the runs;
-each router run's ratio to the baseline run right after it (median, min-max), and the ratio
-of the medians.
+Rounds interleave them (router, baseline, router --workers 2, baseline, ..., baseline, one
+write) after one uncounted warm-up of each on a 2,000-event backlog, so drift on a shared
+machine hits them alike. Per relay: events/s from exec to the last message stored, and from
+the first message stored to the last; PostgreSQL's CPU per delivered row; the median and
+min-max of the runs; each router run's ratio to the baseline run right after it (median,
+min-max), and the ratio of the medians.
 
 ``--database mysql`` or ``both`` runs instead the earlier side-by-side comparison of the
 databases (``bench._drain_databases``). Then the same backlog is drained into every broker of
@@ -43,6 +47,7 @@ from bench._common import Stream, median, print_table, write_results
 from bench._drain_databases import compare
 from bench._drain_runs import (
     BATCH,
+    HELD_BASELINE,
     PER_ORDER,
     PER_TRANSACTION,
     compile_bytecode,
@@ -64,19 +69,22 @@ PG_CPU_NOTE = (
 )
 
 HEADER = ["relay", "exec->last /s", "vs baseline", "first->last /s", "vs baseline"]
-HEADER += ["PG CPU us/row", "bytes/msg"]
+HEADER += ["PG CPU us/row", "bytes/msg", "vs one write (exec, 1st->last)"]
+HELD = "baseline, one write"
 
 Drains = dict[str, list[dict[str, float]]]
 """Each relay's drains (the figures of ``_drain_runs.drain``), in order."""
 
 
 def round_order(workers: Sequence[int]) -> list[tuple[str, int]]:
-    """One round: each router variant, then the baseline (worker count 0)."""
-    return [
+    """One round: each router variant, then the baseline (worker count 0); at the end the
+    baseline that writes each row once (``HELD_BASELINE``)."""
+    steps = [
         step
         for count in workers
         for step in ((f"router serve --workers {count}", count), ("baseline", 0))
     ]
+    return [*steps, (HELD, HELD_BASELINE)]
 
 
 async def measure(
@@ -121,7 +129,7 @@ def spread(values: Sequence[float], digits: int = 0) -> dict[str, Any]:
 def summarise(drains: Drains, workers: Sequence[int]) -> dict[str, Any]:
     """Per relay: each metric's spread, the ratios of its medians to the baseline's and, for
     the router, the spread of its ratio to the baseline run that followed each run."""
-    baseline = drains["baseline"]
+    baseline, held = drains["baseline"], drains[HELD]
     figures: dict[str, Any] = {}
     for name, runs in drains.items():
         figure: dict[str, Any] = {
@@ -133,10 +141,14 @@ def summarise(drains: Drains, workers: Sequence[int]) -> dict[str, Any]:
             key: round(median([r[key] for r in runs]) / median([b[key] for b in baseline]), 3)
             for key in METRICS
         }
-        if name != "baseline":
+        figure["ratio_to_one_write_baseline"] = {
+            key: round(median([r[key] for r in runs]) / median([b[key] for b in held]), 3)
+            for key in METRICS
+        }
+        if name.startswith("router"):
             # A round runs router(w0), baseline, router(w1), baseline, ...: the baseline runs
             # that followed this router's are every len(workers)-th from its place.
-            place = [name for name, _ in round_order(workers)][::2].index(name)
+            place = [f"router serve --workers {count}" for count in workers].index(name)
             after = baseline[place :: len(workers)]
             figure["paired_ratio"] = {
                 key: spread([r[key] / b[key] for r, b in zip(runs, after, strict=True)], 3)
@@ -176,6 +188,9 @@ def print_tables(events: int, rounds: int, figures: dict[str, Any]) -> None:
                     ratio(f, "first_to_last"),
                     cell(f["pg_cpu_us_per_row"], 1),
                     f"{f['bytes_per_message']:,.0f}",
+                    "{from_exec:.2f}x, {first_to_last:.2f}x".format(
+                        **f["ratio_to_one_write_baseline"]
+                    ),
                 )
                 for name, f in relays.items()
             ],
@@ -183,7 +198,8 @@ def print_tables(events: int, rounds: int, figures: dict[str, Any]) -> None:
     print(
         "exec->last: from the bench's clock read just before the relay's process is spawned to "
         "the last message stored (JetStream's timestamp); vs baseline: each router run over the "
-        "baseline run right after it, median (min-max); the JSON also has the medians' ratio"
+        "baseline run right after it, median (min-max); the JSON also has the medians' ratio; "
+        "vs one write: ratio of the medians to the baseline that writes each row once"
     )
     print(PG_CPU_NOTE)
 

@@ -97,6 +97,30 @@ async def pg_fetch(url: str, query: str, *args: Any) -> list[asyncpg.Record]:
         await conn.close()
 
 
+# A PostgreSQL batch writes nothing on its rows while it publishes them (migration 0010): what
+# shows it is the per-target advisory lock its transaction holds, keyed as router_claim() does,
+# and its session's application_name, the worker's id for as long as the batch lasts.
+_BATCH_HOLDER = """
+SELECT a.application_name FROM pg_locks l
+JOIN pg_database d ON d.oid = l.database JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database()
+  AND l.classid = $1::bigint::oid AND l.objid = (hashtext($2)::bigint & 4294967295)::oid
+"""
+
+
+async def batch_holder(url: str, target: str) -> str | None:
+    """The id of the worker whose batch of ``target`` is being published now (PostgreSQL)."""
+    from router.relay.store.postgres_sql import CLAIM_LOCK_NAMESPACE
+
+    rows = await pg_fetch(url, _BATCH_HOLDER, CLAIM_LOCK_NAMESPACE, target)
+    return str(rows[0][0]) if rows else None
+
+
+async def batch_in_flight(url: str, target: str) -> bool:
+    """Whether a router's batch of ``target`` is being published now (PostgreSQL)."""
+    return await batch_holder(url, target) is not None
+
+
 async def _drop_database(name: str) -> None:
     admin = await asyncpg.connect(PG_ADMIN)
     try:

@@ -8,7 +8,10 @@ kind: published; failed with ``available_at = now + backoff``; abandoned after
 While a full batch is being published, the next one is already claimed: at most two batches
 are in flight, so claiming and marking overlap publishing and memory stays bounded however
 long the backlog. Rows of one stream are never in two batches at once (a claim skips rows
-whose predecessor is in flight), so the overlap keeps every stream in order.
+whose predecessor is in flight), so the overlap keeps every stream in order. On PostgreSQL
+(``OutboxStore.holds_batches``) a batch holds its target until it is marked, so the next claim
+follows the mark instead; a claim that finds another worker's batch in flight is asked again
+after a short wait, doubling up to a second.
 
 A batch split into many waves may take longer than ``outbox.lease_seconds``: before each wave,
 a lease with less than one publish (and a second) left is extended (``router.relay.lease``),
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 _DUE_RECHECK = 1.0
 # Back-off after a cycle failed (database down, or a bug): from half a second to 30 s.
 _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
+# How long to wait before asking again when another worker's batch holds the target (seconds):
+# from a batch's publish to about a second, so a worker that died is taken over soon after.
+_BUSY_MIN, _BUSY_MAX = 0.02, 1.0
 
 
 class Processor:
@@ -98,6 +104,7 @@ class Processor:
         self._next_due: float | None = None
         self._due_checked_at = -math.inf
         self._in_flight: dict[int, Claim] = {}  # claims not yet marked, by token
+        self._busy_wait = _BUSY_MIN
         limit = settings.rate_limit
         self.bucket = TokenBucket(limit) if limit is not None else None
         self._metrics = metrics
@@ -175,17 +182,25 @@ class Processor:
         of the current; then say how long to wait (None: go on at once)."""
         previous: asyncio.Task[None] | None = None
         current: asyncio.Task[None] | None = None
-        claimed, limit = 0, self.outbox.batch_size
+        claimed, limit, busy = 0, self.outbox.batch_size, False
         try:
             while True:
                 limit = self._claim_limit()
                 if limit == 0:  # the rate limit holds the pace: wait for its tokens
                     break
                 claim, end = await self._claim(limit)
+                if claim.busy:  # another worker's batch holds the target
+                    busy = True
+                    break
+                self._busy_wait = _BUSY_MIN
                 claimed = len(claim)
                 current = (
                     asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
                 )
+                if current is not None and self.store.holds_batches:
+                    # The batch holds the target until it is marked: nothing to overlap.
+                    await current
+                    current = None
                 # A claim made while a batch was in flight skips the rows queued behind that
                 # batch in their streams: short, it says nothing about what is left.
                 overlapped = previous is not None
@@ -201,6 +216,9 @@ class Processor:
                 previous = None
         finally:
             await _settle(previous, current)
+        if busy:
+            wait, self._busy_wait = self._busy_wait, min(self._busy_wait * 2, _BUSY_MAX)
+            return wait
         if limit == 0:
             return self._token_wait()
         return await self._idle_timeout(claimed, limit)

@@ -166,8 +166,13 @@ class Postgres(ChaosDatabase):
         return self.url.replace("postgresql://", "postgresql+asyncpg://", 1)
 
     async def create(self) -> None:
-        """CREATE DATABASE on the shared server."""
+        """CREATE DATABASE on the shared server, with pgrowlocks (see ``in_flight``)."""
         await _pg_admin(f'CREATE DATABASE "{self.name}"')
+        conn = await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT)
+        try:
+            await conn.execute("CREATE EXTENSION IF NOT EXISTS pgrowlocks")
+        finally:
+            await conn.close()
 
     async def drop(self) -> None:
         """DROP DATABASE ... WITH (FORCE)."""
@@ -186,10 +191,17 @@ class Postgres(ChaosDatabase):
         return bool(rows[0][0])
 
     async def in_flight(self, holder: str, statuses: Sequence[str]) -> list[str]:
-        """The ids as text."""
+        """The ids as text. A batch writes nothing on the rows it publishes (they stay
+        'pending', locked by its transaction, whose session is named after its worker): the
+        rows a ``holder`` session has locked now, read with pgrowlocks (which takes no lock
+        on them); and the failed ones when ``statuses`` has 'failed'."""
         rows = await self._fetch(
-            "SELECT message_id::text FROM router_outbox WHERE status = ANY($2::text[]) "
-            "AND (status = 'failed' OR locked_by LIKE $1)",
+            "SELECT o.message_id::text FROM pgrowlocks('router_outbox') l"
+            " JOIN router_outbox o ON o.ctid = l.locked_row"
+            " WHERE EXISTS (SELECT 1 FROM pg_stat_activity a"
+            "               WHERE a.pid = ANY(l.pids) AND a.application_name LIKE $1)"
+            " UNION SELECT message_id::text FROM router_outbox"
+            " WHERE status = 'failed' AND 'failed' = ANY($2::text[])",
             holder,
             list(statuses),
         )

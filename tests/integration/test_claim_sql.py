@@ -43,7 +43,7 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
     scratch = await pg_databases.new(migrated=False)
     expected = await definitions(scratch, CLAIM_FUNCTION, MARK_FUNCTION)
     assert [signature for signature, _ in expected] == [
-        "router_claim(text,integer,double precision,boolean)",
+        "router_claim(text,integer,text,double precision,boolean)",
         "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[])",
     ]
     assert await definitions(migrated) == expected
@@ -56,5 +56,5 @@ def test_the_claim_reads_queued_rows_and_checks_streams_against_rows_in_flight()
     assert CLAIM_FUNCTION.count("status IN ('pending', 'failed')") == 2
     assert "p.status IN ('processing', 'failed')" in CLAIM_FUNCTION
     assert set(OPEN_STATUSES) == {"pending", "processing", "failed"}
-    assert f"pg_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, " in CLAIM_FUNCTION
+    assert f"pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, " in CLAIM_FUNCTION
     assert CLAIM_LOCK_NAMESPACE != STREAM_LOCK_NAMESPACE

@@ -49,19 +49,23 @@ async def url(pg_databases: PgDatabases) -> str:
     return await pg_databases.new()
 
 
-async def test_the_next_claim_waits_for_the_batch_in_flight_and_sees_its_outcome(url: str) -> None:
+async def test_a_claim_is_busy_while_a_batch_is_in_flight_and_then_sees_its_outcome(
+    url: str,
+) -> None:
     await staged(url, {"A": 2, "B": 2})
     first, second = PostgresStore("main", url), PostgresStore("main", url)
     try:
         batch = await first.claim("events", 2, "w-1", 30)
         assert [r.stream_key for r in batch.rows] == ["A", "A"]
-        waiting = asyncio.create_task(second.claim("events", 10, "w-2", 30))
-        await asyncio.sleep(0.3)
-        assert not waiting.done()  # batches of one target take turns
+        # Batches of one target take turns: another claim answers at once, busy, without rows
+        # (B's rows were free: they are not taken either).
+        busy = await asyncio.wait_for(second.claim("events", 10, "w-2", 30), 2)
+        assert (busy.busy, busy.rows) == (True, [])
         # A-0 fails: A-1 is held back behind it (untried), and must stay behind it.
         a0, a1 = (r.seq for r in batch.rows)
         await first.mark("events", batch.token, Marks(failed=[(a0, 60, "busy")], untried=[a1]))
-        after = await asyncio.wait_for(waiting, 5)
+        after = await second.claim("events", 10, "w-2", 30)
+        assert not after.busy
         assert [r.stream_key for r in after.rows] == ["B", "B"]
         assert [r.attempts for r in after.rows] == [1, 1]  # this attempt counts
         await second.mark("events", after.token, Marks(published=[r.seq for r in after.rows]))
@@ -85,7 +89,12 @@ async def test_a_batch_whose_connection_closes_is_queued_again_at_once(url: str)
         assert len(batch) == 3
         # The worker dies: its connection goes, and PostgreSQL rolls the batch back.
         store._held[batch.token].conn.terminate()
-        again = await asyncio.wait_for(other.claim("events", 10, "w-2", 30), 5)
+        again = await other.claim("events", 10, "w-2", 30)
+        for _ in range(50):  # the server notices the closed connection within moments
+            if not again.busy:
+                break
+            await asyncio.sleep(0.02)
+            again = await other.claim("events", 10, "w-2", 30)
         assert [r.seq for r in again.rows] == [r.seq for r in batch.rows]
         assert [r.attempts for r in again.rows] == [1, 1, 1]  # the lost attempt is not counted
         with pytest.raises(BatchLost):
@@ -102,9 +111,11 @@ async def test_a_silent_worker_loses_its_batch_after_its_lease_and_cannot_mark_i
     silent, healthy = PostgresStore("main", url), PostgresStore("main", url)
     try:
         stale = await silent.claim("events", 10, "silent", 0.3)
+        assert (await healthy.claim("events", 10, "healthy", 30)).busy
         # The silent worker sends nothing for longer than its lease: the server ends its
-        # session, and the healthy worker's claim, waiting on the target's lock, goes on.
-        fresh = await asyncio.wait_for(healthy.claim("events", 10, "healthy", 30), 5)
+        # session, and with it the batch.
+        await asyncio.sleep(0.6)
+        fresh = await healthy.claim("events", 10, "healthy", 30)
         assert [r.seq for r in fresh.rows] == [r.seq for r in stale.rows]
         with pytest.raises(BatchLost):
             await silent.mark(

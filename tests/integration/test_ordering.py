@@ -301,7 +301,9 @@ async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_onl
     conn = await asyncpg.connect(pg_url)
     try:
         async with conn.transaction():  # a batch: claim, publish, mark, commit
-            [row] = await conn.fetch("SELECT * FROM router_claim('events', 1, 30, $1)", not durable)
+            [row] = await conn.fetch(
+                "SELECT * FROM router_claim('events', 1, 'w', 30, $1)", not durable
+            )
             await note_setting(conn)
             await conn.execute(
                 "SELECT router_mark($1, NULL, '{}', '{}', '{}', '{}', '{}')", [row["seq"]]

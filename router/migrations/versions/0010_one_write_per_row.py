@@ -7,8 +7,9 @@ keeps it open while it publishes the batch: the rows' locks are the lease, and
 ``router_mark()`` writes each row once, in the same transaction, before the commit. If the
 worker dies its connection closes and the rows are queued as they were; one that goes silent
 loses its session after ``outbox.lease_seconds`` idle (``idle_in_transaction_session_timeout``,
-set for the transaction alone). The per-target advisory lock is held to the commit, so batches
-of one target take turns and streams stay in order.
+set for the transaction alone). While it holds a batch, the session's ``application_name`` is
+the worker's id. The per-target advisory lock is held to the commit, so batches of one target
+take turns and streams stay in order; a claim that finds it taken answers "busy" at once.
 
 Both functions take new arguments, so 0009's are dropped. Rows a running 0009 router holds
 ('processing') are queued again, their attempt not counted, as a released lease would be; such
@@ -37,7 +38,7 @@ depends_on = None
 # of the project; the current text, with its reasons, is router/relay/store/postgres_sql.py).
 
 CLAIM_FUNCTION = """
-CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer,
+CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
                                         p_hold_seconds double precision, p_async boolean)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
@@ -50,12 +51,16 @@ BEGIN
     IF p_async THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
+    PERFORM set_config('application_name', p_worker, true);
     -- A worker that goes silent for p_hold_seconds loses its session, and so its rows.
     PERFORM set_config('idle_in_transaction_session_timeout',
                        (ceil(p_hold_seconds * 1000))::bigint::text, true);
-    -- Batches of one target take turns; the statements below then start with a snapshot that
-    -- includes every batch committed before this one.
-    PERFORM pg_advisory_xact_lock(1869903203, hashtext(p_target));
+    -- Batches of one target take turns: busy (a NULL seq) while another is in flight.
+    IF NOT pg_try_advisory_xact_lock(1869903203, hashtext(p_target)) THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
+                            NULL::text, NULL::double precision;
+        RETURN;
+    END IF;
     IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
         RETURN;
     END IF;
@@ -126,7 +131,7 @@ END
 $$
 """
 
-CLAIM_SIGNATURE = "router_claim(text, integer, double precision, boolean)"
+CLAIM_SIGNATURE = "router_claim(text, integer, text, double precision, boolean)"
 MARK_SIGNATURE = (
     "router_mark(bigint[], text[], bigint[], double precision[], text[], bigint[], text[])"
 )

@@ -75,10 +75,13 @@ class ClaimedRow:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The rows one claim leased, in outbox order, and the claim's fencing token."""
+    """The rows one claim leased, in outbox order, and the claim's fencing token. ``busy``:
+    nothing was claimed because another batch of the target is in flight (a store whose
+    ``holds_batches``); ask again later."""
 
     token: int
     rows: list[ClaimedRow]
+    busy: bool = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -111,6 +114,10 @@ class OutboxStore(Protocol):
     """One database's outbox, as the processors of its targets use it."""
 
     kind: str
+    holds_batches: bool
+    """True when a claim holds its rows until its batch is marked and only one batch of a
+    target is in flight at a time (PostgreSQL): the processor then claims the next batch
+    once the current one is marked, instead of while it is published."""
 
     async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
         """Lease up to ``limit`` due rows of ``target`` in outbox order.

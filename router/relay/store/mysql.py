@@ -70,6 +70,7 @@ class MysqlStore:
     """A lazily opened asyncmy pool; each claim is one short READ COMMITTED transaction."""
 
     kind = "mysql"
+    holds_batches = False  # leases: claims overlap publishing
 
     def __init__(
         self,

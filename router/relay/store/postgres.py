@@ -41,7 +41,7 @@ CHANNEL = "router_outbox"
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
-CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4)"
+CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5)"
 
 # All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7)"
@@ -73,6 +73,7 @@ class PostgresStore:
     """A lazily opened asyncpg pool plus a LISTEN connection for wake-ups."""
 
     kind = "postgresql"
+    holds_batches = True  # see router_claim(): one batch of a target in flight at a time
 
     def __init__(
         self,
@@ -97,8 +98,8 @@ class PostgresStore:
 
     async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
         """Lock up to ``limit`` due rows of ``target``, oldest first, streams in order, in a
-        transaction that stays open until ``mark`` or ``release`` (the rows' lease). Waits
-        while another batch of the target is in flight (see router_claim())."""
+        transaction that stays open until ``mark`` or ``release`` (the rows' lease). Busy,
+        without rows, while another batch of the target is in flight (see router_claim())."""
         token = new_token()
         pool = await self._open()
         try:
@@ -108,16 +109,18 @@ class PostgresStore:
         held = _Held(pool, conn)
         try:
             await conn.execute("BEGIN")
-            records = await conn.fetch(CLAIM, target, limit, lease_seconds, self._async_commit)
+            records = await conn.fetch(
+                CLAIM, target, limit, worker, lease_seconds, self._async_commit
+            )
         except BaseException as exc:
             await held.end()  # cancelled (stop) or failed: nothing of it is kept
             error = _database_error(self.name, exc)
             if error is exc:
                 raise
             raise error from exc
-        if not records:
+        if not records or records[0][0] is None:  # nothing due, or busy (a NULL seq)
             await held.commit()
-            return Claim(token, [])
+            return Claim(token, [], busy=bool(records))
         rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
         rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
         held.rows = len(rows)

@@ -37,7 +37,7 @@ CLAIM_FUNCTION = (
     # whole claim index per candidate row, or to aggregate over it for min(seq), and a claim
     # then cost time in proportion to every row the target had ever delivered.
     """
-CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer,
+CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
                                         p_hold_seconds double precision, p_async boolean)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
@@ -58,6 +58,11 @@ BEGIN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
 """
+    # The session shows which worker holds the batch (pg_stat_activity.application_name, with
+    # the target's lock in pg_locks) until the batch ends (0010).
+    """\
+    PERFORM set_config('application_name', p_worker, true);
+"""
     # A worker that stops answering (stopped, or its host partitioned away) while its
     # connection stays open would hold its rows, and every claim of the target behind the
     # lock below, for as long as TCP keeps the connection. The server ends its session once
@@ -71,15 +76,21 @@ BEGIN
 """
     # Per-target lock, held until the batch is marked and committed (0010; 0002 held it for
     # the claim alone). Batches of one target therefore take turns, across every worker and
-    # host: the next claim waits here and then starts with a snapshot that includes the
-    # previous batch's outcomes. That keeps streams in order: a row is never sent while an
-    # earlier row of its stream is being sent in another batch, or had just failed there.
-    # A processor sends its next claim while the current batch is still being published,
-    # so the wait ends at the commit without a round trip.
+    # host, and a claim starts with a snapshot that includes the previous batch's outcomes.
+    # That keeps streams in order: a row is never sent while an earlier row of its stream is
+    # being sent in another batch, or had just failed there.
+    # A claim that finds the lock taken does not wait for it: it answers at once with one row
+    # whose seq is NULL (busy), and the caller asks again later. A claim waiting in the server
+    # would take the lock the moment it is free, whether or not its worker is still there to
+    # use it: a host that froze with claims queued would hold the target for lease_seconds
+    # once per queued claim.
     f"""\
-    -- Batches of one target take turns; the statements below then start with a snapshot that
-    -- includes every batch committed before this one.
-    PERFORM pg_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target));
+    -- Batches of one target take turns: busy (a NULL seq) while another is in flight.
+    IF NOT pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target)) THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
+                            NULL::text, NULL::double precision;
+        RETURN;
+    END IF;
 """
     # A paused target is not claimed by any worker (0003).
     """\

@@ -119,6 +119,7 @@ class SqliteStore:
     """One aiosqlite connection shared by a database's processors, one transaction at a time."""
 
     kind = "sqlite"
+    holds_batches = False  # leases: claims overlap publishing
 
     def __init__(self, name: str, path: Path, *, watch_interval: float = 0.05) -> None:
         self.name = name
