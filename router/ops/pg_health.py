@@ -32,6 +32,7 @@ CLAIM_QUERY = (
     .split("\n    )\n", 1)[0]
     .replace("p_target", "$1")
     .replace("p_limit", "$2")
+    .replace("p_after", "0")  # the first batch of a transaction
 )
 
 # The function's own planner settings (its SET clauses), for EXPLAIN.

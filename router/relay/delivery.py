@@ -65,7 +65,10 @@ class Delivery:
         self._stopping = stopping
 
     async def deliver(
-        self, rows: Sequence[ClaimedRow], keep_lease: KeepLease | None = None
+        self,
+        rows: Sequence[ClaimedRow],
+        keep_lease: KeepLease | None = None,
+        held: set[str] | None = None,
     ) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
 
@@ -80,9 +83,12 @@ class Delivery:
         When the processor is stopping, the wave being published is finished and no other
         starts: the rest stays untried, and is given back with the marks at once rather than
         held until the grace period ends (and sent again by whoever claims it next).
+
+        ``held``: streams already held back by a failure in an earlier batch of the same
+        transaction (PostgreSQL); the streams this batch holds back are added to it.
         """
         marks = Marks()
-        held: set[str] = set()
+        held = set() if held is None else held
         split = waves(rows)
         for n, wave in enumerate(split):
             if self._stopping():

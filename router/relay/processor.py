@@ -9,9 +9,9 @@ While a full batch is being published, the next one is already claimed: at most 
 are in flight, so claiming and marking overlap publishing and memory stays bounded however
 long the backlog. Rows of one stream are never in two batches at once (a claim skips rows
 whose predecessor is in flight), so the overlap keeps every stream in order. On PostgreSQL
-(``OutboxStore.holds_batches``) a batch holds its target until it is marked, so the next claim
-follows the mark instead; a claim that finds another worker's batch in flight is asked again
-after a short wait, doubling up to a second.
+(``OutboxStore.holds_batches``) a batch holds its target until its transaction commits, so
+batches go in runs of one transaction (``_pump_run``); a claim that finds another worker's
+batch in flight is asked again after a short wait, doubling up to a second.
 
 A batch split into many waves may take longer than ``outbox.lease_seconds``: before each wave,
 a lease with less than one publish (and a second) left is extended (``router.relay.lease``),
@@ -31,6 +31,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError, DatabaseError
@@ -54,6 +55,10 @@ _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
 # How long to wait before asking again when another worker's batch holds the target (seconds):
 # from a batch's publish to about a second, so a worker that died is taken over soon after.
 _BUSY_MIN, _BUSY_MAX = 0.02, 1.0
+# A run of PostgreSQL batches (one transaction) claims no further batch after this long
+# (seconds): its outcomes become visible when it commits, and the transaction holds back the
+# database's vacuum horizon while it lasts.
+_RUN_SECONDS = 0.5
 
 
 class Processor:
@@ -180,6 +185,8 @@ class Processor:
     async def _pump(self) -> float | None:
         """Deliver batches while they come back full, claiming the next during the publish
         of the current; then say how long to wait (None: go on at once)."""
+        if self.store.holds_batches:
+            return await self._pump_run()
         previous: asyncio.Task[None] | None = None
         current: asyncio.Task[None] | None = None
         claimed, limit, busy = 0, self.outbox.batch_size, False
@@ -192,15 +199,10 @@ class Processor:
                 if claim.busy:  # another worker's batch holds the target
                     busy = True
                     break
-                self._busy_wait = _BUSY_MIN
                 claimed = len(claim)
                 current = (
                     asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
                 )
-                if current is not None and self.store.holds_batches:
-                    # The batch holds the target until it is marked: nothing to overlap.
-                    await current
-                    current = None
                 # A claim made while a batch was in flight skips the rows queued behind that
                 # batch in their streams: short, it says nothing about what is left.
                 overlapped = previous is not None
@@ -217,11 +219,104 @@ class Processor:
         finally:
             await _settle(previous, current)
         if busy:
-            wait, self._busy_wait = self._busy_wait, min(self._busy_wait * 2, _BUSY_MAX)
-            return wait
+            return self._busy()
         if limit == 0:
             return self._token_wait()
         return await self._idle_timeout(claimed, limit)
+
+    async def _pump_run(self) -> float | None:
+        """``_pump`` for a store that holds batches (PostgreSQL): runs of batches, each run one
+        transaction that holds the target until it commits.
+
+        While a batch is published the next one is claimed in the same transaction (the rows
+        after it), and while that one is published the first is marked: claims and marks
+        overlap publishing. The next batch is published only once the current one is done,
+        never beside it, since its rows may follow the current one's in their streams; a row
+        whose stream failed earlier in the run is held back (untried). The run claims no
+        further batch once one comes back short, after ``_RUN_SECONDS``, at a stop, with the
+        circuit open or the rate limit reached; it commits with the mark of its last batch.
+        """
+        limit = self._claim_limit()
+        if limit == 0:
+            return self._token_wait()
+        claim, end = await self._claim(limit)
+        if claim.busy:
+            return self._busy()
+        self._busy_wait = _BUSY_MIN
+        loop = asyncio.get_running_loop()
+        closes = loop.time() + _RUN_SECONDS
+        held: set[str] = set()  # streams with a failed row earlier in the run
+        unmarked: dict[int, Claim] = {}  # claimed, and neither being marked nor left to stop
+        marking: asyncio.Task[None] | None = None
+        following: asyncio.Task[tuple[Claim, float]] | None = None
+        full = len(claim) == limit
+        try:
+            while claim.rows:
+                unmarked[claim.token] = claim
+                self._in_flight[claim.token] = claim
+                more = self._run_goes_on(full, closes)
+                if more:
+                    following = asyncio.create_task(self._claim_after(claim, more, marking))
+                marks, deadline = await self._deliver(claim, end, held)
+                del unmarked[claim.token]
+                if marks is None:  # a connect cancelled by stop(): _shutdown gives it back
+                    break
+                marking = asyncio.create_task(self._finish(claim, marks, deadline, marking))
+                if following is None:
+                    break
+                claim, end = await following
+                following = None
+                full = len(claim) == more
+        finally:
+            await _settle(following, marking)
+            if following is not None and not following.cancelled() and not following.exception():
+                extra, _ = following.result()  # claimed, and the run ended before its turn
+                unmarked[extra.token] = extra
+            await self._give_back(list(unmarked.values()))
+        if marking is not None:
+            await marking  # its error, if the last mark failed
+        if full and claim.rows:
+            return None  # more may be waiting: go on at once
+        return await self._idle_timeout(len(claim), limit)
+
+    def _run_goes_on(self, full: bool, closes: float) -> int:
+        """How many rows the run's next batch may take (0: the run ends with this batch)."""
+        if not full or self._stopping or self.circuit.is_open:
+            return 0
+        if asyncio.get_running_loop().time() >= closes:
+            return 0
+        return self._claim_limit()
+
+    async def _give_back(self, claims: list[Claim]) -> None:
+        """Batches of a run that were claimed and will not be published (the run ended
+        first, or failed): given back untried, so that the run's transaction can end."""
+        for claim in claims:
+            self._in_flight.pop(claim.token, None)
+            if claim.rows:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(
+                        self.store.release(self.target, claim.token, [r.seq for r in claim.rows])
+                    )
+
+    async def _claim_after(
+        self, claim: Claim, limit: int, marking: asyncio.Task[None] | None
+    ) -> tuple[Claim, float]:
+        """The batch after ``claim``, in its transaction, claimed once the batch before it is
+        marked (so the claim sees that batch's failures)."""
+        if marking is not None:
+            await asyncio.wait({marking})
+        sent = asyncio.get_running_loop().time()
+        following = await self.store.claim(
+            self.target, limit, self.worker_id, self.outbox.lease_seconds, after=claim
+        )
+        if self.bucket is not None:
+            self.bucket.take(len(following))
+        return following, sent + self.outbox.lease_seconds
+
+    def _busy(self) -> float:
+        """How long to wait before asking again for a target another batch holds."""
+        wait, self._busy_wait = self._busy_wait, min(self._busy_wait * 2, _BUSY_MAX)
+        return wait
 
     def _claim_limit(self) -> int:
         """Rows the next claim may take: a batch, or what the rate limit has tokens for
@@ -258,6 +353,16 @@ class Processor:
         # Until its outcomes are written, a cancelled batch (shutdown past its grace period)
         # is given back by _shutdown.
         self._in_flight[claim.token] = claim
+        marks, deadline = await self._deliver(claim, end)
+        if marks is not None:
+            await self._finish(claim, marks, deadline)
+
+    async def _deliver(
+        self, claim: Claim, end: float, held: set[str] | None = None
+    ) -> tuple[Marks | None, float]:
+        """Publish a claimed batch under its lease: the outcomes (None when ``stop()``
+        cancelled a connect: the batch stays in flight, for _shutdown to give back) and the
+        lease's end, until which marking may be retried."""
         lease = Lease(
             self.store,
             self.target,
@@ -267,22 +372,37 @@ class Processor:
             labels=self._log,
         )
         try:
-            try:
-                marks = await self.delivery.deliver(claim.rows, lease.keep)
-            except asyncio.CancelledError:
-                if not self._connect_stopped():
-                    raise
-                # Stays in flight: _shutdown gives it back. A reconnect between two waves is
-                # cancelled too; the earlier waves' rows are then sent again (at-least-once).
-                return
-            if marks.failed or marks.abandoned:
-                self._check_due = True
-            await self._mark(claim.token, marks, lease.end)
+            marks = await self.delivery.deliver(claim.rows, lease.keep, held)
+        except asyncio.CancelledError:
+            if not self._connect_stopped():
+                raise
+            # A reconnect between two waves is cancelled too; the earlier waves' rows are then
+            # sent again (at-least-once).
+            return None, lease.end
         except Exception:
-            # Not written back (the database is away): the lease will bring the rows back.
             self._in_flight.pop(claim.token, None)
             raise
-        self._in_flight.pop(claim.token, None)
+        return marks, lease.end
+
+    async def _finish(
+        self,
+        claim: Claim,
+        marks: Marks,
+        deadline: float,
+        before: asyncio.Task[None] | None = None,
+    ) -> None:
+        """Write a batch's outcomes (after ``before``, the mark of the batch before it in its
+        transaction, so they are written in order)."""
+        if before is not None:
+            await asyncio.wait({before})
+        if marks.failed or marks.abandoned:
+            self._check_due = True
+        try:
+            await self._mark(claim.token, marks, deadline)
+        finally:
+            # Written, or not (the database is away): a lease, or the end of the batch's
+            # transaction, brings the rows back.
+            self._in_flight.pop(claim.token, None)
         self.stats.batches += 1
 
     async def _probe(self) -> float | None:
@@ -432,7 +552,7 @@ class _StoppableConnect:
         await self._broker.close()
 
 
-async def _settle(*tasks: asyncio.Task[None] | None) -> None:
+async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
     """Leave no batch task behind: when we are being cancelled, cancel them too; otherwise
     (another batch failed) let them finish, so their outcomes are written."""
     running = [t for t in tasks if t is not None and not t.done()]

@@ -14,6 +14,7 @@ import asyncpg
 import yaml
 
 from router import Outbox
+from tests.chaos.proxy import DelayingProxy
 from tests.conftest import NatsStreams, batch_in_flight, make_config, nats_broker
 from tests.e2e.helpers import Serving, copy_default_config, router
 from tests.integration.events import OrderPlaced
@@ -62,8 +63,13 @@ async def stage(url: str, brokers: dict[str, object], total: int) -> None:
 async def test_sigterm_mid_backlog_leaves_no_row_in_flight_and_a_restart_finishes(
     pg_url: str, nats_streams: NatsStreams, tmp_path: Path
 ) -> None:
+    # Acks 50 ms late: some 2,000 events a second, so the stop lands mid-backlog (a router
+    # drains this backlog in well under a second otherwise).
+    proxy = DelayingProxy("127.0.0.1", 4222, delay=0.05)
+    await proxy.start()
     stream = nats_streams.stream("int")
-    brokers: dict[str, object] = {"events": nats_broker(stream, internal=True)}
+    url = f"nats://127.0.0.1:{proxy.port}"
+    brokers: dict[str, object] = {"events": nats_broker(stream, internal=True, url=url)}
     await stage(pg_url, brokers, 20_000)
     write(
         tmp_path,
@@ -93,8 +99,11 @@ async def test_sigterm_mid_backlog_leaves_no_row_in_flight_and_a_restart_finishe
     assert len(sent) == published
 
     again = Serving(tmp_path)
-    arrived = await nats_streams.messages(stream[0], 20_000, timeout=60)
-    assert (await asyncio.to_thread(again.stop, signal.SIGINT)) == 0
+    try:
+        arrived = await nats_streams.messages(stream[0], 20_000, timeout=60)
+    finally:
+        assert (await asyncio.to_thread(again.stop, signal.SIGINT)) == 0
+        await proxy.stop()
     assert len(arrived) == 20_000
     assert await counts(pg_url) == {("events", "published"): 20_000}
 

@@ -22,7 +22,7 @@ from tests.conftest import PgDatabases, make_config
 from tests.integration.events import OrderPlaced
 
 BROKERS = {"events": {"type": "memory", "internal": True}}
-CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, true)"
+CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, true, 0)"
 MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}')"
 CLAIMS = 8  # PL/pgSQL plans the first five calls for their values, then may go generic
 

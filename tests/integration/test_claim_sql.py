@@ -43,7 +43,7 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
     scratch = await pg_databases.new(migrated=False)
     expected = await definitions(scratch, CLAIM_FUNCTION, MARK_FUNCTION)
     assert [signature for signature, _ in expected] == [
-        "router_claim(text,integer,text,double precision,boolean)",
+        "router_claim(text,integer,text,double precision,boolean,bigint)",
         "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[])",
     ]
     assert await definitions(migrated) == expected

@@ -164,3 +164,48 @@ async def test_a_delivered_row_is_written_once(url: str) -> None:
         await conn.close()
     assert await rows(url) == [(f"s-{i}", "published", 1) for i in range(250) for _ in range(4)]
     assert after - before == 1000  # one UPDATE per row: the claim wrote nothing
+
+
+async def test_a_run_claims_the_next_batch_in_its_transaction_and_commits_with_its_last_mark(
+    url: str,
+) -> None:
+    await staged(url, {"A": 3, "B": 3})
+    store, other = PostgresStore("main", url), PostgresStore("main", url)
+    try:
+        first = await store.claim("events", 2, "w-1", 30)
+        # While the first batch is published, the next is claimed in its transaction: the
+        # rows after it (the first batch's own rows are locked by this very transaction).
+        second = await store.claim("events", 2, "w-1", 30, after=first)
+        assert [r.seq for r in second.rows] == [max(r.seq for r in first.rows) + 1, 4]
+        await store.mark("events", first.token, Marks(published=[r.seq for r in first.rows]))
+        # Written, not committed: nobody sees it yet, and the target is still held.
+        assert [s for _, s, _ in await rows(url)] == ["pending"] * 6
+        assert (await other.claim("events", 10, "w-2", 30)).busy
+        third = await store.claim("events", 10, "w-1", 30, after=second)
+        assert len(third) == 2
+        await store.mark("events", second.token, Marks(published=[r.seq for r in second.rows]))
+        await store.release("events", third.token, [r.seq for r in third.rows])  # the last
+    finally:
+        await store.close()
+        await other.close()
+    assert await rows(url) == [
+        *[("A", "published", 1)] * 3,
+        ("B", "published", 1),
+        *[("B", "pending", 0)] * 2,
+    ]
+
+
+async def test_a_run_that_fails_loses_every_batch_of_it(url: str) -> None:
+    await staged(url, {"A": 4})
+    store = PostgresStore("main", url)
+    try:
+        first = await store.claim("events", 2, "w-1", 30)
+        second = await store.claim("events", 2, "w-1", 30, after=first)
+        await store.mark("events", first.token, Marks(published=[r.seq for r in first.rows]))
+        store._held[second.token].conn.terminate()  # the session ends before the commit
+        with pytest.raises(BatchLost):
+            await store.mark("events", second.token, Marks(published=[r.seq for r in second.rows]))
+    finally:
+        await store.close()
+    # The first batch's mark went with the transaction: all four are delivered again.
+    assert await rows(url) == [("A", "pending", 0)] * 4

@@ -190,7 +190,12 @@ async def test_a_failing_row_holds_back_only_its_own_stream_on_its_own_target(
         {"main": database.url},
         {"events": nats_broker(internal, internal=True), "partner": nats_broker(partner)},
         base_dir=database.base_dir,
-        outbox={"retry": {"base_delay": 0.2, "max_delay": 0.2, "jitter": 0, "max_attempts": 100}},
+        # Batches of two: the failing row and its successor fall in different batches (on
+        # PostgreSQL, different batches of one transaction), and stay in order all the same.
+        outbox={
+            "batch_size": 2,
+            "retry": {"base_delay": 0.2, "max_delay": 0.2, "jitter": 0, "max_attempts": 100},
+        },
     )
     failing = {"a-1"}
     wrapped: dict[str, FailingFor] = {}
@@ -302,7 +307,7 @@ async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_onl
     try:
         async with conn.transaction():  # a batch: claim, publish, mark, commit
             [row] = await conn.fetch(
-                "SELECT * FROM router_claim('events', 1, 'w', 30, $1)", not durable
+                "SELECT * FROM router_claim('events', 1, 'w', 30, $1, 0)", not durable
             )
             await note_setting(conn)
             await conn.execute(

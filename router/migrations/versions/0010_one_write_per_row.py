@@ -9,7 +9,9 @@ worker dies its connection closes and the rows are queued as they were; one that
 loses its session after ``outbox.lease_seconds`` idle (``idle_in_transaction_session_timeout``,
 set for the transaction alone). While it holds a batch, the session's ``application_name`` is
 the worker's id. The per-target advisory lock is held to the commit, so batches of one target
-take turns and streams stay in order; a claim that finds it taken answers "busy" at once.
+take turns and streams stay in order; a claim that finds it taken answers "busy" at once. A
+worker draining a backlog claims the next batch in the same transaction while the current one
+is published (the rows after it), and commits with the last batch's mark.
 
 Both functions take new arguments, so 0009's are dropped. Rows a running 0009 router holds
 ('processing') are queued again, their attempt not counted, as a released lease would be; such
@@ -39,7 +41,8 @@ depends_on = None
 
 CLAIM_FUNCTION = """
 CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
-                                        p_hold_seconds double precision, p_async boolean)
+                                        p_hold_seconds double precision, p_async boolean,
+                                        p_after bigint)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
 LANGUAGE plpgsql
@@ -74,6 +77,7 @@ BEGIN
           -- published history instead of walking it (statistics cannot tell it lies first).
           AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
                         WHERE f.target = p_target AND f.status IN ('pending', 'failed'))
+          AND o.seq > p_after
           AND o.status IN ('pending', 'failed') AND o.available_at <= now()
           AND (o.stream_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM router_outbox p
@@ -101,14 +105,14 @@ SET enable_nestloop = off
 SET enable_seqscan = off
 AS $$
 DECLARE
-    -- The time of the outcome; now() is the claim's, a publish earlier.
+    -- The time of the outcome; now() is the transaction's start, batches earlier.
     v_now timestamptz := clock_timestamp();
 BEGIN
     IF cardinality(p_published) > 0 THEN
         UPDATE router_outbox AS o
         SET status = 'published', published_at = v_now, last_error = NULL,
             receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, now())
+            first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_published, p_receipts) AS t(seq, receipt)
         WHERE o.seq = ANY(p_published) AND o.seq = t.seq;
     END IF;
@@ -116,14 +120,14 @@ BEGIN
         UPDATE router_outbox AS o
         SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
             last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, now())
+            first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_failed, p_delays, p_failed_errors) AS t(seq, delay, error)
         WHERE o.seq = t.seq;
     END IF;
     IF cardinality(p_abandoned) > 0 THEN
         UPDATE router_outbox AS o
         SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
-            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, now())
+            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
         WHERE o.seq = t.seq;
     END IF;
@@ -131,7 +135,7 @@ END
 $$
 """
 
-CLAIM_SIGNATURE = "router_claim(text, integer, text, double precision, boolean)"
+CLAIM_SIGNATURE = "router_claim(text, integer, text, double precision, boolean, bigint)"
 MARK_SIGNATURE = (
     "router_mark(bigint[], text[], bigint[], double precision[], text[], bigint[], text[])"
 )

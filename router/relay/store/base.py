@@ -119,11 +119,20 @@ class OutboxStore(Protocol):
     target is in flight at a time (PostgreSQL): the processor then claims the next batch
     once the current one is marked, instead of while it is published."""
 
-    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+    async def claim(
+        self,
+        target: str,
+        limit: int,
+        worker: str,
+        lease_seconds: float,
+        after: Claim | None = None,
+    ) -> Claim:
         """Lease up to ``limit`` due rows of ``target`` in outbox order.
 
         A row whose stream has an earlier open row that is not claimable now (waiting to
         retry, or in flight under another lease) is not claimed: streams stay in order.
+        ``after`` (only where ``holds_batches``): a batch still held, whose transaction the
+        claim joins, taking the rows after it.
         """
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:

@@ -87,7 +87,14 @@ class MysqlStore:
         self._pool: Any = None
         self._opening = asyncio.Lock()
 
-    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+    async def claim(
+        self,
+        target: str,
+        limit: int,
+        worker: str,
+        lease_seconds: float,
+        after: Claim | None = None,  # leases: never given (holds_batches is False)
+    ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
         token = new_token()
         candidates = await self._candidates(target, limit)

@@ -41,7 +41,7 @@ CHANNEL = "router_outbox"
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
-CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5)"
+CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
 MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7)"
@@ -94,86 +94,152 @@ class PostgresStore:
         self._marked = 0
         self._vacuumed_at = time.monotonic()
         self._vacuum: asyncio.Task[None] | None = None
-        self._held: dict[int, _Held] = {}  # batches in flight, by token
+        self._held: dict[int, _Run] = {}  # the transaction of each batch in flight, by token
 
-    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+    async def claim(
+        self,
+        target: str,
+        limit: int,
+        worker: str,
+        lease_seconds: float,
+        after: Claim | None = None,
+    ) -> Claim:
         """Lock up to ``limit`` due rows of ``target``, oldest first, streams in order, in a
-        transaction that stays open until ``mark`` or ``release`` (the rows' lease). Busy,
-        without rows, while another batch of the target is in flight (see router_claim())."""
+        transaction that stays open until its batches are marked or released (the rows'
+        lease). Busy, without rows, while another batch of the target is in flight (see
+        router_claim()). ``after``: a batch of this store still held, whose transaction this
+        claim joins, taking the rows after it; the transaction then commits with the mark of
+        the last of its batches."""
         token = new_token()
+        if after is not None:
+            return await self._claim_after(target, limit, worker, lease_seconds, after, token)
         pool = await self._open()
         try:
             conn = await pool.acquire()
         except _DB_ERRORS as exc:
             raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
-        held = _Held(pool, conn)
+        run = _Run(pool, conn)
         try:
             await conn.execute("BEGIN")
             records = await conn.fetch(
-                CLAIM, target, limit, worker, lease_seconds, self._async_commit
+                CLAIM, target, limit, worker, lease_seconds, self._async_commit, 0
             )
         except BaseException as exc:
-            await held.end()  # cancelled (stop) or failed: nothing of it is kept
+            await run.end()  # cancelled (stop) or failed: nothing of it is kept
             error = _database_error(self.name, exc)
             if error is exc:
                 raise
             raise error from exc
         if not records or records[0][0] is None:  # nothing due, or busy (a NULL seq)
-            await held.commit()
+            await run.commit()
             return Claim(token, [], busy=bool(records))
+        return self._held_claim(run, token, records)
+
+    async def _claim_after(
+        self, target: str, limit: int, worker: str, lease_seconds: float, after: Claim, token: int
+    ) -> Claim:
+        run = self._held.get(after.token)
+        if run is None or run.broken or not after.rows:
+            raise BatchLost(f"{self.name}: batch {after.token} is no longer held")
+        last = max(row.seq for row in after.rows)
+        try:
+            async with run.lock:
+                records = await run.conn.fetch(
+                    CLAIM, target, limit, worker, lease_seconds, self._async_commit, last
+                )
+        except BaseException as exc:
+            run.broken = True  # the transaction cannot be trusted: its batches are lost
+            error = _database_error(self.name, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        if not records or records[0][0] is None:
+            return Claim(token, [])
+        return self._held_claim(run, token, records)
+
+    def _held_claim(self, run: _Run, token: int, records: Sequence[Any]) -> Claim:
         rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
         rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
-        held.rows = len(rows)
-        self._held[token] = held
+        run.batches[token] = len(rows)
+        self._held[token] = run
         return Claim(token, rows)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
-        """Write the batch's outcomes in its transaction, one statement, and commit. Untried
-        rows need nothing: the commit unlocks them as they were. Raises ``BatchLost`` when the
-        transaction is gone (the rows are queued again, and will be delivered again)."""
-        held = self._held.pop(token, None)
-        if held is None:
+        """Write the batch's outcomes in its transaction, one statement; commit when it is the
+        last batch of the transaction still open. Untried rows need nothing: the commit
+        unlocks them as they were. Raises ``BatchLost`` when the transaction is gone (its rows
+        are queued again, and will be delivered again)."""
+        run = self._held.pop(token, None)
+        if run is None or run.broken:
+            if run is not None:
+                await self._leave(run, token)
             raise BatchLost(f"{self.name}: batch {token} is no longer held (released or ended)")
         self._count_for_vacuum(len(marks))
         receipts = marks.receipts
         try:
-            if marks.published or marks.failed or marks.abandoned:
-                await held.conn.execute(
-                    MARK,
-                    marks.published,
-                    [receipts.get(seq) for seq in marks.published] if receipts else None,
-                    [s for s, _, _ in marks.failed],
-                    [d for _, d, _ in marks.failed],
-                    [e for _, _, e in marks.failed],
-                    [s for s, _ in marks.abandoned],
-                    [e for _, e in marks.abandoned],
-                )
-            await held.commit()
+            async with run.lock:
+                if marks.published or marks.failed or marks.abandoned:
+                    await run.conn.execute(
+                        MARK,
+                        marks.published,
+                        [receipts.get(seq) for seq in marks.published] if receipts else None,
+                        [s for s, _, _ in marks.failed],
+                        [d for _, d, _ in marks.failed],
+                        [e for _, _, e in marks.failed],
+                        [s for s, _ in marks.abandoned],
+                        [e for _, e in marks.abandoned],
+                    )
+                del run.batches[token]
+                if not run.batches:
+                    await run.commit()
         except BaseException as exc:
-            await held.end()
+            run.broken = True
+            await self._leave(run, token)
             if not isinstance(exc, Exception):
                 raise
             raise BatchLost(f"{self.name}: batch not marked: {_safe(exc)}") from exc
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
-        """Give the batch back untried: roll its transaction back."""
-        held = self._held.pop(token, None)
-        if held is not None:
-            await held.end()
+        """Give the batch back untried: nothing to write. Its transaction commits (the other
+        batches' outcomes, written) when it was the last open one, or rolls back when it can
+        no longer be trusted."""
+        run = self._held.pop(token, None)
+        if run is None:
+            return
+        if run.broken:
+            await self._leave(run, token)
+            return
+        try:
+            async with run.lock:
+                run.batches.pop(token, None)
+                if not run.batches:
+                    await run.commit()
+        except BaseException:
+            run.broken = True
+            await self._leave(run, token)
+            raise
+
+    async def _leave(self, run: _Run, token: int) -> None:
+        """A batch of a broken run is done with: the last one out closes the connection."""
+        run.batches.pop(token, None)
+        if not run.batches:
+            await run.end()
 
     async def extend(self, target: str, token: int, lease_seconds: float) -> int:
         """A live batch keeps its rows for as long as its session lives: one statement sets
         the session's idle limit for this transaction to ``lease_seconds`` (and, being a
         statement, starts that count again) and shows the session is still there. The rows it
         holds: all of them, or none."""
-        held = self._held.get(token)
-        if held is None:
+        run = self._held.get(token)
+        if run is None or run.broken:
             return 0
         try:
-            await held.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
+            async with run.lock:
+                await run.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
         except _DB_ERRORS as exc:
+            run.broken = True
             raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
-        return held.rows
+        return run.batches.get(token, 0)
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest retry or lease end, from the database's clock."""
@@ -262,9 +328,9 @@ class PostgresStore:
 
     async def close(self) -> None:
         """Close the pool; a batch still held is rolled back (its rows stay queued)."""
-        held, self._held = list(self._held.values()), {}
-        for batch in held:
-            await batch.end()
+        runs, self._held = set(self._held.values()), {}
+        for run in runs:
+            await run.end()
         if self._vacuum is not None and not self._vacuum.done():
             self._vacuum.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -319,13 +385,17 @@ async def _keep_session(_connection: Any) -> None:
     transaction), so an idle router can stay silent."""
 
 
-class _Held:
-    """A batch's connection, taken from the pool with its transaction open."""
+class _Run:
+    """A transaction held open on a connection taken from the pool: the batches claimed in it
+    (by token: their row counts), and a lock, so that a claim and a mark never share the
+    connection at once."""
 
     def __init__(self, pool: asyncpg.Pool, conn: Any) -> None:
         self.pool = pool
         self.conn = conn
-        self.rows = 0
+        self.batches: dict[int, int] = {}
+        self.lock = asyncio.Lock()
+        self.broken = False  # a statement failed: roll back, whatever was written
 
     async def commit(self) -> None:
         """Commit, and back to the pool."""

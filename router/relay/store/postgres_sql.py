@@ -38,7 +38,8 @@ CLAIM_FUNCTION = (
     # then cost time in proportion to every row the target had ever delivered.
     """
 CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
-                                        p_hold_seconds double precision, p_async boolean)
+                                        p_hold_seconds double precision, p_async boolean,
+                                        p_after bigint)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision)
 LANGUAGE plpgsql
@@ -113,6 +114,14 @@ BEGIN
           AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
                         WHERE f.target = p_target AND f.status IN ('pending', 'failed'))
 """
+    # A batch claimed in the transaction of the one before it (p_after: that batch's last
+    # seq; 0 for the first of a transaction) takes the rows after it: the earlier batch's rows
+    # are this transaction's own, locked and not yet marked, so SKIP LOCKED would not pass
+    # over them. Every queued row before p_after was in that batch or waits behind its
+    # stream (0010).
+    """\
+          AND o.seq > p_after
+"""
     # Queued and due: pending, or failed once its retry delay has passed. Word for word the
     # predicate of ix_router_outbox_claim (target, seq), which serves both this and min().
     """\
@@ -163,8 +172,8 @@ MARK_FUNCTION = (
     # comparisons, 50 ms a mark instead of 5. No sequential scan (0010): once the claim stopped
     # writing the rows, a fresh table's missing statistics made a 3,000-row outbox look cheaper
     # to read whole than by its primary key.
-    # Times from the clock (0010): the transaction began with the claim, so now() is when the
-    # attempt started (first_attempt_at); when it ended and the next is due count from here.
+    # Times from the clock (0010): now() is when the transaction began, with the claim of the
+    # first batch of its run; an attempt's time, and when the next is due, count from now.
     """
 CREATE OR REPLACE FUNCTION router_mark(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
@@ -176,14 +185,14 @@ SET enable_nestloop = off
 SET enable_seqscan = off
 AS $$
 DECLARE
-    -- The time of the outcome; now() is the claim's, a publish earlier.
+    -- The time of the outcome; now() is the transaction's start, batches earlier.
     v_now timestamptz := clock_timestamp();
 BEGIN
     IF cardinality(p_published) > 0 THEN
         UPDATE router_outbox AS o
         SET status = 'published', published_at = v_now, last_error = NULL,
             receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, now())
+            first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_published, p_receipts) AS t(seq, receipt)
 """
     # The rows are found by primary key from the array (seq = ANY), as before receipts; the
@@ -198,7 +207,7 @@ BEGIN
         UPDATE router_outbox AS o
         SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
             last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, now())
+            first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_failed, p_delays, p_failed_errors) AS t(seq, delay, error)
         WHERE o.seq = t.seq;
     END IF;
@@ -208,7 +217,7 @@ BEGIN
     IF cardinality(p_abandoned) > 0 THEN
         UPDATE router_outbox AS o
         SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
-            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, now())
+            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
         FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
         WHERE o.seq = t.seq;
     END IF;

@@ -128,7 +128,14 @@ class SqliteStore:
         self._db: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
 
-    async def claim(self, target: str, limit: int, worker: str, lease_seconds: float) -> Claim:
+    async def claim(
+        self,
+        target: str,
+        limit: int,
+        worker: str,
+        lease_seconds: float,
+        after: Claim | None = None,  # leases: never given (holds_batches is False)
+    ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
         token = new_token()
         now = datetime.now(UTC)
