@@ -301,8 +301,9 @@ class Processor:
     async def _claim_after(
         self, claim: Claim, limit: int, marking: asyncio.Task[None] | None
     ) -> tuple[Claim, float]:
-        """The batch after ``claim``, in its transaction, claimed once the batch before it is
-        marked (so the claim sees that batch's failures)."""
+        """The batch after ``claim``, in its transaction, claimed once ``marking`` (the mark of
+        the batch before ``claim``) is written, so the claim sees that batch's failures;
+        ``claim``'s own failures are not known yet, and the run holds their streams back."""
         if marking is not None:
             await asyncio.wait({marking})
         sent = asyncio.get_running_loop().time()
