@@ -189,16 +189,13 @@ class Processor:
             return await self._pump_run()
         previous: asyncio.Task[None] | None = None
         current: asyncio.Task[None] | None = None
-        claimed, limit, busy = 0, self.outbox.batch_size, False
+        claimed, limit = 0, self.outbox.batch_size
         try:
             while True:
                 limit = self._claim_limit()
                 if limit == 0:  # the rate limit holds the pace: wait for its tokens
                     break
                 claim, end = await self._claim(limit)
-                if claim.busy:  # another worker's batch holds the target
-                    busy = True
-                    break
                 claimed = len(claim)
                 current = (
                     asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
@@ -218,8 +215,6 @@ class Processor:
                 previous = None
         finally:
             await _settle(previous, current)
-        if busy:
-            return self._busy()
         if limit == 0:
             return self._token_wait()
         return await self._idle_timeout(claimed, limit)
@@ -306,13 +301,7 @@ class Processor:
         ``claim``'s own failures are not known yet, and the run holds their streams back."""
         if marking is not None:
             await asyncio.wait({marking})
-        sent = asyncio.get_running_loop().time()
-        following = await self.store.claim(
-            self.target, limit, self.worker_id, self.outbox.lease_seconds, after=claim
-        )
-        if self.bucket is not None:
-            self.bucket.take(len(following))
-        return following, sent + self.outbox.lease_seconds
+        return await self._claim(limit, after=claim)
 
     def _busy(self) -> float:
         """How long to wait before asking again for a target another batch holds."""
@@ -338,13 +327,14 @@ class Processor:
         assert self.bucket is not None
         return self.bucket.wait_for(self.bucket.least)
 
-    async def _claim(self, limit: int) -> tuple[Claim, float]:
-        """A claim of ``limit`` rows at most, and when its lease ends on the event loop's
-        clock: counted from before the claim was sent, so never later than the database's
-        end. The rows it took are spent from the rate limit's tokens."""
+    async def _claim(self, limit: int, after: Claim | None = None) -> tuple[Claim, float]:
+        """A claim of ``limit`` rows at most (in ``after``'s transaction, when given), and
+        when its lease ends on the event loop's clock: counted from before the claim was sent,
+        so never later than the database's end. The rows it took are spent from the rate
+        limit's tokens."""
         sent = asyncio.get_running_loop().time()
         claim = await self.store.claim(
-            self.target, limit, self.worker_id, self.outbox.lease_seconds
+            self.target, limit, self.worker_id, self.outbox.lease_seconds, after
         )
         if self.bucket is not None:
             self.bucket.take(len(claim))
@@ -458,13 +448,9 @@ class Processor:
             try:
                 await self.store.mark(self.target, token, marks)
                 return
-            except BatchLost as exc:
-                log.error(
-                    "batch.mark_failed", extra={**self._log, "rows": len(marks), "error": str(exc)}
-                )
-                raise
             except DatabaseError as exc:
-                if loop.time() + delay > deadline:
+                # A lost batch cannot be marked later either: its transaction is gone.
+                if isinstance(exc, BatchLost) or loop.time() + delay > deadline:
                     log.error(
                         "batch.mark_failed",
                         extra={**self._log, "rows": len(marks), "error": str(exc)},

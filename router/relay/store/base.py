@@ -115,9 +115,10 @@ class OutboxStore(Protocol):
 
     kind: str
     holds_batches: bool
-    """True when a claim holds its rows until its batch is marked and only one batch of a
-    target is in flight at a time (PostgreSQL): the processor then claims the next batch
-    once the current one is marked, instead of while it is published."""
+    """True when a claim holds its rows in a transaction until its batch is marked, and only
+    one transaction of a target is open at a time (PostgreSQL): the processor then claims the
+    next batch in the current one's transaction (``after``) instead of beside it, and a claim
+    may come back ``busy``."""
 
     async def claim(
         self,

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 
@@ -126,10 +126,7 @@ class PostgresStore:
             )
         except BaseException as exc:
             await run.end()  # cancelled (stop) or failed: nothing of it is kept
-            error = _database_error(self.name, exc)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:  # nothing due, or busy (a NULL seq)
             await run.commit()
             return Claim(token, [], busy=bool(records))
@@ -149,10 +146,7 @@ class PostgresStore:
                 )
         except BaseException as exc:
             run.broken = True  # the transaction cannot be trusted: its batches are lost
-            error = _database_error(self.name, exc)
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:
             return Claim(token, [])
         return self._held_claim(run, token, records)
@@ -200,24 +194,12 @@ class PostgresStore:
             raise BatchLost(f"{self.name}: batch not marked: {_safe(exc)}") from exc
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
-        """Give the batch back untried: nothing to write. Its transaction commits (the other
-        batches' outcomes, written) when it was the last open one, or rolls back when it can
-        no longer be trusted."""
-        run = self._held.pop(token, None)
-        if run is None:
-            return
-        if run.broken:
-            await self._leave(run, token)
-            return
-        try:
-            async with run.lock:
-                run.batches.pop(token, None)
-                if not run.batches:
-                    await run.commit()
-        except BaseException:
-            run.broken = True
-            await self._leave(run, token)
-            raise
+        """Give the batch back untried: a mark with no outcomes. Its transaction commits (the
+        other batches' outcomes, written) when it was the last open one; a transaction that can
+        no longer be trusted is rolled back, and its rows are queued again all the same."""
+        if token in self._held:
+            with contextlib.suppress(BatchLost):
+                await self.mark(target, token, Marks())
 
     async def _leave(self, run: _Run, token: int) -> None:
         """A batch of a broken run is done with: the last one out closes the connection."""
@@ -414,13 +396,14 @@ class _Run:
             await self.pool.release(self.conn)
 
 
-def _database_error(name: str, exc: BaseException) -> BaseException:
-    """What a failed claim raises: cancellation as it is, driver errors as DatabaseError."""
+def _raise_as_database_error(name: str, exc: BaseException) -> NoReturn:
+    """Re-raise what a claim ran into: cancellation as it is, driver errors as DatabaseError
+    (tables or functions gone: the schema's error)."""
     if isinstance(exc, (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError)):
-        return schema_problem(name, None) or DatabaseError(name)
+        raise schema_problem(name, None) or DatabaseError(name) from exc
     if isinstance(exc, _DB_ERRORS):
-        return DatabaseError(f"{name}: {_safe(exc)}")
-    return exc
+        raise DatabaseError(f"{name}: {_safe(exc)}") from exc
+    raise exc
 
 
 def _targets(payload: str) -> set[str] | None:
