@@ -27,6 +27,7 @@ from bench._common import (
 )
 from router import Outbox
 from router.config import RouterConfig
+from router.relay.store.postgres_sql import RING_SLOTS
 
 __all__ = ["Sample", "Trace", "Variant", "run"]
 
@@ -35,10 +36,14 @@ DRAIN_IDLE_SECONDS = 15.0
 DRAIN_MAX_SECONDS = 180.0
 
 OPEN = "status IN ('pending', 'processing', 'failed')"
+# The outbox's tables (on PostgreSQL it is partitioned, migration 0011): the history and the
+# queue's slots, whose figures add up to the table's.
+TABLES = ["router_outbox_done", *(f"router_outbox_q{slot}" for slot in range(RING_SLOTS))]
 SAMPLE_SQL = f"""
-SELECT s.n_dead_tup, s.n_live_tup, s.vacuum_count + s.autovacuum_count,
-       (SELECT count(*) FROM router_outbox WHERE {OPEN})
-FROM pg_stat_user_tables s WHERE s.relname = 'router_outbox'
+SELECT sum(s.n_dead_tup)::bigint, sum(s.n_live_tup)::bigint,
+       sum(s.vacuum_count + s.autovacuum_count)::bigint,
+       (SELECT count(*) FROM router_outbox_queue WHERE {OPEN})
+FROM pg_stat_user_tables s WHERE s.relname = ANY(ARRAY{TABLES!r})
 """
 
 
@@ -138,7 +143,8 @@ async def connect_monitor(url: str, variant: Variant) -> asyncpg.Connection:
     conn = await asyncpg.connect(url)
     if variant.table_autovacuum is not None:
         setting = "on" if variant.table_autovacuum else "off"
-        await conn.execute(f"ALTER TABLE router_outbox SET (autovacuum_enabled = {setting})")
+        for table in TABLES:
+            await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = {setting})")
     # An index scan marks the dead entries it walks past as dead for everyone (as VACUUM
     # would, in part), so counting the open rows by one would tidy up the very claim index
     # whose bloat we watch; a sequential scan would read the whole heap every second. A
@@ -177,7 +183,7 @@ async def sample(conn: asyncpg.Connection, trace: Trace) -> None:
     while True:
         await asyncio.sleep(max(0.0, start + tick - loop.time()))
         row = await conn.fetchrow(SAMPLE_SQL)
-        if row is not None:  # None until the statistics know the table
+        if row is not None and row[0] is not None:  # None until the statistics know it
             trace.samples.append(Sample(round(time.time() - trace.started, 3), *row))
         tick = max(tick + 1, math.floor(loop.time() - start) + 1)
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,11 +86,12 @@ async def explain_claim(conn: Any, target: str, options: str = "") -> str:
 async def claim_plan_problem(conn: Any, target: str) -> str | None:
     """None when the claim of ``target`` reads the indexes it should; else what it does."""
     plan = await explain_claim(conn, target)
+    # Since 0011 the queue's slots are partitions, each scanned by its own index.
     expected = (
-        "Index Scan using ix_router_outbox_claim on router_outbox o",
-        "Index Scan using ix_router_outbox_stream on router_outbox p",
+        r"Index Scan using ix_router_outbox_claim_q\d on router_outbox_q\d o(_\d+)?\b",
+        r"Index Scan using ix_router_outbox_stream_q\d on router_outbox_q\d p(_\d+)?\b",
     )
-    if all(step in plan for step in expected):
+    if all(re.search(step, plan) for step in expected) and "Seq Scan" not in plan:
         return None
     scans = [line.strip() for line in plan.splitlines() if "Scan" in line]
     return "; ".join(scans) or plan.splitlines()[0]
@@ -114,7 +116,7 @@ async def postgres_warnings(
                 warnings.append(
                     f"the claim of target {target!r} is not index-served ({problem}); "
                     "check that ix_router_outbox_claim and ix_router_outbox_stream exist and "
-                    "are valid (`\\d router_outbox` in psql)"
+                    "are valid on every queue slot (`\\d router_outbox_q0` in psql)"
                 )
         return warnings
     finally:

@@ -270,6 +270,8 @@ class Processor:
             await self._give_back(list(unmarked.values()))
         if marking is not None:
             await marking  # its error, if the last mark failed
+        if claim.busy:  # the run's next claim met the ring's gate (PostgreSQL)
+            return self._busy()
         if full and claim.rows:
             return None  # more may be waiting: go on at once
         return await self._idle_timeout(len(claim), limit)

@@ -33,6 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from router.relay.store.postgres_sql import RING_SLOTS
 from tests.services import free_port, program
 
 __all__ = ["DATABASES", "ChaosDatabase", "Mariadb", "Postgres", "Producer", "chaos_database"]
@@ -195,12 +196,16 @@ class Postgres(ChaosDatabase):
         'pending', locked by its transaction, whose session is named after its worker): the
         rows a ``holder`` session has locked now, read with pgrowlocks (which takes no lock
         on them); and the failed ones when ``statuses`` has 'failed'."""
-        rows = await self._fetch(
-            "SELECT o.message_id::text FROM pgrowlocks('router_outbox') l"
-            " JOIN router_outbox o ON o.ctid = l.locked_row"
+        # Unfinished rows are in the queue's slots (migration 0011), each a table of its own.
+        locked = " UNION ".join(
+            f"SELECT o.message_id::text FROM pgrowlocks('router_outbox_q{slot}') l"
+            f" JOIN router_outbox_q{slot} o ON o.ctid = l.locked_row"
             " WHERE EXISTS (SELECT 1 FROM pg_stat_activity a"
             "               WHERE a.pid = ANY(l.pids) AND a.application_name LIKE $1)"
-            " UNION SELECT message_id::text FROM router_outbox"
+            for slot in range(RING_SLOTS)
+        )
+        rows = await self._fetch(
+            f"{locked} UNION SELECT message_id::text FROM router_outbox"
             " WHERE status = 'failed' AND 'failed' = ANY($2::text[])",
             holder,
             list(statuses),

@@ -47,5 +47,5 @@ async def test_a_claim_that_lost_its_index_is_reported_with_the_scan_it_would_ma
         "the claim of target 'events'",
         "the claim of target 'partner'",
     ]
-    assert "on router_outbox p" in warnings[0]  # the stream check's scan, as planned now
+    assert "on router_outbox_q0 p" in warnings[0]  # the stream check's scan, as planned now
     assert "check that ix_router_outbox_claim and ix_router_outbox_stream exist" in warnings[0]

@@ -32,6 +32,7 @@ from router.relay.store.base import (
     new_token,
     schema_problem,
 )
+from router.relay.store.postgres_ring import recycle
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -66,6 +67,10 @@ SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox
                            WHERE target = $1 AND status = 'failed') - now())::float8
 """
 
+# How often the ring is looked at (see _count_for_ring).
+_RING_EVERY_ROWS = 8192
+_RING_EVERY_SECONDS = 5.0
+
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
@@ -95,6 +100,10 @@ class PostgresStore:
         self._vacuumed_at = time.monotonic()
         self._vacuum: asyncio.Task[None] | None = None
         self._held: dict[int, _Run] = {}  # the transaction of each batch in flight, by token
+        self._ring_marked = 0
+        self._ring_at = time.monotonic()
+        self._ring: asyncio.Task[None] | None = None
+        self._ring_on = True
 
     async def claim(
         self,
@@ -147,8 +156,8 @@ class PostgresStore:
         except BaseException as exc:
             run.broken = True  # the transaction cannot be trusted: its batches are lost
             _raise_as_database_error(self.name, exc)
-        if not records or records[0][0] is None:
-            return Claim(token, [])
+        if not records or records[0][0] is None:  # nothing due, or busy (the ring's gate)
+            return Claim(token, [], busy=bool(records))
         return self._held_claim(run, token, records)
 
     def _held_claim(self, run: _Run, token: int, records: Sequence[Any]) -> Claim:
@@ -169,6 +178,7 @@ class PostgresStore:
                 await self._leave(run, token)
             raise BatchLost(f"{self.name}: batch {token} is no longer held (released or ended)")
         self._count_for_vacuum(len(marks))
+        self._count_for_ring(len(marks))
         receipts = marks.receipts
         try:
             async with run.lock:
@@ -308,15 +318,56 @@ class PostgresStore:
                 extra={"database": self.name, "seconds": round(time.monotonic() - started, 3)},
             )
 
+    def _count_for_ring(self, rows: int) -> None:
+        """Every so many marked rows (a quarter of a slot's chunk), or every few seconds while
+        rows are marked, truncate the queue slots that are finished (postgres_ring.py)."""
+        if not self._ring_on:
+            return
+        self._ring_marked += rows
+        due = self._ring_marked >= _RING_EVERY_ROWS or (
+            self._ring_marked > 0 and time.monotonic() - self._ring_at > _RING_EVERY_SECONDS
+        )
+        if due and (self._ring is None or self._ring.done()):
+            self._ring_marked = 0
+            self._ring_at = time.monotonic()
+            self._ring = asyncio.create_task(self._recycle_now())
+
+    async def _recycle_now(self) -> None:
+        started = time.monotonic()
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=10)
+            try:
+                done = await recycle(conn)
+            finally:
+                await conn.close()
+        except asyncpg.InsufficientPrivilegeError:
+            log.warning("db.ring_refused", extra={"database": self.name})
+            self._ring_on = False  # not the table's owner: VACUUM alone, as before 0011
+            return
+        except _DB_ERRORS as exc:
+            log.warning("db.ring_failed", extra={"database": self.name, "error": _safe(exc)})
+            return
+        if done.truncated or done.kept:
+            log.info(
+                "db.ring",
+                extra={
+                    "database": self.name,
+                    "truncated": done.truncated,
+                    "kept": done.kept,
+                    "seconds": round(time.monotonic() - started, 3),
+                },
+            )
+
     async def close(self) -> None:
         """Close the pool; a batch still held is rolled back (its rows stay queued)."""
         runs, self._held = set(self._held.values()), {}
         for run in runs:
             await run.end()
-        if self._vacuum is not None and not self._vacuum.done():
-            self._vacuum.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._vacuum
+        for task in (self._vacuum, self._ring):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):

@@ -12,12 +12,31 @@ installed exactly this, so changing either one means changing both.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM_FUNCTION", "CLAIM_LOCK_NAMESPACE", "MARK_FUNCTION"]
+__all__ = [
+    "CLAIM_FUNCTION",
+    "CLAIM_LOCK_NAMESPACE",
+    "MARK_FUNCTION",
+    "RING_CHUNK_BITS",
+    "RING_SLOTS",
+    "SLOT_OF",
+]
 
 CLAIM_LOCK_NAMESPACE = 1869903203
 """First key of the per-target advisory lock a claim takes. The router's other advisory
 locks (``router.write.staging.STREAM_LOCK_NAMESPACE``, one per stream key while staging) use
 another namespace, so a claim never waits on a stager."""
+
+
+RING_SLOTS = 8
+"""Partitions of the queue (migration 0011): router_outbox_q0 to router_outbox_q7."""
+
+RING_CHUNK_BITS = 15
+"""Rows go to the queue partition of their seq's chunk of 2**15 (32,768) seqs, in turn:
+``(seq >> 15) & 7``. A slot whose rows are all finished is truncated while the next chunks
+fill the others (router/relay/store/postgres_ring.py)."""
+
+SLOT_OF = f"((seq >> {RING_CHUNK_BITS}) & {RING_SLOTS - 1})"
+"""The queue's partition key, as PostgreSQL must see it in a WHERE clause to prune by it."""
 
 
 CLAIM_FUNCTION = (
@@ -85,6 +104,18 @@ BEGIN
     # would take the lock the moment it is free, whether or not its worker is still there to
     # use it: a host that froze with claims queued would hold the target for lease_seconds
     # once per queued claim.
+    # While the ring's recycler truncates finished queue slots, every claim answers busy
+    # (0011): runs end with the batch they publish, their locks on the slots go, and the
+    # TRUNCATE waits for one batch at most, not for a run. gate_until lapses by itself, so a
+    # recycler that died leaves no gate shut.
+    """\
+    -- Busy while finished queue slots are being emptied (router_ring.gate_until).
+    IF EXISTS (SELECT 1 FROM router_ring r WHERE r.id AND r.gate_until > clock_timestamp()) THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
+                            NULL::text, NULL::double precision;
+        RETURN;
+    END IF;
+"""
     f"""\
     -- Batches of one target take turns: busy (a NULL seq) while another is in flight.
     IF NOT pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target)) THEN
@@ -102,17 +133,22 @@ BEGIN
     WITH picked AS (
         SELECT o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts + 1,
                o.stream_key, extract(epoch FROM o.created_at)::double precision
-        FROM router_outbox o
+        FROM router_outbox_queue o
         WHERE o.target = p_target
 """
     # Once the statistics say most rows are pending, the planner would walk the primary key
     # through every published row; starting at the target's first queued row (found through
-    # the partial claim index) avoids that on a large table (0005).
+    # the partial claim index) avoids that on a large table (0005). Since 0011 the claim reads
+    # the queue partitions alone (router_outbox_queue: unfinished rows; published history is
+    # in router_outbox_done), and min() starts after p_after: the claim index still holds the
+    # entries of rows published since their slot was last emptied, and while a long
+    # transaction holds the xmin horizon nothing marks them dead, so min() would visit each.
     """\
           -- Start at the first queued row: whichever index the planner picks then skips the
           -- published history instead of walking it (statistics cannot tell it lies first).
-          AND o.seq >= (SELECT min(f.seq) FROM router_outbox f
-                        WHERE f.target = p_target AND f.status IN ('pending', 'failed'))
+          AND o.seq >= (SELECT min(f.seq) FROM router_outbox_queue f
+                        WHERE f.target = p_target AND f.seq > p_after
+                          AND f.status IN ('pending', 'failed'))
 """
     # A batch claimed in the transaction of the one before it (p_after: that batch's last
     # seq; 0 for the first of a transaction) takes the rows after it: the earlier batch's rows
@@ -135,7 +171,7 @@ BEGIN
     # index's, word for word.
     """\
           AND (o.stream_key IS NULL OR NOT EXISTS (
-                SELECT 1 FROM router_outbox p
+                SELECT 1 FROM router_outbox_queue p
                 WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
                   AND p.status IN ('processing', 'failed')
                   AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
@@ -154,6 +190,10 @@ END
 $$
 """
 )
+
+# A batch's rows of one queue slot (v_slot): the first two tests name the partition keys.
+_THIS_SLOT = f"""NOT (o.status IN ('published', 'abandoned'))
+              AND {SLOT_OF.replace("seq", "o.seq")} = v_slot"""
 
 MARK_FUNCTION = (
     # A batch's outcomes in one round trip (0006), in the claim's transaction (0010): failed
@@ -174,7 +214,13 @@ MARK_FUNCTION = (
     # to read whole than by its primary key.
     # Times from the clock (0010): now() is when the transaction began, with the claim of the
     # first batch of its run; an attempt's time, and when the next is due, count from now.
-    """
+    # One queue slot at a time (0011): the rows are unfinished, so they are in
+    # router_outbox_queue, in the slot of their seq. Written with the partition keys (the
+    # status test and the slot), the statement reads that slot's seq index alone; otherwise
+    # each of the nine partitions would be searched for every seq. A published or
+    # abandoned row moves to router_outbox_done (its one write: PostgreSQL deletes it from the
+    # slot and inserts it there); a failed one stays in its slot.
+    f"""
 CREATE OR REPLACE FUNCTION router_mark(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
@@ -187,40 +233,44 @@ AS $$
 DECLARE
     -- The time of the outcome; now() is the transaction's start, batches earlier.
     v_now timestamptz := clock_timestamp();
+    v_slot bigint;
 BEGIN
-    IF cardinality(p_published) > 0 THEN
-        UPDATE router_outbox AS o
-        SET status = 'published', published_at = v_now, last_error = NULL,
-            receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, v_now)
-        FROM unnest(p_published, p_receipts) AS t(seq, receipt)
-"""
-    # The rows are found by primary key from the array (seq = ANY), as before receipts; the
-    # join to the receipts only matches each to its own (0009).
-    """\
-        WHERE o.seq = ANY(p_published) AND o.seq = t.seq;
-    END IF;
+    FOR v_slot IN
+        SELECT DISTINCT {SLOT_OF} FROM unnest(p_published || p_failed || p_abandoned) AS seq
+    LOOP
+        IF cardinality(p_published) > 0 THEN
+            UPDATE router_outbox AS o
+            SET status = 'published', published_at = v_now, last_error = NULL,
+                receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
+                first_attempt_at = coalesce(o.first_attempt_at, v_now)
+            FROM unnest(p_published, p_receipts) AS t(seq, receipt)
+            WHERE {_THIS_SLOT}
+              AND o.seq = ANY(p_published) AND o.seq = t.seq;
+        END IF;
 """
     # Failed: due again after its own retry delay.
-    """\
-    IF cardinality(p_failed) > 0 THEN
-        UPDATE router_outbox AS o
-        SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
-            last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
-            first_attempt_at = coalesce(o.first_attempt_at, v_now)
-        FROM unnest(p_failed, p_delays, p_failed_errors) AS t(seq, delay, error)
-        WHERE o.seq = t.seq;
-    END IF;
+    f"""\
+        IF cardinality(p_failed) > 0 THEN
+            UPDATE router_outbox AS o
+            SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
+                last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
+                first_attempt_at = coalesce(o.first_attempt_at, v_now)
+            FROM unnest(p_failed, p_delays, p_failed_errors) AS t(seq, delay, error)
+            WHERE {_THIS_SLOT}
+              AND o.seq = ANY(p_failed) AND o.seq = t.seq;
+        END IF;
 """
     # Abandoned: no longer open, so never claimed again.
-    """\
-    IF cardinality(p_abandoned) > 0 THEN
-        UPDATE router_outbox AS o
-        SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
-            last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
-        FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
-        WHERE o.seq = t.seq;
-    END IF;
+    f"""\
+        IF cardinality(p_abandoned) > 0 THEN
+            UPDATE router_outbox AS o
+            SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
+                last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
+            FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
+            WHERE {_THIS_SLOT}
+              AND o.seq = ANY(p_abandoned) AND o.seq = t.seq;
+        END IF;
+    END LOOP;
 END
 $$
 """

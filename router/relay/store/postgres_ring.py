@@ -1,0 +1,155 @@
+"""The PostgreSQL queue's ring: finished slots are truncated, not left to VACUUM.
+
+Unfinished rows live in ``router_outbox_queue``, in 8 slots by their seq's chunk (migration
+0011: ``router_outbox_q0`` to ``router_outbox_q7``, chunks of 32,768 seqs in turn); marking a
+row published or abandoned moves it to ``router_outbox_done``, and leaves its queued version
+behind, dead, with its claim-index entry. VACUUM removes those only when no snapshot older
+than them is left in the database: a transaction held open for ten minutes keeps ten minutes
+of them, and every claim reads past them. A slot whose rows have all moved out holds nothing
+but such versions, and ``TRUNCATE`` empties it whatever the xmin horizon.
+
+A pass (``recycle``) truncates every slot that
+
+- new rows are not going to: neither the slot of the newest seq nor the one after it;
+- holds no live row (checked again under the lock, so a row that came in meanwhile, such as
+  a replayed one, keeps its slot);
+- no transaction older than ``busy_after`` holds a lock on (an application transaction that
+  wrote a row there long ago, a report reading it): such a slot waits for a later pass.
+
+``TRUNCATE`` needs the slot to itself, and every claim of a run holds its slots until the run
+commits. The pass therefore shuts the claims' gate first (``router_ring.gate_until``, which
+``router_claim()`` reads): claims answer busy, runs end with the batch they are publishing,
+and the lock is granted within a batch; ``lock_timeout`` bounds the wait, and the gate lapses
+by itself if the pass dies. One pass runs at a time across every router of the database (an
+advisory lock); each slot is truncated in a transaction of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from router.relay.store.postgres_sql import RING_CHUNK_BITS, RING_SLOTS
+
+__all__ = ["RING_LOCK", "Recycled", "SlotState", "recycle", "slot_of", "slots"]
+
+log = logging.getLogger(__name__)
+
+RING_LOCK = (1869903204, 0)
+"""The advisory lock of a pass: a namespace of its own (claims use 1869903203, stagers
+1869903202)."""
+
+# The newest seq handed out (by any session): new rows go to its slot, or the next.
+HEAD = "SELECT last_value FROM router_outbox_seq_seq"
+
+# Per slot: bytes on disk (0: empty since its last truncation) and how long the oldest
+# transaction holding a lock on it has been open.
+STATE = """
+SELECT s.slot, pg_relation_size(c.oid) AS bytes,
+       (SELECT extract(epoch FROM clock_timestamp() - min(a.xact_start))::float8
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.pid <> pg_backend_pid())
+       AS held_for
+FROM generate_series(0, $1 - 1) AS s(slot)
+JOIN pg_class c ON c.relname = 'router_outbox_q' || s.slot
+                AND c.relnamespace = current_schema()::regnamespace
+ORDER BY s.slot
+"""
+
+GATE = "UPDATE router_ring SET gate_until = clock_timestamp() + make_interval(secs => $1) WHERE id"
+OPEN_GATE = "UPDATE router_ring SET gate_until = NULL WHERE id"
+
+
+def slot_of(seq: int) -> int:
+    """The queue slot a row of this seq is in while unfinished."""
+    return (seq >> RING_CHUNK_BITS) & (RING_SLOTS - 1)
+
+
+def slots() -> range:
+    return range(RING_SLOTS)
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One queue slot, as ``router status`` and ``router check`` show it."""
+
+    slot: int
+    bytes: int
+    held_for: float | None  # seconds the oldest transaction with a lock on it has been open
+
+
+@dataclass
+class Recycled:
+    """What one pass did."""
+
+    truncated: list[int] = field(default_factory=list)
+    kept: dict[int, str] = field(default_factory=dict)  # slot: why it was left as it was
+    skipped: str | None = None  # the pass did nothing at all, and why
+
+
+async def slot_states(conn: Any) -> list[SlotState]:
+    return [SlotState(r[0], r[1], r[2]) for r in await conn.fetch(STATE, RING_SLOTS)]
+
+
+async def recycle(
+    conn: Any,
+    *,
+    gate_seconds: float = 3.0,
+    lock_timeout: float = 0.5,
+    busy_after: float = 1.0,
+) -> Recycled:
+    """One pass over the ring on ``conn`` (a connection of its own, outside any transaction)."""
+    done = Recycled()
+    if not await conn.fetchval("SELECT pg_try_advisory_lock($1, $2)", *RING_LOCK):
+        done.skipped = "another router is recycling"
+        return done
+    try:
+        head = await conn.fetchval(HEAD)
+        filling = {slot_of(head), slot_of(head + (1 << RING_CHUNK_BITS))}
+        candidates = []
+        for state in await slot_states(conn):
+            if state.slot in filling or state.bytes == 0:
+                continue
+            if state.held_for is not None and state.held_for > busy_after:
+                done.kept[state.slot] = f"in use by a transaction open {state.held_for:.0f} s"
+            elif await _has_rows(conn, state.slot):
+                done.kept[state.slot] = "holds unfinished rows"
+            else:
+                candidates.append(state.slot)
+        if not candidates:
+            return done
+        await conn.execute(GATE, gate_seconds)
+        try:
+            for slot in candidates:
+                await _truncate(conn, slot, lock_timeout, done)
+        finally:
+            await conn.execute(OPEN_GATE)
+            # Wake every processor that backed off from the gate.
+            await conn.execute("SELECT pg_notify('router_outbox', '')")
+        return done
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1, $2)", *RING_LOCK)
+
+
+async def _has_rows(conn: Any, slot: int) -> bool:
+    # A sequential scan of the slot: its index holds no entry of some live rows ('processing').
+    return bool(await conn.fetchval(f"SELECT EXISTS (SELECT 1 FROM router_outbox_q{slot})"))
+
+
+async def _truncate(conn: Any, slot: int, lock_timeout: float, done: Recycled) -> None:
+    table = f"router_outbox_q{slot}"
+    try:
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = {max(1, round(lock_timeout * 1000))}")
+            await conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+            if await _has_rows(conn, slot):  # a row came in since the look before the gate
+                done.kept[slot] = "holds unfinished rows"
+                return
+            await conn.execute(f"TRUNCATE {table}")
+    except asyncpg.LockNotAvailableError:
+        done.kept[slot] = "still in use when the gate closed"
+        return
+    done.truncated.append(slot)

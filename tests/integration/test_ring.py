@@ -1,0 +1,277 @@
+"""PostgreSQL's partitioned outbox (migration 0011): finished queue slots are truncated, even
+while a snapshot holds the xmin horizon; a slot still in use keeps its rows; no insert ever
+lacks a partition; the migration keeps every row, both ways."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+from pathlib import Path
+
+import asyncpg
+import pytest
+from alembic import command
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection
+
+from router import Outbox
+from router._db import create_engine
+from router.config import DatabaseSettings
+from router.ops.migrate import _alembic_config, upgrade
+from router.relay.store import Marks
+from router.relay.store.base import VERSION_TABLE
+from router.relay.store.postgres import PostgresStore
+from router.relay.store.postgres_ring import recycle, slot_of
+from router.relay.store.postgres_sql import RING_CHUNK_BITS
+from tests.conftest import PgDatabases, make_config
+from tests.integration.events import OrderPlaced
+
+BROKERS = {"events": {"type": "memory", "internal": True}}
+CHUNK = 1 << RING_CHUNK_BITS
+
+
+@pytest.fixture
+async def url(pg_databases: PgDatabases) -> str:
+    return await pg_databases.new()
+
+
+async def stage_at(url: str, first_seq: int, count: int, key: str = "k") -> list[int]:
+    """``count`` events staged from seq ``first_seq`` on (the sequence moved there first)."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("SELECT setval('router_outbox_seq_seq', $1, false)", first_seq)
+    finally:
+        await conn.close()
+    outbox = Outbox(make_config({"main": url}, BROKERS))
+    try:
+        async with outbox.transaction() as tx:
+            for i in range(count):
+                await tx.stage(OrderPlaced(order_id=f"{key}-{i}", total=Decimal(i)), stream_key=key)
+    finally:
+        await outbox.close()
+    return list(range(first_seq, first_seq + count))
+
+
+async def publish_all(url: str) -> int:
+    """Claim and publish every queued row through the store, as the router does."""
+    store = PostgresStore("main", url)
+    published = 0
+    try:
+        while True:
+            claim = await store.claim("events", 500, "w-1", 30)
+            if not claim.rows:
+                return published
+            await store.mark("events", claim.token, Marks(published=[r.seq for r in claim.rows]))
+            published += len(claim.rows)
+    finally:
+        await store.close()
+
+
+async def query(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def pass_over(url: str, **options: float) -> tuple[list[int], dict[int, str]]:
+    conn = await asyncpg.connect(url)
+    try:
+        done = await recycle(conn, **options)
+    finally:
+        await conn.close()
+    return done.truncated, done.kept
+
+
+async def sizes(url: str) -> dict[int, int]:
+    records = await query(
+        url,
+        "SELECT s, pg_relation_size('router_outbox_q' || s) FROM generate_series(0, 7) s",
+    )
+    return {r[0]: r[1] for r in records}
+
+
+async def test_rows_live_in_the_slot_of_their_chunk_until_finished_then_in_the_history(
+    url: str,
+) -> None:
+    seqs = await stage_at(url, 1, 3) + await stage_at(url, 3 * CHUNK + 5, 2)
+    assert [slot_of(s) for s in seqs] == [0, 0, 0, 3, 3]
+    await publish_all(url)
+    await stage_at(url, 9 * CHUNK, 1)  # the ring wraps: slot 1 again, beside nothing
+    found = await query(
+        url, "SELECT seq, tableoid::regclass::text, status FROM router_outbox ORDER BY seq"
+    )
+    assert [(r[0], r[1], r[2]) for r in found] == [
+        *((s, "router_outbox_done", "published") for s in seqs),
+        (9 * CHUNK, "router_outbox_q1", "pending"),
+    ]
+
+
+async def test_a_finished_slot_is_truncated_while_a_snapshot_holds_the_xmin_horizon(
+    url: str,
+) -> None:
+    holder = await asyncpg.connect(url)
+    try:
+        # A report in a repeatable-read transaction: VACUUM could remove nothing from now on.
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM router_audit")
+        await stage_at(url, 1, 200)  # slot 0
+        await stage_at(url, CHUNK + 1, 5, key="stuck")  # slot 1: stays queued
+        assert await publish_all(url) == 205
+        await query(url, "UPDATE router_outbox SET status = 'pending' WHERE stream_key = 'stuck'")
+        await stage_at(url, 4 * CHUNK, 1, key="new")  # new rows go to slot 4
+        before = await sizes(url)
+        assert before[0] > 0 and before[1] > 0
+        await query(url, "VACUUM router_outbox_q0")
+        dead = await query(
+            url, "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'router_outbox_q0'"
+        )
+        assert dead[0][0] == 200  # VACUUM could not remove them
+
+        truncated, kept = await pass_over(url)
+
+        assert truncated == [0]
+        assert kept == {1: "holds unfinished rows"}
+        after = await sizes(url)
+        assert after[0] == 0 and after[1] == before[1]
+    finally:
+        await holder.close()
+    counted = await query(
+        url, "SELECT status, count(*) FROM router_outbox GROUP BY status ORDER BY status"
+    )
+    assert [(r[0], r[1]) for r in counted] == [("pending", 6), ("published", 200)]
+    gate = await query(url, "SELECT gate_until FROM router_ring")
+    assert gate[0][0] is None  # open again
+
+
+async def test_the_slots_that_new_rows_go_to_are_never_truncated(url: str) -> None:
+    await stage_at(url, 1, 10)
+    await publish_all(url)
+    # Slot 0 is finished, but the newest seq is in it: the next rows go there too.
+    assert await pass_over(url) == ([], {})
+    await stage_at(url, 7 * CHUNK, 1)  # slot 7; slot 0 comes next
+    await publish_all(url)
+    assert await pass_over(url) == ([], {})
+    await stage_at(url, 9 * CHUNK, 1)  # slot 1: slots 0 and 7 are behind the newest seq
+    truncated, _ = await pass_over(url)
+    assert truncated == [0, 7]
+
+
+async def test_a_slot_an_old_transaction_holds_waits_for_a_later_pass(url: str) -> None:
+    await stage_at(url, 1, 10)
+    await publish_all(url)
+    await stage_at(url, 3 * CHUNK, 1)
+    reader = await asyncpg.connect(url)
+    try:
+        await reader.execute("BEGIN")
+        await reader.fetchval("SELECT count(*) FROM router_outbox_q0")
+        await asyncio.sleep(0.3)
+        assert await pass_over(url, busy_after=0.2) == ([], {0: "in use by a transaction open 0 s"})
+        # A young one: the gate closes, and the lock is not granted in time.
+        assert await pass_over(url, busy_after=30, lock_timeout=0.2) == (
+            [],
+            {0: "still in use when the gate closed"},
+        )
+    finally:
+        await reader.close()
+    assert (await query(url, "SELECT gate_until FROM router_ring"))[0][0] is None
+    assert await pass_over(url) == ([0], {})
+
+
+async def test_claims_are_busy_while_the_gate_is_shut_and_a_run_ends_at_it(url: str) -> None:
+    await stage_at(url, 1, 20)
+    store = PostgresStore("main", url)
+    try:
+        first = await store.claim("events", 10, "w-1", 30)
+        await query(url, "UPDATE router_ring SET gate_until = clock_timestamp() + interval '1 h'")
+        # The run's next claim meets the gate: busy, and the run commits with its last mark.
+        following = await store.claim("events", 10, "w-1", 30, after=first)
+        assert (following.busy, following.rows) == (True, [])
+        await store.mark("events", first.token, Marks(published=[r.seq for r in first.rows]))
+        fresh = await store.claim("events", 10, "w-1", 30)
+        assert (fresh.busy, fresh.rows) == (True, [])
+        # A gate whose pass died lapses by itself.
+        await query(url, "UPDATE router_ring SET gate_until = clock_timestamp() - interval '1 s'")
+        again = await store.claim("events", 10, "w-1", 30)
+        assert [r.seq for r in again.rows] == list(range(11, 21))
+        await store.release("events", again.token, [r.seq for r in again.rows])
+    finally:
+        await store.close()
+    published = await query(url, "SELECT count(*) FROM router_outbox WHERE status = 'published'")
+    assert published[0][0] == 10
+
+
+async def test_the_migration_moves_every_row_in_and_back_out(
+    pg_databases: PgDatabases,
+) -> None:
+    url = await pg_databases.new(migrated=False)
+    settings = DatabaseSettings.model_validate({"url": url})
+    await _migrate(url, "0010")
+    await stage_at(url, 1, 3)
+    await stage_at(url, 2 * CHUNK, 2, key="later")
+    await query(
+        url,
+        "UPDATE router_outbox SET status = 'published', published_at = now(), attempts = 1,"
+        " receipt = '{\"seq\": 1}' WHERE seq = 1",
+    )
+    await query(
+        url,
+        "UPDATE router_outbox SET status = 'failed', attempts = 2, last_error = 'nope'"
+        " WHERE seq = 2",
+    )
+    columns = "seq, message_id, target, status, attempts, last_error, receipt, envelope::text"
+    before = await query(url, f"SELECT {columns} FROM router_outbox ORDER BY seq")
+
+    result = await upgrade("main", settings, Path.cwd())
+    assert (result.before, result.after) == ("0010", "0011")
+    assert await query(url, f"SELECT {columns} FROM router_outbox ORDER BY seq") == before
+    where = await query(url, "SELECT seq, tableoid::regclass::text FROM router_outbox ORDER BY 1")
+    assert [r[1] for r in where] == [
+        "router_outbox_done",
+        "router_outbox_q0",
+        "router_outbox_q0",
+        "router_outbox_q2",
+        "router_outbox_q2",
+    ]
+    fresh = await stage_at_next(url)
+    assert fresh == 2 * CHUNK + 2  # the sequence goes on where it was
+
+    await _migrate(url, "0010")
+    after = await query(url, f"SELECT {columns} FROM router_outbox ORDER BY seq")
+    assert after[:5] == before and after[5][0] == 2 * CHUNK + 2
+    kinds = await query(url, "SELECT relkind::text FROM pg_class WHERE relname = 'router_outbox'")
+    assert kinds[0][0] == "r"  # a plain table again
+    assert await stage_at_next(url) == 2 * CHUNK + 3
+
+
+async def stage_at_next(url: str) -> int:
+    outbox = Outbox(make_config({"main": url}, BROKERS))
+    try:
+        async with outbox.transaction() as tx:
+            await tx.stage(OrderPlaced(order_id="next", total=Decimal(1)))
+    finally:
+        await outbox.close()
+    found = await query(url, "SELECT max(seq) FROM router_outbox")
+    return int(found[0][0])
+
+
+async def _migrate(url: str, revision: str) -> None:
+    """Move ``url`` to ``revision``, up or down, with alembic as init-db runs it."""
+    engine = create_engine(DatabaseSettings.model_validate({"url": url}), Path.cwd(), name="main")
+
+    def run(connection: Connection) -> None:
+        config = _alembic_config()
+        config.attributes["connection"] = connection
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        at = context.get_current_revision()
+        if at is None or at < revision:
+            command.upgrade(config, revision)
+        else:
+            command.downgrade(config, revision)
+
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(run)
+    finally:
+        await engine.dispose()
