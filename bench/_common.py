@@ -28,7 +28,7 @@ from nats.js.errors import NotFoundError
 
 from router import Event
 from router.config import DatabaseSettings
-from router.ops.migrate import upgrade
+from router.ops.migrate import migrate_to
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -61,8 +61,8 @@ def dsn(database: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def fresh_database(label: str) -> AsyncIterator[str]:
-    """A migrated, empty database for one measurement; dropped afterwards."""
+async def fresh_database(label: str, revision: str = "head") -> AsyncIterator[str]:
+    """A database migrated to ``revision``, empty, for one measurement; dropped afterwards."""
     name = f"bench_{label}_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(ADMIN_DSN)
     try:
@@ -70,7 +70,8 @@ async def fresh_database(label: str) -> AsyncIterator[str]:
     finally:
         await admin.close()
     try:
-        await upgrade(name, DatabaseSettings.model_validate({"url": dsn(name)}), Path.cwd())
+        settings = DatabaseSettings.model_validate({"url": dsn(name)})
+        await migrate_to(name, settings, Path.cwd(), revision)
         yield dsn(name)
     finally:
         admin = await asyncpg.connect(ADMIN_DSN)

@@ -176,6 +176,11 @@ class Relay:
         return self.process.wait()
 
 
+PLAIN_TABLE = "0010"
+"""The baselines' schema: the outbox as one plain table, before it was partitioned (0011). A
+hand relay's claim and mark are fastest there (on the partitioned table its mark, by seq
+alone, searches every partition), and the baseline is the strongest relay we can write."""
+
 HELD_BASELINE = -1
 """The worker count that stands for ``bench.baseline --hold`` (0: the baseline)."""
 
@@ -198,7 +203,11 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
     """One drain by ``router serve --workers N`` (or the baseline for 0) of a fresh backlog."""
     folder = Path(tempfile.mkdtemp(prefix="drain-"))
     try:
-        async with fresh_database("drain") as url, fresh_stream("drain", storage) as stream:
+        revision = "head" if workers > 0 else PLAIN_TABLE
+        async with (
+            fresh_database("drain", revision) as url,
+            fresh_stream("drain", storage) as stream,
+        ):
             await stage_backlog(url, stream, events)
             # The router checks the stream at start (create on, as users run it).
             config = router_config(url, stream, create=True, batch_size=BATCH)

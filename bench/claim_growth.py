@@ -5,9 +5,10 @@
 What a router following a trickle does, without the broker: one connection stages one event
 per transaction, claims it with ``router_claim()`` and marks it published, ``--rows`` times,
 on a fresh outbox with no statistics and no VACUUM (autovacuum off for the table). Run twice
-in turn: on the claim and indexes that ship (migration 0008's indexes, 0010's claim and mark,
-each batch in one transaction), and on migration 0007's (the 0008 migration's own downgrade
-statements, applied to a fresh database, with that era's lease claim and a plain mark). Per
+in turn: on the claim and indexes that ship (head: the partitioned outbox of 0011, its claim
+and mark, each batch in one transaction), and on migration 0007's (the 0008 migration's own
+downgrade statements, applied to a fresh 0010 database, with that era's lease claim and a
+plain mark). Per
 window of ``--window`` rows: the claim's median and p99 time as the client sees it, and the
 claim's PostgreSQL buffer reads (pg_stat_statements is not needed: the backend's own counters).
 """
@@ -35,6 +36,11 @@ UPDATE router_outbox SET status = 'published', published_at = now(), locked_by =
     locked_until = NULL
 WHERE seq = ANY($1) AND lease_token = $2 AND status = 'processing'
 """
+LEAVES = """
+SELECT c.oid::regclass::text FROM pg_class c
+WHERE c.relkind = 'r' AND (c.relname = 'router_outbox' OR c.oid IN (
+    SELECT relid FROM pg_partition_tree('router_outbox') WHERE isleaf))
+"""
 BLOCKS = "SELECT sum(heap_blks_hit + idx_blks_hit) FROM pg_statio_user_tables"
 
 # The 0008 migration's downgrade, by its own texts: migration 0007's claim and indexes.
@@ -49,13 +55,16 @@ SCHEMA_0007 = [
 
 async def measure(schema: str, rows: int, window: int) -> list[dict[str, Any]]:
     """Stage, claim and mark ``rows`` events one at a time; figures per window."""
-    async with fresh_database("growth") as url:
+    # 0007's indexes are put back on 0010's plain table; the claim that ships runs on head's.
+    async with fresh_database("growth", "0010" if schema == "0007" else "head") as url:
         outbox = Outbox(
             make_config({"main": url}, {"events": {"type": "memory", "internal": True}})
         )
         conn = await asyncpg.connect(url)
         try:
-            await conn.execute("ALTER TABLE router_outbox SET (autovacuum_enabled = off)")
+            # Storage parameters are each table's: the partitions' since 0011.
+            for table in await conn.fetch(LEAVES):
+                await conn.execute(f"ALTER TABLE {table[0]} SET (autovacuum_enabled = off)")
             if schema == "0007":
                 for statement in SCHEMA_0007:
                     await conn.execute(statement)
@@ -101,7 +110,7 @@ async def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--window", type=int, default=1_000)
     args = parser.parse_args()
-    results = {schema: await measure(schema, args.rows, args.window) for schema in ("0007", "0010")}
+    results = {schema: await measure(schema, args.rows, args.window) for schema in ("0007", "head")}
     header = ["rows delivered"]
     for schema in results:
         header += [f"{schema} p50 ms", f"{schema} p99 ms", f"{schema} blocks/row"]

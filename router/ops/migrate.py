@@ -23,6 +23,7 @@ __all__ = [
     "MigrationResult",
     "current_revision",
     "head_revision",
+    "migrate_to",
     "upgrade",
 ]
 
@@ -49,12 +50,20 @@ def head_revision() -> str | None:
 
 async def upgrade(name: str, database: DatabaseSettings, base_dir: Path) -> MigrationResult:
     """Bring one database to the newest revision; running it again changes nothing."""
+    return await migrate_to(name, database, base_dir, "head")
+
+
+async def migrate_to(
+    name: str, database: DatabaseSettings, base_dir: Path, revision: str
+) -> MigrationResult:
+    """Bring one database to ``revision``, up or down (down: for benchmarks and tests of a
+    migration; the router itself only upgrades)."""
     if database.kind == "sqlite":
         sqlite_path(database, base_dir).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(database, base_dir, name=name, pool_pre_ping=False)
     try:
         async with engine.begin() as conn:
-            return await conn.run_sync(_upgrade)
+            return await conn.run_sync(_migrate, revision)
     except SQLAlchemyError as exc:
         raise DatabaseError(f"{name}: cannot migrate: {_describe(exc)}") from None
     except OSError as exc:
@@ -63,12 +72,22 @@ async def upgrade(name: str, database: DatabaseSettings, base_dir: Path) -> Migr
         await engine.dispose()
 
 
-def _upgrade(connection: Connection) -> MigrationResult:
+def _migrate(connection: Connection, revision: str) -> MigrationResult:
     before = _current(connection)
     config = _alembic_config()
     config.attributes["connection"] = connection
-    command.upgrade(config, "head")
+    script = ScriptDirectory.from_config(config)
+    target = script.get_current_head() if revision == "head" else revision
+    if before is not None and target is not None and _is_ancestor(script, target, before):
+        command.downgrade(config, target)
+    else:
+        command.upgrade(config, revision)
     return MigrationResult(before, _current(connection))
+
+
+def _is_ancestor(script: ScriptDirectory, revision: str, of: str) -> bool:
+    """True when ``revision`` comes strictly before ``of`` in the history."""
+    return revision != of and any(r.revision == revision for r in script.walk_revisions("base", of))
 
 
 def _current(connection: Connection) -> str | None:

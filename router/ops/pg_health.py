@@ -4,6 +4,9 @@
   idle-in-transaction session, a long report, a prepared transaction, a replication slot),
   VACUUM cannot remove a single dead row version: every published row leaves its earlier
   versions and their index entries behind, and claims read past more of them each time.
+- **A queue slot that cannot be truncated** (migration 0011): unfinished rows have kept a
+  slot the new rows have left for longer than the horizon's limit, so the router does not
+  truncate it, and its dead row versions wait for VACUUM.
 - **A claim that is no longer index-served.** The claim must reach the queued rows through
   ``ix_router_outbox_claim`` and check streams in ``ix_router_outbox_stream``; any other plan
   costs time in proportion to the outbox's history (migration 0008 says how that happened).
@@ -16,6 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from router.relay.store.postgres_ring import held_slots
 from router.relay.store.postgres_sql import CLAIM_FUNCTION
 
 __all__ = [
@@ -107,9 +111,16 @@ async def postgres_warnings(
     try:
         warnings = [
             f"xmin horizon held for {_age(age)} by {holder}: VACUUM can remove no dead row "
-            "version until it ends, so the outbox and its indexes bloat and claims slow down"
+            "version until it ends; the outbox's finished queue slots are still truncated, "
+            "but its history and any other table bloat"
             for holder, age in await xmin_holders(conn, xmin_limit)
         ]
+        for slot in await held_slots(conn, xmin_limit):
+            warnings.append(
+                f"queue slot router_outbox_q{slot.slot} is not truncated: {slot.rows} row(s) "
+                f"of {', '.join(map(repr, slot.targets))} unfinished there for {_age(slot.age)} "
+                "(a paused target, or rows failing); its dead rows wait for VACUUM meanwhile"
+            )
         for target in targets:
             problem = await claim_plan_problem(conn, target)
             if problem is not None:

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from alembic import command
-from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection
 
 from router import Outbox
-from router._db import create_engine
 from router.config import DatabaseSettings
-from router.ops.migrate import _alembic_config, upgrade
+from router.ops.migrate import migrate_to, upgrade
+from router.ops.pg_health import postgres_warnings
 from router.relay.store import Marks
-from router.relay.store.base import VERSION_TABLE
 from router.relay.store.postgres import PostgresStore
 from router.relay.store.postgres_ring import recycle, slot_of
 from router.relay.store.postgres_sql import RING_CHUNK_BITS
@@ -257,21 +253,18 @@ async def stage_at_next(url: str) -> int:
 
 
 async def _migrate(url: str, revision: str) -> None:
-    """Move ``url`` to ``revision``, up or down, with alembic as init-db runs it."""
-    engine = create_engine(DatabaseSettings.model_validate({"url": url}), Path.cwd(), name="main")
+    await migrate_to("main", DatabaseSettings.model_validate({"url": url}), Path.cwd(), revision)
 
-    def run(connection: Connection) -> None:
-        config = _alembic_config()
-        config.attributes["connection"] = connection
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-        at = context.get_current_revision()
-        if at is None or at < revision:
-            command.upgrade(config, revision)
-        else:
-            command.downgrade(config, revision)
 
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(run)
-    finally:
-        await engine.dispose()
+async def test_router_check_names_a_slot_that_unfinished_rows_keep_from_truncation(
+    url: str,
+) -> None:
+    await stage_at(url, 1, 2)  # slot 0: left queued
+    await stage_at(url, 3 * CHUNK, 1, key="later")  # new rows have moved on to slot 3
+    await query(url, "UPDATE router_outbox SET created_at = now() - interval '2 h' WHERE seq < 3")
+    warnings = await postgres_warnings(url, ["events"], xmin_limit=3600)
+    assert warnings == [
+        "queue slot router_outbox_q0 is not truncated: 2 row(s) of 'events' unfinished there "
+        "for 120 min (a paused target, or rows failing); its dead rows wait for VACUUM meanwhile"
+    ]
+    assert await postgres_warnings(url, ["events"], xmin_limit=3 * 3600) == []

@@ -34,7 +34,16 @@ import asyncpg
 
 from router.relay.store.postgres_sql import RING_CHUNK_BITS, RING_SLOTS
 
-__all__ = ["RING_LOCK", "Recycled", "SlotState", "recycle", "slot_of", "slots"]
+__all__ = [
+    "RING_LOCK",
+    "HeldSlot",
+    "Recycled",
+    "SlotState",
+    "held_slots",
+    "recycle",
+    "slot_of",
+    "slot_states",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +77,6 @@ def slot_of(seq: int) -> int:
     return (seq >> RING_CHUNK_BITS) & (RING_SLOTS - 1)
 
 
-def slots() -> range:
-    return range(RING_SLOTS)
-
-
 @dataclass(frozen=True)
 class SlotState:
     """One queue slot, as ``router status`` and ``router check`` show it."""
@@ -94,6 +99,38 @@ async def slot_states(conn: Any) -> list[SlotState]:
     return [SlotState(r[0], r[1], r[2]) for r in await conn.fetch(STATE, RING_SLOTS)]
 
 
+@dataclass(frozen=True)
+class HeldSlot:
+    """A slot new rows have left, kept from truncation by unfinished rows."""
+
+    slot: int
+    rows: int
+    targets: list[str]
+    age: float  # seconds since the oldest of them was staged
+
+
+async def held_slots(conn: Any, older_than: float) -> list[HeldSlot]:
+    """The slots out of new rows' way whose unfinished rows are older than ``older_than``."""
+    head = await conn.fetchval(HEAD)
+    held = []
+    for state in await slot_states(conn):
+        if state.slot in _filling(head) or state.bytes == 0:
+            continue
+        row = await conn.fetchrow(
+            f"SELECT count(*), array_agg(DISTINCT target ORDER BY target),"
+            f" extract(epoch FROM now() - min(created_at))::float8"
+            f" FROM router_outbox_q{state.slot}"
+        )
+        if row[0] and row[2] > older_than:
+            held.append(HeldSlot(state.slot, row[0], list(row[1]), row[2]))
+    return held
+
+
+def _filling(head: int) -> set[int]:
+    """The slot of the newest seq and the next one: where new rows are going."""
+    return {slot_of(head), slot_of(head + (1 << RING_CHUNK_BITS))}
+
+
 async def recycle(
     conn: Any,
     *,
@@ -107,8 +144,7 @@ async def recycle(
         done.skipped = "another router is recycling"
         return done
     try:
-        head = await conn.fetchval(HEAD)
-        filling = {slot_of(head), slot_of(head + (1 << RING_CHUNK_BITS))}
+        filling = _filling(await conn.fetchval(HEAD))
         candidates = []
         for state in await slot_states(conn):
             if state.slot in filling or state.bytes == 0:
