@@ -40,7 +40,8 @@ async def schema(url: str) -> list[tuple[str, str]]:
         rows = await conn.fetch(
             "SELECT 'column', column_name || ' ' || data_type FROM information_schema.columns "
             "WHERE table_name = 'router_outbox' UNION ALL "
-            "SELECT 'index', indexdef FROM pg_indexes WHERE tablename = 'router_outbox' "
+            # The outbox's partitions hold its indexes (migration 0011).
+            "SELECT 'index', indexdef FROM pg_indexes WHERE tablename LIKE 'router_outbox%' "
             "UNION ALL SELECT 'version', version_num FROM router_alembic_version ORDER BY 1, 2"
         )
     finally:
