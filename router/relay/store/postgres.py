@@ -63,7 +63,7 @@ EXTEND = "SELECT set_config('idle_in_transaction_session_timeout', $1, true)"
 # that row's retry falls due, which this does return. Counting it as due now had an idle
 # processor claim in vain every 50 ms. ix_router_outbox_stream (failed rows) serves it.
 NEXT_DUE = """
-SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox
+SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox_queue
                            WHERE target = $1 AND status = 'failed') - now())::float8
 """
 
@@ -348,7 +348,10 @@ class PostgresStore:
             log.warning("db.ring_failed", extra={"database": self.name, "error": _safe(exc)})
             return
         if done.truncated or done.kept:
-            log.info(
+            # A slot that stays kept (a paused target) would log every pass: router check
+            # reports it instead.
+            log.log(
+                logging.INFO if done.truncated else logging.DEBUG,
                 "db.ring",
                 extra={
                     "database": self.name,
