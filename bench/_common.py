@@ -191,7 +191,7 @@ class RouterProcess:
             [
                 str(Path(sys.executable).with_name("router")),
                 "--log-level",
-                "warning",
+                os.environ.get("BENCH_ROUTER_LOG_LEVEL", "warning"),
                 "serve",
                 *args,
             ],

@@ -132,3 +132,27 @@ async def test_a_mark_finds_its_rows_by_their_seqs_with_their_receipts(
         assert "Nested Loop" not in plan and "Hash Join" in plan, plan
     assert len(published) == CLAIMS * 150
     assert all(r["receipt"] == f'{{"stream":"S","seq":{r["seq"]}}}' for r in published)
+
+
+async def test_only_the_stream_index_can_serve_the_stream_check(
+    backlog: asyncpg.Connection,
+) -> None:
+    # Each queue slot also has a unique index on seq, which a plain ``p.seq < o.seq`` lets
+    # serve the check: a plan that took it (seen when a slot's statistics were from an
+    # earlier lap of the ring) walked every earlier entry of the slot for each candidate,
+    # dead ones too while the xmin horizon was held, and claims took 100-800 ms (0012). With
+    # the stream index gone (in a transaction rolled back), what is left for the check must
+    # not be that index: the row comparison leaves it nothing to search by.
+    tx = backlog.transaction()
+    await tx.start()
+    try:
+        await backlog.execute("DROP INDEX ix_router_outbox_stream")
+        plans = await claim_plans(backlog, batch=150)
+    finally:
+        await tx.rollback()
+    assert len(plans) == CLAIMS
+    for plan in plans:
+        assert not re.search(r"ix_router_outbox_seq_q\d on router_outbox_q\d p", plan), plan
+        assert re.search(
+            r"Index Scan using ix_router_outbox_claim_q\d on router_outbox_q\d o", plan
+        )
