@@ -9,9 +9,11 @@ truncated, and while a long transaction holds the xmin horizon nothing marks the
 run whose horizon was held (``bench.xmin_hold``), claims took 100 to 800 ms instead of a few,
 the ring could not take its slots' locks within its timeout, and latency reached 30-40 s.
 
-From this revision the test is a row comparison on ``(target, stream_key, seq)``: the
-leading columns of ``ix_router_outbox_stream``, and of no other index, so no plan can read the
-check anywhere else. Nothing else changes; SQLite and MariaDB are untouched.
+From this revision the test is a row comparison on ``(target, stream_key, seq)``, the
+columns of ``ix_router_outbox_stream``: the seq index has nothing to search it by, and the
+claim index (its predicate: pending and failed rows) cannot answer for the rows the check
+looks for, so no plan can read the check anywhere else. Nothing else changes; SQLite and
+MariaDB are untouched.
 
 Revision ID: 0012
 Revises: 0011
