@@ -10,7 +10,10 @@ back, from the stream, when JetStream stored the first and the last message. Fig
   connections, the first claim) is part of it, as it is for a user;
 - first to last: events over the time between the first and the last message stored;
 - PostgreSQL CPU per delivered row (see ``postgres_cpu_ticks``), from just before exec to
-  once the relay has exited and its connections are gone.
+  once the relay has exited and its connections are gone;
+- the relay's own CPU per delivered row (its process and every worker it forked, from the
+  kernel's accounting once they are reaped: start-up included), and the NATS server's over
+  the same span. With PostgreSQL's, that is where the machine's two cores went.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import compileall
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -114,14 +118,30 @@ def postgres_cpu_ticks() -> int:
     """CPU time (clock ticks) of every process named ``postgres*`` on the machine, including
     its reaped children's: a backend that exits between two readings is no longer listed, and
     its time then sits in the postmaster's cutime + cstime, which the sum takes in."""
+    return cpu_ticks("postgres")
+
+
+def nats_cpu_ticks() -> int:
+    """CPU time (clock ticks) of the NATS server processes on the machine."""
+    return cpu_ticks("nats-server")
+
+
+def cpu_ticks(name: str) -> int:
+    """utime + stime + cutime + cstime of every process whose name starts with ``name``."""
     total = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             text = stat.read_text()
-            if text[text.index("(") + 1 :].startswith("postgres"):
+            if text[text.index("(") + 1 :].startswith(name):
                 fields = text.rsplit(")", 1)[1].split()
                 total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
     return total
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU of this process's reaped children (and theirs, once reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def backends_gone(database: str, timeout: float = 10) -> None:
@@ -214,12 +234,15 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
             (folder / "config.yaml").write_text(yaml.safe_dump(config))
             database = url.rsplit("/", 1)[1]
             await backends_gone(database)
-            cpu_before = postgres_cpu_ticks()
+            cpu_before, nats_before = postgres_cpu_ticks(), nats_cpu_ticks()
+            relay_before = children_cpu_seconds()
             relay = start(workers, url, events, folder)
             try:
                 first, last = await stored(relay, stream, events)
             finally:
                 status = relay.stop()
+            relay_cpu = children_cpu_seconds() - relay_before
+            nats_cpu = nats_cpu_ticks() - nats_before
             await backends_gone(database)
             cpu = postgres_cpu_ticks() - cpu_before
             await check_published(url, events, relay, None if workers > 0 else status)
@@ -230,6 +253,8 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
         "from_exec": events / (last - relay.exec_at),
         "first_to_last": events / (last - first) if last > first else float("inf"),
         "pg_cpu_us_per_row": cpu / CLK_TCK * 1e6 / events,
+        "relay_cpu_us_per_row": relay_cpu * 1e6 / events,
+        "nats_cpu_us_per_row": nats_cpu / CLK_TCK * 1e6 / events,
         "bytes_per_message": size / events,
     }
 
