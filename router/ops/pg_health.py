@@ -31,13 +31,15 @@ __all__ = [
 ]
 
 # The claim's choice of rows, cut from the function's own text, with its arguments as
-# parameters: $1 the target, $2 the batch size.
+# parameters: $1 the target, $2 the batch size; planned as it runs while a stream is held
+# back, the case that reads the stream index.
 CLAIM_QUERY = (
     CLAIM_FUNCTION[CLAIM_FUNCTION.index("WITH picked AS (") + len("WITH picked AS (") :]
     .split("\n    )\n", 1)[0]
     .replace("p_target", "$1")
     .replace("p_limit", "$2")
     .replace("p_after", "0")  # the first batch of a transaction
+    .replace("v_held_back", "true")
 )
 
 # The function's own planner settings (its SET clauses), for EXPLAIN.

@@ -220,10 +220,12 @@ async def test_the_migration_moves_every_row_in_and_back_out(
     before = await query(url, f"SELECT {columns} FROM router_outbox ORDER BY seq")
 
     result = await upgrade("main", settings, Path.cwd())
-    assert (result.before, result.after) == ("0010", "0012")
+    assert (result.before, result.after) == ("0010", "0013")
     claim = await query(url, "SELECT pg_get_functiondef('router_claim'::regproc)")
     # 0012: the stream check is a row comparison only the stream index can serve.
     assert "(p.target, p.stream_key, p.seq) < (o.target, o.stream_key, o.seq)" in claim[0][0]
+    # 0013: and it runs only while some stream of the target is held back.
+    assert "NOT v_held_back OR o.stream_key IS NULL" in claim[0][0]
     assert await query(url, f"SELECT {columns} FROM router_outbox ORDER BY seq") == before
     where = await query(url, "SELECT seq, tableoid::regclass::text FROM router_outbox ORDER BY 1")
     assert [r[1] for r in where] == [
