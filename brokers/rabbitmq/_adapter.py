@@ -8,11 +8,14 @@ message no queue would receive is an error rather than lost. ``message_id`` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import aio_pika
+import aio_pika.abc
 import aio_pika.exceptions
 import aiormq.exceptions
 from faststream.rabbit import Channel, ExchangeType, RabbitExchange
@@ -54,13 +57,20 @@ class RabbitBroker(FastStreamAdapter):
         )
 
     def _make(self) -> Any:
-        return FastStreamRabbit(
+        broker = FastStreamRabbit(
             self.settings.url.get_secret_value(),
             default_channel=Channel(publisher_confirms=True, on_return_raises=True),
             timeout=self.settings.connect_timeout,
             fail_fast=True,
             logger=None,
         )
+        # FastStream has no parameter for it; its connect passes these keywords on to
+        # aio_pika.connect_robust, which takes connection_class. Should a FastStream version
+        # keep them elsewhere, tests/e2e/test_shutdown.py's hanging connect fails.
+        kwargs = getattr(broker, "_connection_kwargs", None)
+        if isinstance(kwargs, dict):
+            kwargs["connection_class"] = _ClosedOnFailedConnect
+        return broker
 
     async def _prepare(self, broker: Any) -> None:
         await broker.declare_exchange(self._exchange)
@@ -106,6 +116,27 @@ class RabbitBroker(FastStreamAdapter):
         if any(_closes_channel(r) for r in results):
             await self.close()  # the channel is gone; the next batch opens a fresh one
         return results
+
+
+class _ClosedOnFailedConnect(aio_pika.RobustConnection):
+    """A robust connection that closes itself when its first connect does not complete.
+
+    aio-pika's reconnect loop is a task of its own, started by ``connect()``, that survives a
+    cancelled connect: it logs "cancelled, reconnecting" and tries again every
+    ``reconnect_interval``, and swallows the cancellation ``asyncio.run`` sends at exit, so a
+    SIGTERM during a connect to an endpoint that never answers left ``router serve`` running
+    (after "router.stopped") for good. Nothing else holds the half-made connection: FastStream
+    only keeps one that connected. Once connected, it reconnects as any robust connection.
+    """
+
+    async def connect(self, timeout: aio_pika.abc.TimeoutType = None) -> None:
+        try:
+            await super().connect(timeout)
+        except BaseException:
+            # Stops the reconnect loop, whose cancellation it then lets through.
+            with contextlib.suppress(Exception):
+                await self.close()
+            raise
 
 
 def _confirmed_at() -> str:

@@ -11,6 +11,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
+import pytest
 import yaml
 
 from router import Outbox
@@ -156,19 +157,35 @@ async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
 
 def silent_nats(port: int, **extra: object) -> dict[str, object]:
     """A NATS broker at a listener that accepts connections and never answers."""
-    return {
-        "type": "nats",
-        "url": f"nats://127.0.0.1:{port}",
-        "internal": True,
-        "destination": "silent.{event_type}",
-        "stream": {"name": "SILENT", "subjects": ["silent.>"], "storage": "memory"},
-        **extra,
+    return silent("nats", port, **extra)
+
+
+def silent(kind: str, port: int, **extra: object) -> dict[str, object]:
+    """A broker of ``kind`` at a listener that accepts connections and never answers."""
+    where: dict[str, dict[str, object]] = {
+        "nats": {
+            "url": f"nats://127.0.0.1:{port}",
+            "destination": "silent.{event_type}",
+            "stream": {"name": "SILENT", "subjects": ["silent.>"], "storage": "memory"},
+        },
+        "rabbitmq": {
+            "url": f"amqp://guest:guest@127.0.0.1:{port}/",
+            "exchange": {"name": "silent", "type": "topic"},
+            "destination": "{event_type}",
+        },
+        "kafka": {"bootstrap_servers": f"127.0.0.1:{port}", "destination": "silent"},
+        "redis": {"url": f"redis://127.0.0.1:{port}/0", "destination": "silent"},
     }
+    return {"type": kind, "internal": True, **where[kind], **extra}
 
 
-async def test_sigterm_does_not_wait_for_a_connect_that_hangs(pg_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["nats", "rabbitmq", "kafka", "redis"])
+async def test_sigterm_does_not_wait_for_a_connect_that_hangs(
+    kind: str, pg_url: str, tmp_path: Path
+) -> None:
     # Nothing is sent before the connection exists, so there is nothing to finish: the
-    # grace period (10 s by default) is not spent on a connect that may take 30 s.
+    # grace period (10 s by default) is not spent on a connect that may take 30 s, and no
+    # client library's reconnect loop outlives the stop.
     accepted: list[asyncio.StreamWriter] = []
 
     async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -176,14 +193,14 @@ async def test_sigterm_does_not_wait_for_a_connect_that_hangs(pg_url: str, tmp_p
 
     server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    await stage(pg_url, {"silent": silent_nats(port)}, 10)
-    silent = silent_nats(port, connect_timeout=30, publish_timeout=5)
+    await stage(pg_url, {"silent": silent(kind, port)}, 10)
+    broker = silent(kind, port, connect_timeout=30, publish_timeout=5)
     write(
         tmp_path,
         {
             "service": "shop",
             "databases": {"main": pg_url},
-            "brokers": {"silent": silent},
+            "brokers": {"silent": broker},
             "http": {"enabled": False},
         },
     )
