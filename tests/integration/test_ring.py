@@ -19,6 +19,7 @@ from router.relay.store import Marks
 from router.relay.store.postgres import PostgresStore
 from router.relay.store.postgres_ring import recycle, slot_of
 from router.relay.store.postgres_sql import RING_CHUNK_BITS
+from router.relay.store.postgres_upkeep import Upkeep
 from tests.conftest import PgDatabases, make_config
 from tests.integration.events import OrderPlaced
 
@@ -273,3 +274,38 @@ async def test_router_check_names_a_slot_that_unfinished_rows_keep_from_truncati
         "for 120 min (a paused target, or rows failing); its dead rows wait for VACUUM meanwhile"
     ]
     assert await postgres_warnings(url, ["events"], xmin_limit=3 * 3600) == []
+
+
+async def test_marking_rows_starts_the_vacuum_and_the_ring_pass_when_due(url: str) -> None:
+    await stage_at(url, 1, 30)  # slot 0, finished below
+    assert await publish_all(url) == 30
+    await stage_at(url, 4 * CHUNK, 1, key="new")  # new rows go to slot 4
+    vacuumed = (
+        "SELECT count(*) FROM pg_stat_user_tables"
+        " WHERE relname LIKE 'router_outbox_q_' AND last_vacuum IS NOT NULL"
+    )
+    # TRUNCATE gives the slot a new file; VACUUM keeps it.
+    filenode = "SELECT pg_relation_filenode('router_outbox_q0')"
+    first = (await query(url, filenode))[0][0]
+    ring = Upkeep("main", url, vacuum_after=0)  # 0: no VACUUM from the router
+    try:
+        ring.marked(8191)
+        await ring.settled()
+        assert (await query(url, filenode))[0][0] == first  # within 5 s: 8,192 rows
+        ring.marked(1)
+        await ring.settled()
+        assert (await query(url, filenode))[0][0] != first  # slot 0 truncated
+        assert (await query(url, vacuumed))[0][0] == 0
+    finally:
+        await ring.close()
+    vacuum = Upkeep("main", url, vacuum_after=100)
+    try:
+        vacuum.marked(99)
+        await vacuum.settled()
+        assert (await query(url, vacuumed))[0][0] == 0
+        vacuum.marked(1)  # the 100th row: VACUUM of the queue, every slot
+        await vacuum.settled()
+        assert (await query(url, vacuumed))[0][0] == 8
+    finally:
+        await vacuum.close()
+    assert (await query(url, "SELECT count(*) FROM router_outbox_done"))[0][0] == 30

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
@@ -32,7 +31,7 @@ from router.relay.store.base import (
     new_token,
     schema_problem,
 )
-from router.relay.store.postgres_ring import recycle
+from router.relay.store.postgres_upkeep import DB_ERRORS, Upkeep, safe
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -67,12 +66,6 @@ SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox_queue
                            WHERE target = $1 AND status = 'failed') - now())::float8
 """
 
-# How often the ring is looked at (see _count_for_ring).
-_RING_EVERY_ROWS = 8192
-_RING_EVERY_SECONDS = 5.0
-
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
-
 
 class PostgresStore:
     """A lazily opened asyncpg pool plus a LISTEN connection for wake-ups."""
@@ -95,15 +88,8 @@ class PostgresStore:
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
-        self._vacuum_after = vacuum_after
-        self._marked = 0
-        self._vacuumed_at = time.monotonic()
-        self._vacuum: asyncio.Task[None] | None = None
         self._held: dict[int, _Run] = {}  # the transaction of each batch in flight, by token
-        self._ring_marked = 0
-        self._ring_at = time.monotonic()
-        self._ring: asyncio.Task[None] | None = None
-        self._ring_on = True
+        self._upkeep = Upkeep(name, dsn, vacuum_after=vacuum_after)
 
     async def claim(
         self,
@@ -125,8 +111,8 @@ class PostgresStore:
         pool = await self._open()
         try:
             conn = await pool.acquire()
-        except _DB_ERRORS as exc:
-            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+        except DB_ERRORS as exc:
+            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
         run = _Run(pool, conn)
         try:
             await conn.execute("BEGIN")
@@ -177,8 +163,7 @@ class PostgresStore:
             if run is not None:
                 await self._leave(run, token)
             raise BatchLost(f"{self.name}: batch {token} is no longer held (released or ended)")
-        self._count_for_vacuum(len(marks))
-        self._count_for_ring(len(marks))
+        self._upkeep.marked(len(marks))
         receipts = marks.receipts
         try:
             async with run.lock:
@@ -201,7 +186,7 @@ class PostgresStore:
             await self._leave(run, token)
             if not isinstance(exc, Exception):
                 raise
-            raise BatchLost(f"{self.name}: batch not marked: {_safe(exc)}") from exc
+            raise BatchLost(f"{self.name}: batch not marked: {safe(exc)}") from exc
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give the batch back untried: a mark with no outcomes. Its transaction commits (the
@@ -228,9 +213,9 @@ class PostgresStore:
         try:
             async with run.lock:
                 await run.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             run.broken = True
-            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
         return run.batches.get(token, 0)
 
     async def next_due(self, target: str) -> float | None:
@@ -260,10 +245,10 @@ class PostgresStore:
         while True:
             try:
                 conn = await asyncpg.connect(self._dsn, timeout=10)
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning(
                     "db.listen.failed",
-                    extra={"database": self.name, "error": _safe(exc), "retry_in": delay},
+                    extra={"database": self.name, "error": safe(exc), "retry_in": delay},
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
@@ -277,106 +262,18 @@ class PostgresStore:
                 wake(None)  # anything committed while we were not listening
                 await closed.wait()
                 log.warning("db.listen.lost", extra={"database": self.name})
-            except _DB_ERRORS as exc:
-                log.warning("db.listen.failed", extra={"database": self.name, "error": _safe(exc)})
+            except DB_ERRORS as exc:
+                log.warning("db.listen.failed", extra={"database": self.name, "error": safe(exc)})
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)
-
-    def _count_for_vacuum(self, rows: int) -> None:
-        """Every marked row leaves dead versions in the claim index, which each claim walks
-        past until VACUUM removes them (or its queue slot is truncated). Autovacuum does that
-        too, when it is on and gets there; a steady router does it itself, in the background,
-        every so many rows.
-
-        The queue alone: the history only grows by inserts here, and VACUUM would read every
-        page added since it last could mark them all-visible, which while the xmin horizon is
-        held is the whole history written meanwhile (1.3 s a pass, and growing, within three
-        minutes of a held run). The retention cleanup vacuums the history after it deletes."""
-        if not self._vacuum_after:
-            return
-        self._marked += rows
-        # Also on a slow trickle: a minute's worth of changes is enough to be worth it.
-        due = self._marked >= self._vacuum_after or (
-            self._marked >= 1000 and time.monotonic() - self._vacuumed_at > 60
-        )
-        if due and (self._vacuum is None or self._vacuum.done()):
-            self._marked = 0
-            self._vacuumed_at = time.monotonic()
-            self._vacuum = asyncio.create_task(self._vacuum_now())
-
-    async def _vacuum_now(self) -> None:
-        started = time.monotonic()
-        try:
-            conn = await asyncpg.connect(self._dsn, timeout=10)
-            try:
-                await conn.execute("VACUUM (ANALYZE, SKIP_LOCKED) router_outbox_queue")
-            finally:
-                await conn.close()
-        except asyncpg.InsufficientPrivilegeError:
-            log.warning("db.vacuum_refused", extra={"database": self.name})
-            self._vacuum_after = 0  # not the table's owner: leave it to autovacuum
-        except _DB_ERRORS as exc:
-            log.warning("db.vacuum_failed", extra={"database": self.name, "error": _safe(exc)})
-        else:
-            log.info(
-                "db.vacuumed",
-                extra={"database": self.name, "seconds": round(time.monotonic() - started, 3)},
-            )
-
-    def _count_for_ring(self, rows: int) -> None:
-        """Every so many marked rows (a quarter of a slot's chunk), or every few seconds while
-        rows are marked, truncate the queue slots that are finished (postgres_ring.py)."""
-        if not self._ring_on:
-            return
-        self._ring_marked += rows
-        due = self._ring_marked >= _RING_EVERY_ROWS or (
-            self._ring_marked > 0 and time.monotonic() - self._ring_at > _RING_EVERY_SECONDS
-        )
-        if due and (self._ring is None or self._ring.done()):
-            self._ring_marked = 0
-            self._ring_at = time.monotonic()
-            self._ring = asyncio.create_task(self._recycle_now())
-
-    async def _recycle_now(self) -> None:
-        started = time.monotonic()
-        try:
-            conn = await asyncpg.connect(self._dsn, timeout=10)
-            try:
-                done = await recycle(conn)
-            finally:
-                await conn.close()
-        except asyncpg.InsufficientPrivilegeError:
-            log.warning("db.ring_refused", extra={"database": self.name})
-            self._ring_on = False  # not the table's owner: VACUUM alone, as before 0011
-            return
-        except _DB_ERRORS as exc:
-            log.warning("db.ring_failed", extra={"database": self.name, "error": _safe(exc)})
-            return
-        if done.truncated or done.kept:
-            # A slot that stays kept (a paused target) would log every pass: router check
-            # reports it instead.
-            log.log(
-                logging.INFO if done.truncated else logging.DEBUG,
-                "db.ring",
-                extra={
-                    "database": self.name,
-                    "truncated": done.truncated,
-                    "kept": done.kept,
-                    "seconds": round(time.monotonic() - started, 3),
-                },
-            )
 
     async def close(self) -> None:
         """Close the pool; a batch still held is rolled back (its rows stay queued)."""
         runs, self._held = set(self._held.values()), {}
         for run in runs:
             await run.end()
-        for task in (self._vacuum, self._ring):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._upkeep.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             with contextlib.suppress(Exception):
@@ -391,8 +288,8 @@ class PostgresStore:
         except (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError):
             # Tables or functions dropped or rolled back under a running router.
             raise schema_problem(self.name, None) or DatabaseError(self.name) from None
-        except _DB_ERRORS as exc:
-            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+        except DB_ERRORS as exc:
+            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
 
     async def _open(self) -> asyncpg.Pool:
         if self._pool is not None:
@@ -408,8 +305,8 @@ class PostgresStore:
                         timeout=10,
                         command_timeout=60,
                     )
-                except _DB_ERRORS as exc:
-                    raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
+                except DB_ERRORS as exc:
+                    raise DatabaseError(f"{self.name}: cannot connect: {safe(exc)}") from exc
             return self._pool
 
     async def release_worker(self, worker: str) -> int:
@@ -461,17 +358,10 @@ def _raise_as_database_error(name: str, exc: BaseException) -> NoReturn:
     (tables or functions gone: the schema's error)."""
     if isinstance(exc, (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError)):
         raise schema_problem(name, None) or DatabaseError(name) from exc
-    if isinstance(exc, _DB_ERRORS):
-        raise DatabaseError(f"{name}: {_safe(exc)}") from exc
+    if isinstance(exc, DB_ERRORS):
+        raise DatabaseError(f"{name}: {safe(exc)}") from exc
     raise exc
 
 
 def _targets(payload: str) -> set[str] | None:
     return set(payload.split(",")) if payload else None
-
-
-def _safe(exc: BaseException) -> str:
-    """Describe a driver error without anything from the DSN (asyncpg never puts the password
-    in its messages; the type name and message are enough to act on)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
