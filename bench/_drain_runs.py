@@ -13,7 +13,10 @@ back, from the stream, when JetStream stored the first and the last message. Fig
   once the relay has exited and its connections are gone;
 - the relay's own CPU per delivered row (its process and every worker it forked, from the
   kernel's accounting once they are reaped: start-up included), and the NATS server's over
-  the same span. With PostgreSQL's, that is where the machine's two cores went.
+  the same span. With PostgreSQL's, that is where the machine's two cores went;
+- the WAL PostgreSQL wrote per delivered row over the same span (server-wide: its insert
+  position before exec and once the relay's connections are gone): what each row costs the
+  disk, a replica and the checkpoints that follow.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import yaml
 from nats.js.api import StorageType
 
 from bench._common import (
+    ADMIN_DSN,
     NATS_URL,
     ROOT,
     Stream,
@@ -138,6 +142,17 @@ def cpu_ticks(name: str) -> int:
     return total
 
 
+async def wal_position() -> int:
+    """PostgreSQL's WAL insert position, in bytes."""
+    admin = await asyncpg.connect(ADMIN_DSN)
+    try:
+        lsn: str = await admin.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+    finally:
+        await admin.close()
+    high, low = lsn.split("/")
+    return (int(high, 16) << 32) + int(low, 16)
+
+
 def children_cpu_seconds() -> float:
     """User + system CPU of this process's reaped children (and theirs, once reaped)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -234,6 +249,7 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
             (folder / "config.yaml").write_text(yaml.safe_dump(config))
             database = url.rsplit("/", 1)[1]
             await backends_gone(database)
+            wal_before = await wal_position()
             cpu_before, nats_before = postgres_cpu_ticks(), nats_cpu_ticks()
             relay_before = children_cpu_seconds()
             relay = start(workers, url, events, folder)
@@ -245,6 +261,7 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
             nats_cpu = nats_cpu_ticks() - nats_before
             await backends_gone(database)
             cpu = postgres_cpu_ticks() - cpu_before
+            wal = await wal_position() - wal_before
             await check_published(url, events, relay, None if workers > 0 else status)
             size = await stream_bytes(stream)
     finally:
@@ -256,6 +273,7 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
         "relay_cpu_us_per_row": relay_cpu * 1e6 / events,
         "nats_cpu_us_per_row": nats_cpu / CLK_TCK * 1e6 / events,
         "bytes_per_message": size / events,
+        "wal_bytes_per_row": wal / events,
     }
 
 

@@ -75,8 +75,14 @@ CPU_NOTE = (
     "same span; both over the events"
 )
 
+WAL_NOTE = (
+    "WAL: bytes PostgreSQL wrote to its WAL per event over the same span (server-wide insert "
+    "position), full-page images after a checkpoint included"
+)
+
 HEADER = ["relay", "exec->last /s", "vs baseline", "first->last /s", "vs baseline"]
-HEADER += ["CPU us/row: PG", "relay", "NATS", "bytes/msg", "vs one write (exec, 1st->last)"]
+HEADER += ["CPU us/row: PG", "relay", "NATS", "WAL B/row", "bytes/msg"]
+HEADER += ["vs one write (exec, 1st->last)"]
 HELD = "baseline, one write"
 
 Drains = dict[str, list[dict[str, float]]]
@@ -144,6 +150,7 @@ def summarise(drains: Drains, workers: Sequence[int]) -> dict[str, Any]:
             for key in (*METRICS, *CPU_METRICS[1:])
         }
         figure["bytes_per_message"] = round(median([r["bytes_per_message"] for r in runs]), 1)
+        figure["wal_bytes_per_row"] = spread([r["wal_bytes_per_row"] for r in runs], 0)
         figure["ratio_to_baseline"] = {
             key: round(median([r[key] for r in runs]) / median([b[key] for b in baseline]), 3)
             for key in METRICS
@@ -194,6 +201,7 @@ def print_tables(events: int, rounds: int, figures: dict[str, Any]) -> None:
                     cell(f["first_to_last"]),
                     ratio(f, "first_to_last"),
                     *(cell(f[key], 1) for key in CPU_METRICS),
+                    cell(f["wal_bytes_per_row"]),
                     f"{f['bytes_per_message']:,.0f}",
                     "{from_exec:.2f}x, {first_to_last:.2f}x".format(
                         **f["ratio_to_one_write_baseline"]
@@ -210,6 +218,7 @@ def print_tables(events: int, rounds: int, figures: dict[str, Any]) -> None:
     )
     print(PG_CPU_NOTE)
     print(CPU_NOTE)
+    print(WAL_NOTE)
 
 
 async def drain_per_broker(
