@@ -21,6 +21,7 @@ __all__ = [
     "Marks",
     "OutboxStore",
     "Wake",
+    "describe_error",
     "new_token",
     "schema_problem",
 ]
@@ -48,6 +49,13 @@ def schema_problem(database: str, revision: str | None) -> SchemaError | None:
         f"database {database!r} is at schema {revision}, this router needs "
         f"{SCHEMA_REVISION}; run `router init-db` to upgrade it"
     )
+
+
+def describe_error(exc: BaseException) -> str:
+    """A driver error as ``Type: message``, for logs and ``DatabaseError``: nothing of the
+    URL, since asyncpg, asyncmy and sqlite3 never put the password in their messages."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class BatchLost(DatabaseError):

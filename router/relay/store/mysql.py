@@ -33,6 +33,7 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    describe_error,
     new_token,
     schema_problem,
 )
@@ -284,9 +285,9 @@ class MysqlStore:
             if exc.args and exc.args[0] == _NO_SUCH_TABLE:
                 # Tables dropped or rolled back under a running router.
                 raise schema_problem(self.name, None) or DatabaseError(self.name) from None
-            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
         except (OSError, TimeoutError) as exc:
-            raise DatabaseError(f"{self.name}: {_safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Cursor]:
@@ -321,7 +322,9 @@ class MysqlStore:
                         **self._connect_args,
                     )
                 except _DB_ERRORS as exc:
-                    raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
+                    raise DatabaseError(
+                        f"{self.name}: cannot connect: {describe_error(exc)}"
+                    ) from exc
                 try:
                     await self._check_server(pool)
                 except BaseException:
@@ -336,7 +339,7 @@ class MysqlStore:
                 await cursor.execute(SERVER_VERSION)
                 (version,) = await cursor.fetchone()
         except _DB_ERRORS as exc:
-            raise DatabaseError(f"{self.name}: cannot connect: {_safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: cannot connect: {describe_error(exc)}") from exc
         problem = unsupported_server(str(version))
         if problem is not None:
             raise DatabaseError(f"{self.name}: {problem}")
@@ -375,10 +378,3 @@ def _flat(pairs: Sequence[tuple[int, object]]) -> list[object]:
 
 def _epoch(moment: datetime | None) -> float | None:
     return None if moment is None else moment.replace(tzinfo=UTC).timestamp()
-
-
-def _safe(exc: BaseException) -> str:
-    """Describe a driver error without anything from the URL (asyncmy's messages hold the
-    server's text, never the password)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

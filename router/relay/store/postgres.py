@@ -28,10 +28,12 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    describe_error,
     new_token,
     schema_problem,
 )
-from router.relay.store.postgres_upkeep import DB_ERRORS, Upkeep, safe
+from router.relay.store.postgres_errors import DB_ERRORS
+from router.relay.store.postgres_upkeep import Upkeep
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -112,7 +114,7 @@ class PostgresStore:
         try:
             conn = await pool.acquire()
         except DB_ERRORS as exc:
-            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
         run = _Run(pool, conn)
         try:
             await conn.execute("BEGIN")
@@ -186,7 +188,7 @@ class PostgresStore:
             await self._leave(run, token)
             if not isinstance(exc, Exception):
                 raise
-            raise BatchLost(f"{self.name}: batch not marked: {safe(exc)}") from exc
+            raise BatchLost(f"{self.name}: batch not marked: {describe_error(exc)}") from exc
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give the batch back untried: a mark with no outcomes. Its transaction commits (the
@@ -215,7 +217,7 @@ class PostgresStore:
                 await run.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
         except DB_ERRORS as exc:
             run.broken = True
-            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
         return run.batches.get(token, 0)
 
     async def next_due(self, target: str) -> float | None:
@@ -248,7 +250,7 @@ class PostgresStore:
             except DB_ERRORS as exc:
                 log.warning(
                     "db.listen.failed",
-                    extra={"database": self.name, "error": safe(exc), "retry_in": delay},
+                    extra={"database": self.name, "error": describe_error(exc), "retry_in": delay},
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
@@ -263,7 +265,9 @@ class PostgresStore:
                 await closed.wait()
                 log.warning("db.listen.lost", extra={"database": self.name})
             except DB_ERRORS as exc:
-                log.warning("db.listen.failed", extra={"database": self.name, "error": safe(exc)})
+                log.warning(
+                    "db.listen.failed", extra={"database": self.name, "error": describe_error(exc)}
+                )
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)
@@ -289,7 +293,7 @@ class PostgresStore:
             # Tables or functions dropped or rolled back under a running router.
             raise schema_problem(self.name, None) or DatabaseError(self.name) from None
         except DB_ERRORS as exc:
-            raise DatabaseError(f"{self.name}: {safe(exc)}") from exc
+            raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
 
     async def _open(self) -> asyncpg.Pool:
         if self._pool is not None:
@@ -306,7 +310,9 @@ class PostgresStore:
                         command_timeout=60,
                     )
                 except DB_ERRORS as exc:
-                    raise DatabaseError(f"{self.name}: cannot connect: {safe(exc)}") from exc
+                    raise DatabaseError(
+                        f"{self.name}: cannot connect: {describe_error(exc)}"
+                    ) from exc
             return self._pool
 
     async def release_worker(self, worker: str) -> int:
@@ -359,7 +365,7 @@ def _raise_as_database_error(name: str, exc: BaseException) -> NoReturn:
     if isinstance(exc, (asyncpg.UndefinedTableError, asyncpg.UndefinedFunctionError)):
         raise schema_problem(name, None) or DatabaseError(name) from exc
     if isinstance(exc, DB_ERRORS):
-        raise DatabaseError(f"{name}: {safe(exc)}") from exc
+        raise DatabaseError(f"{name}: {describe_error(exc)}") from exc
     raise exc
 
 

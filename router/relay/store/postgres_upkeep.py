@@ -28,13 +28,13 @@ from typing import Any
 
 import asyncpg
 
+from router.relay.store.base import describe_error
+from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_ring import recycle
 
-__all__ = ["DB_ERRORS", "Upkeep", "safe"]
+__all__ = ["Upkeep"]
 
 log = logging.getLogger(__name__)
-
-DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 _RING_EVERY_ROWS = 8192
 _RING_EVERY_SECONDS = 5.0
@@ -120,7 +120,9 @@ class Upkeep:
             job.every_rows = 0  # not the table's owner: not tried again
             return
         except DB_ERRORS as exc:
-            log.warning(f"{event}_failed", extra={"database": self.name, "error": safe(exc)})
+            log.warning(
+                f"{event}_failed", extra={"database": self.name, "error": describe_error(exc)}
+            )
             return
         report(self.name, done, round(time.monotonic() - started, 3))
 
@@ -147,10 +149,3 @@ def _report_ring(name: str, done: Any, seconds: float) -> None:
                 "seconds": seconds,
             },
         )
-
-
-def safe(exc: BaseException) -> str:
-    """Describe a driver error without anything from the DSN (asyncpg never puts the password
-    in its messages; the type name and message are enough to act on)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

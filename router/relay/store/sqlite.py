@@ -27,6 +27,7 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    describe_error,
     new_token,
     schema_problem,
 )
@@ -317,4 +318,4 @@ def _database_error(name: str, exc: BaseException) -> DatabaseError:
     text = str(exc)
     if "no such table" in text:
         return DatabaseError(f"{name}: no router_outbox table; run 'router init-db'")
-    return DatabaseError(f"{name}: {type(exc).__name__}: {text}")
+    return DatabaseError(f"{name}: {describe_error(exc)}")

@@ -1,0 +1,12 @@
+"""What asyncpg raises when PostgreSQL cannot be used right now, for the store and its upkeep.
+
+Everything else (a bug, a cancellation) is left to propagate.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+__all__ = ["DB_ERRORS"]
+
+DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
