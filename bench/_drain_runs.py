@@ -225,7 +225,8 @@ def start(workers: int, url: str, events: int, folder: Path) -> Relay:
     ``HELD_BASELINE``: the baseline with ``--hold``)."""
     if workers > 0:
         router = str(Path(sys.executable).with_name("router"))
-        argv = [router, "--log-level", "warning", "serve", "--workers", str(workers)]
+        level = os.environ.get("BENCH_ROUTER_LOG_LEVEL", "warning")
+        argv = [router, "--log-level", level, "serve", "--workers", str(workers)]
         return Relay(argv, folder, cwd=folder, exits=False)
     argv = [sys.executable, "-m", "bench.baseline", "--dsn", url, "--nats", NATS_URL]
     argv += ["--batch", str(BATCH), "--events", str(events)]

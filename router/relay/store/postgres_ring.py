@@ -14,7 +14,12 @@ A pass (``recycle``) truncates every slot that
 - holds no live row (checked again under the lock, so a row that came in meanwhile, such as
   a replayed one, keeps its slot);
 - no transaction older than ``busy_after`` holds a lock on (an application transaction that
-  wrote a row there long ago, a report reading it): such a slot waits for a later pass.
+  wrote a row there long ago, a report reading it): such a slot waits for a later pass;
+- no VACUUM or ANALYZE (the router's own, autovacuum's, an operator's) is working on: it holds
+  its lock until it is done, and a ``TRUNCATE`` waiting behind it would queue every claim,
+  mark and application insert of the slot behind itself until ``lock_timeout`` (measured: a
+  VACUUM's tail truncation retried for 2 s while 100,000 rows drained, and the drain lost a
+  third of its rate).
 
 ``TRUNCATE`` needs the slot to itself, and every claim of a run holds its slots until the run
 commits. The pass therefore shuts the claims' gate first (``router_ring.gate_until``, which
@@ -54,14 +59,21 @@ RING_LOCK = (1869903204, 0)
 # The newest seq handed out (by any session): new rows go to its slot, or the next.
 HEAD = "SELECT last_value FROM router_outbox_seq_seq"
 
-# Per slot: bytes on disk (0: empty since its last truncation) and how long the oldest
-# transaction holding a lock on it has been open.
+# Per slot: bytes on disk (0: empty since its last truncation), how long the oldest
+# transaction holding a lock on it has been open, and whether a VACUUM or ANALYZE is working
+# on it (the SHARE UPDATE EXCLUSIVE lock they hold; pg_locks shows every session's locks,
+# where pg_stat_progress_vacuum hides autovacuum's table from a role without
+# pg_read_all_stats).
 STATE = """
 SELECT s.slot, pg_relation_size(c.oid) AS bytes,
        (SELECT extract(epoch FROM clock_timestamp() - min(a.xact_start))::float8
         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
         WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.pid <> pg_backend_pid())
-       AS held_for
+       AS held_for,
+       EXISTS (SELECT 1 FROM pg_locks l
+               WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.granted
+                 AND l.mode = 'ShareUpdateExclusiveLock' AND l.pid <> pg_backend_pid())
+       AS maintained
 FROM generate_series(0, $1 - 1) AS s(slot)
 JOIN pg_class c ON c.relname = 'router_outbox_q' || s.slot
                 AND c.relnamespace = current_schema()::regnamespace
@@ -84,6 +96,7 @@ class SlotState:
     slot: int
     bytes: int
     held_for: float | None  # seconds the oldest transaction with a lock on it has been open
+    maintained: bool = False  # a VACUUM or ANALYZE is working on it
 
 
 @dataclass
@@ -96,7 +109,7 @@ class Recycled:
 
 
 async def slot_states(conn: Any) -> list[SlotState]:
-    return [SlotState(r[0], r[1], r[2]) for r in await conn.fetch(STATE, RING_SLOTS)]
+    return [SlotState(r[0], r[1], r[2], r[3]) for r in await conn.fetch(STATE, RING_SLOTS)]
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,9 @@ async def recycle(
         for state in await slot_states(conn):
             if state.slot in filling or state.bytes == 0:
                 continue
-            if state.held_for is not None and state.held_for > busy_after:
+            if state.maintained:
+                done.kept[state.slot] = "being vacuumed or analyzed"
+            elif state.held_for is not None and state.held_for > busy_after:
                 done.kept[state.slot] = f"in use by a transaction open {state.held_for:.0f} s"
             elif await _has_rows(conn, state.slot):
                 done.kept[state.slot] = "holds unfinished rows"
