@@ -266,7 +266,8 @@ async def drain(workers: int, storage: StorageType, events: int) -> dict[str, fl
             await check_published(url, events, relay, None if workers > 0 else status)
             size = await stream_bytes(stream)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if "BENCH_ROUTER_LOG_LEVEL" not in os.environ:  # else its relay.log is kept to read
+            shutil.rmtree(folder, ignore_errors=True)
     return {
         "from_exec": events / (last - relay.exec_at),
         "first_to_last": events / (last - first) if last > first else float("inf"),
