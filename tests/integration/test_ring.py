@@ -73,6 +73,13 @@ async def query(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
         await conn.close()
 
 
+async def finish_slot_0(url: str) -> None:
+    """Slot 0 holds 10 published rows, and new rows have moved on to slot 3."""
+    await stage_at(url, 1, 10)
+    await publish_all(url)
+    await stage_at(url, 3 * CHUNK, 1)
+
+
 async def pass_over(url: str, **options: float) -> tuple[list[int], dict[int, str]]:
     conn = await asyncpg.connect(url)
     try:
@@ -157,9 +164,7 @@ async def test_the_slots_that_new_rows_go_to_are_never_truncated(url: str) -> No
 
 
 async def test_a_slot_an_old_transaction_holds_waits_for_a_later_pass(url: str) -> None:
-    await stage_at(url, 1, 10)
-    await publish_all(url)
-    await stage_at(url, 3 * CHUNK, 1)
+    await finish_slot_0(url)
     reader = await asyncpg.connect(url)
     try:
         await reader.execute("BEGIN")
@@ -180,9 +185,7 @@ async def test_a_slot_an_old_transaction_holds_waits_for_a_later_pass(url: str) 
 async def test_a_slot_being_vacuumed_waits_for_a_later_pass_without_waiting_for_it(
     url: str,
 ) -> None:
-    await stage_at(url, 1, 10)
-    await publish_all(url)
-    await stage_at(url, 3 * CHUNK, 1)
+    await finish_slot_0(url)
     vacuum = await asyncpg.connect(url)
     try:
         await vacuum.execute("BEGIN")
