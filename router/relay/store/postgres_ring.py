@@ -59,24 +59,23 @@ RING_LOCK = (1869903204, 0)
 # The newest seq handed out (by any session): new rows go to its slot, or the next.
 HEAD = "SELECT last_value FROM router_outbox_seq_seq"
 
-# Per slot: bytes on disk (0: empty since its last truncation), how long the oldest
-# transaction holding a lock on it has been open, and whether a VACUUM or ANALYZE is working
-# on it (the SHARE UPDATE EXCLUSIVE lock they hold; pg_locks shows every session's locks,
-# where pg_stat_progress_vacuum hides autovacuum's table from a role without
+# Per slot, from one look at its locks: bytes on disk (0: empty since its last truncation),
+# how long the oldest transaction holding a lock on it has been open, and whether a VACUUM or
+# ANALYZE is working on it (the SHARE UPDATE EXCLUSIVE lock they hold; pg_locks shows every
+# session's locks, where pg_stat_progress_vacuum hides autovacuum's table from a role without
 # pg_read_all_stats).
 STATE = """
-SELECT s.slot, pg_relation_size(c.oid) AS bytes,
-       (SELECT extract(epoch FROM clock_timestamp() - min(a.xact_start))::float8
-        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-        WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.pid <> pg_backend_pid())
-       AS held_for,
-       EXISTS (SELECT 1 FROM pg_locks l
-               WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.granted
-                 AND l.mode = 'ShareUpdateExclusiveLock' AND l.pid <> pg_backend_pid())
-       AS maintained
+SELECT s.slot, pg_relation_size(c.oid) AS bytes, locks.held_for, locks.maintained
 FROM generate_series(0, $1 - 1) AS s(slot)
 JOIN pg_class c ON c.relname = 'router_outbox_q' || s.slot
                 AND c.relnamespace = current_schema()::regnamespace
+CROSS JOIN LATERAL (
+    SELECT extract(epoch FROM clock_timestamp() - min(a.xact_start))::float8 AS held_for,
+           coalesce(bool_or(l.granted AND l.mode = 'ShareUpdateExclusiveLock'), false)
+               AS maintained
+    FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'relation' AND l.relation = c.oid AND l.pid <> pg_backend_pid()
+) AS locks
 ORDER BY s.slot
 """
 
@@ -96,7 +95,7 @@ class SlotState:
     slot: int
     bytes: int
     held_for: float | None  # seconds the oldest transaction with a lock on it has been open
-    maintained: bool = False  # a VACUUM or ANALYZE is working on it
+    maintained: bool  # a VACUUM or ANALYZE is working on it
 
 
 @dataclass
