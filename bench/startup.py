@@ -11,7 +11,7 @@ hits both alike. Per start, in ms after exec:
 
 - exec: the bench's wall clock read just before the process is spawned. /proc/<pid>/stat's
   start time is kept in the JSON as a cross-check, but it counts 10 ms clock ticks;
-- imported: when ``router.ops.cli`` finished importing. The process runs the console script's
+- imported: when ``router.cli.main`` finished importing. The process runs the console script's
   own two lines (import ``main``, call it) with a clock read between them, written to a file;
   the router's code is unchanged;
 - workers forked (``--workers 2``): when the last worker process was forked, from /proc;
@@ -28,7 +28,7 @@ the tree first; a checkout run with ``PYTHONDONTWRITEBYTECODE=1`` would compile 
 at every start, a cost users do not pay).
 
 Figures are the median and the min-max of the rounds. Then what importing costs: the wall
-time of ``python -c "import router.ops.cli"`` against ``python -c pass`` and against the same
+time of ``python -c "import router.cli.main"`` against ``python -c pass`` and against the same
 import ending in ``os._exit(0)`` (no interpreter teardown), fresh processes taking turns; and
 the modules (with their importer) and packages that cost the most under
 ``python -X importtime`` (median over as many runs). Every router process group is killed,
@@ -72,11 +72,11 @@ from bench._common import (
 )
 from router import Outbox
 from router.config import RouterConfig
-from router.ops.forkserver import worker_pids
+from router.serve.forkserver import worker_pids
 
 # The body of the `router` console script, with a clock read once the CLI is imported.
 WRAPPER = """import sys, time
-from router.ops.cli import main
+from router.cli.main import main
 with open(sys.argv[1], "w") as f:
     f.write(repr(time.time()))
 sys.exit(main(sys.argv[2:]))
@@ -258,7 +258,7 @@ def wall_ms(code: str) -> float:
 def import_times() -> dict[str, tuple[float, float, str]]:
     """One ``python -X importtime`` run: module -> (self ms, cumulative ms, imported by)."""
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import router.ops.cli"],
+        [sys.executable, "-X", "importtime", "-c", "import router.cli.main"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -289,7 +289,7 @@ def import_times() -> dict[str, tuple[float, float, str]]:
 def measure_imports(rounds: int, top: int = 10) -> dict[str, Any]:
     """Interpreter start vs importing the CLI, and where the import time goes."""
     # os._exit skips the interpreter's teardown of every module, which costs a few 100 ms.
-    codes = ["pass", "import router.ops.cli", "import router.ops.cli, os; os._exit(0)"]
+    codes = ["pass", "import router.cli.main", "import router.cli.main, os; os._exit(0)"]
     walls: dict[str, list[float]] = {code: [] for code in codes}
     for _ in range(rounds):
         for code in codes:
@@ -351,7 +351,7 @@ def print_tables(rounds: int, events: int, starts: dict[str, Any], imports: dict
         [(code, cell(figure)) for code, figure in imports["wall_ms"].items()],
     )
     print_table(
-        f"python -X importtime -c 'import router.ops.cli': top 10 by cumulative "
+        f"python -X importtime -c 'import router.cli.main': top 10 by cumulative "
         f"(all imports {imports['importtime_total_ms']:,.0f} ms)",
         ["module", "cumulative ms", "self ms", "imported by"],
         [

@@ -7,12 +7,12 @@ from typing import Annotated
 from pydantic import Field
 
 from brokers._settings import BrokerSettings, EventFilter, EventRoute, redact_url
-from brokers.kafka._settings import KafkaSasl, KafkaSettings
+from brokers.kafka import KafkaSasl, KafkaSettings
 from brokers.memory import MemorySettings
-from brokers.nats._settings import NatsEmbedded, NatsSettings, NatsStream
-from brokers.rabbitmq._settings import RabbitExchange, RabbitSettings
-from brokers.redis._settings import RedisSettings
-from brokers.servicebus._settings import ServiceBusSettings
+from brokers.nats import NatsEmbedded, NatsSettings, NatsStream
+from brokers.rabbitmq import RabbitExchange, RabbitSettings
+from brokers.redis import RedisSettings
+from brokers.servicebus import ServiceBusSettings
 
 __all__ = [
     "AnyBrokerSettings",

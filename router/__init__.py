@@ -33,8 +33,8 @@ if _TYPE_CHECKING:
         SchemaError,
         StagingError,
     )
-    from router.ops.supervisor import Supervisor
     from router.relay.processor import Processor, ProcessorStats
+    from router.serve.runner import Runner
     from router.write.events import Event, EventSpec, correlation, current_correlation_id
     from router.write.inbox import Inbox, inbox_middleware, message_id_of
     from router.write.outbox import Outbox, Transaction
@@ -60,7 +60,7 @@ _HOMES = {
         "SchemaError",
         "StagingError",
     ),
-    "router.ops.supervisor": ("Supervisor",),
+    "router.serve.runner": ("Runner",),
     "router.relay.processor": ("Processor", "ProcessorStats"),
     "router.write.events": ("Event", "EventSpec", "correlation", "current_correlation_id"),
     "router.write.inbox": ("Inbox", "inbox_middleware", "message_id_of"),
@@ -89,9 +89,9 @@ __all__ = [
     "RetrySettings",
     "RouterConfig",
     "RouterError",
+    "Runner",
     "SchemaError",
     "StagingError",
-    "Supervisor",
     "Transaction",
     "__version__",
     "correlation",

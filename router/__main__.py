@@ -2,6 +2,6 @@
 
 import sys
 
-from router.ops.cli import main
+from router.cli import main
 
 sys.exit(main())

@@ -1,3 +1,7 @@
-"""Running and operating the router: ``router serve`` (supervisor, worker pool, embedded
-servers, the HTTP console), the CLI, the operations commands, ``check`` and migrations.
-The top of the flow: it may import ``write`` and ``relay``; nothing below imports it."""
+"""Operator queries on the outbox: status and flow, trace, requeue, pause, cleanup, failure
+groups, the message browser, replay, the audit trail, preview and the partner contract, and
+the migrations (``init-db``). Each opens its own connections (``router.ops.connections``) and
+runs on PostgreSQL, SQLite and MySQL/MariaDB alike.
+
+Layer: above ``write`` and ``relay``, which it may import; ``serve`` and ``cli`` use it.
+"""

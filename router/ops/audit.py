@@ -18,7 +18,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from router.config import RouterConfig
-from router.ops._schema import audit
+from router.ops import connections
+from router.ops.schema import audit
+from router.ops.times import utc
 
 __all__ = ["AuditRow", "cli_actor", "history", "record"]
 
@@ -78,15 +80,11 @@ async def history(
     config: RouterConfig, database: str | None = None, limit: int = 50
 ) -> list[AuditRow]:
     """The latest ``limit`` actions over the databases asked for, newest first."""
-    # operations imports this module (for ``record``): imported here only when reading.
-    from router.ops._times import utc as _utc
-    from router.ops.operations import _connect, _databases
-
     found: list[AuditRow] = []
-    for name in _databases(config, database):
-        async with _connect(config, name) as conn:
+    for name in connections.database_names(config, database):
+        async with connections.connect(config, name) as conn:
             query = sa.select(audit).order_by(audit.c.at.desc(), audit.c.id.desc()).limit(limit)
-            found.extend(_row(name, row, _utc(row.at)) for row in (await conn.execute(query)))
+            found.extend(_row(name, row, utc(row.at)) for row in (await conn.execute(query)))
     # Every ``at`` is UTC in one format: its text sorts as the time does.
     found.sort(key=lambda r: (r.at or "", r.id), reverse=True)
     return found[:limit]

@@ -23,8 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from brokers import BrokerSettings
 from router.config import RouterConfig
-from router.ops._schema import outbox
-from router.ops.operations import _connect, _databases, _text, trace
+from router.ops import connections
+from router.ops.operations import trace
+from router.ops.schema import outbox
 from router.write.pinning import Pinning
 
 __all__ = ["MAX_LIMIT", "MessageRow", "QueryError", "message", "messages"]
@@ -82,14 +83,14 @@ async def messages(
     QueryError for a ``q`` or ``before`` that cannot be used, DatabaseError for an unknown
     database or one that does not answer.
     """
-    names = _databases(config, database)
+    names = connections.database_names(config, database)
     limit = max(1, min(limit, MAX_LIMIT))
     where = _conditions(q, event_type, stream_key, status, error, target)
     cursors = _cursors(before, names)
     pages: dict[str, list[MessageRow]] = {}
     for name in names:
         if name in cursors:
-            async with _connect(config, name) as conn:
+            async with connections.connect(config, name) as conn:
                 pages[name] = await _page(conn, name, where, cursors[name], limit + 1)
     merged = heapq.merge(*pages.values(), key=lambda r: (r.created_at or "", r.seq), reverse=True)
     rows = list(itertools.islice(merged, limit))
@@ -201,8 +202,8 @@ def _row(database: str, row: Any) -> MessageRow:
         stream_key=row.stream_key,
         status=row.status,
         attempts=int(row.attempts),
-        created_at=_text(row.created_at),
-        published_at=_text(row.published_at),
+        created_at=connections.iso(row.created_at),
+        published_at=connections.iso(row.published_at),
         last_error=error,
     )
 
@@ -246,7 +247,7 @@ async def _stored(config: RouterConfig, message_id: str) -> dict[tuple[str, str]
     o = outbox
     found: dict[tuple[str, str], tuple[int, str]] = {}
     for name in config.databases:
-        async with _connect(config, name) as conn:
+        async with connections.connect(config, name) as conn:
             query = sa.select(o.c.seq, o.c.target, o.c.envelope).where(o.c.message_id == message_id)
             for r in await conn.execute(query):
                 envelope = r.envelope if isinstance(r.envelope, str) else json.dumps(r.envelope)
@@ -258,7 +259,7 @@ def _received(
     settings: BrokerSettings | None, destination: str, seq: int | None, stored: str
 ) -> dict[str, Any]:
     """What the processor would publish: downcast for a pinned partner
-    (``router.ops.supervisor`` gives its processor this transform), then
+    (``router.serve.runner`` gives its processor this transform), then
     ``BrokerSettings.render`` with the row's ``seq`` as the sequence."""
     if settings is None:
         return {"destination": destination, "error": "the target is no longer configured"}

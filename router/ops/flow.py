@@ -17,8 +17,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from router.ops._schema import outbox
-from router.ops._times import utc as _utc
+from router.ops.schema import outbox
+from router.ops.times import utc as _utc
 
 __all__ = ["WINDOW", "Flow", "flows", "time_to_empty"]
 

@@ -21,11 +21,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from router.config import RouterConfig
-from router.ops._schema import outbox
-from router.ops._times import utc as _utc
+from router.ops import connections
 from router.ops.audit import record
 from router.ops.error_text import Signature, signature
-from router.ops.operations import _connect, _databases, _text, exact_errors, requeue
+from router.ops.operations import exact_errors, requeue
+from router.ops.schema import outbox
+from router.ops.times import utc as _utc
 
 __all__ = [
     "FailureGroup",
@@ -87,8 +88,8 @@ async def list_groups(
 ) -> list[FailureGroup]:
     """Every failure group, the most recently seen first."""
     found: list[FailureGroup] = []
-    for name in _databases(config, database):
-        async with _connect(config, name) as conn:
+    for name in connections.database_names(config, database):
+        async with connections.connect(config, name) as conn:
             found.extend(await _groups_of(conn, name, target))
     found.sort(key=lambda g: (g.last_seen or "", g.count), reverse=True)
     return found
@@ -98,8 +99,8 @@ async def find_group(
     config: RouterConfig, group: str, database: str | None = None
 ) -> FailureGroup | None:
     """The group with id ``group``, or None."""
-    for name in _databases(config, database):
-        async with _connect(config, name) as conn:
+    for name in connections.database_names(config, database):
+        async with connections.connect(config, name) as conn:
             for found in await _groups_of(conn, name, None):
                 if found.id == group:
                     return found
@@ -180,8 +181,8 @@ def _group(database: str, merging: _Merging, ids: dict[int, str]) -> FailureGrou
         message=sig.message,
         statuses={status: merging.statuses.get(status, 0) for status in FAILED},
         count=sum(merging.statuses.values()),
-        first_seen=_text(merging.first),
-        last_seen=_text(merging.last),
+        first_seen=connections.iso(merging.first),
+        last_seen=connections.iso(merging.last),
         sample=Sample(seq, ids.get(seq, ""), error),
         errors=tuple(sorted(merging.errors, key=lambda e: (e is None, e or ""))),
     )
@@ -234,7 +235,7 @@ async def discard(
         sa.and_(o.c.target == group.target, o.c.status.in_(FAILED), part)
         for part in exact_errors(group.errors)
     ]
-    async with _connect(config, group.database) as conn:
+    async with connections.connect(config, group.database) as conn:
         if dry_run:
             query = sa.select(sa.func.count()).select_from(o)
             return sum([int((await conn.execute(query.where(w))).scalar_one()) for w in wheres])

@@ -3,15 +3,14 @@ and tidy (cleanup). Used by the ``router`` commands and the HTTP API.
 
 Every function opens its own connections from the config and works on PostgreSQL, SQLite
 and MySQL/MariaDB alike; times are computed here, in UTC, but for the stamps MySQL's watcher
-compares (``_clock``). Statements differ by dialect only in the upsert of ``set_paused`` and
-in how ``cleanup`` picks a batch.
+compares (``connections.clock``). Statements differ by dialect only in the upsert of
+``set_paused`` and in how ``cleanup`` picks a batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,11 +20,10 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import DatabaseError
-from router._db import create_engine
 from router.config import RouterConfig
-from router.ops._schema import inbox, outbox, targets
-from router.ops._times import utc as _utc
+from router.ops import connections
 from router.ops.audit import record
+from router.ops.schema import inbox, outbox, targets
 
 __all__ = [
     "Cleanup",
@@ -33,6 +31,7 @@ __all__ = [
     "cleanup",
     "exact_errors",
     "requeue",
+    "requeue_rows",
     "set_paused",
     "trace",
 ]
@@ -77,50 +76,6 @@ class Cleanup:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-@contextlib.asynccontextmanager
-async def _engine(config: RouterConfig, database: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(
-        config.databases[database], config.base_dir, name=database, pool_pre_ping=False
-    )
-    try:
-        yield engine
-    except sa.exc.DBAPIError as exc:
-        cause = exc.orig or exc
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise DatabaseError(f"{database}: {type(cause).__name__}: {first}") from None
-    except OSError as exc:
-        raise DatabaseError(f"{database}: cannot connect: {exc.strerror or exc}") from None
-    finally:
-        await engine.dispose()
-
-
-@contextlib.asynccontextmanager
-async def _connect(config: RouterConfig, database: str) -> AsyncIterator[AsyncConnection]:
-    """One transaction on a database (committed when the block ends without error)."""
-    async with _engine(config, database) as engine, engine.begin() as conn:
-        yield conn
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _clock(conn: AsyncConnection) -> Any:
-    """Now, for a stamp that wakes processors: the server's clock on MySQL.
-
-    MySQL has no NOTIFY; its store's watcher wakes the processors when the newest pending
-    ``available_at`` rises or the paused targets change (``router.relay.store.mysql_sql``'s
-    ``WATCH``). The server stamps every other row, so a requeue stamped by a client clock
-    behind the server's would raise nothing, and its rows would wait for the fallback poll.
-    """
-    return sa.func.utc_timestamp(6) if conn.dialect.name == "mysql" else _now()
-
-
-def _text(value: Any) -> str | None:
-    moment = _utc(value)
-    return moment.isoformat(timespec="milliseconds") if moment else None
-
-
 def _receipt(text: str | None) -> dict[str, Any] | None:
     """A stored receipt (a JSON object's text) as a dict; one that does not parse is kept
     whole under ``raw`` rather than hidden."""
@@ -133,21 +88,11 @@ def _receipt(text: str | None) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else {"raw": text}
 
 
-def _databases(config: RouterConfig, database: str | None) -> list[str]:
-    if database is None:
-        return list(config.databases)
-    if database not in config.databases:
-        raise DatabaseError(
-            f"unknown database {database!r}; configured: {sorted(config.databases)}"
-        )
-    return [database]
-
-
 async def trace(config: RouterConfig, message_id: str) -> list[TraceRow]:
     """Every target's row of one event, in every database."""
     found = []
     for name in config.databases:
-        async with _connect(config, name) as conn:
+        async with connections.connect(config, name) as conn:
             query = (
                 sa.select(outbox).where(outbox.c.message_id == message_id).order_by(outbox.c.seq)
             )
@@ -162,11 +107,11 @@ async def trace(config: RouterConfig, message_id: str) -> list[TraceRow]:
                         attempts=row.attempts,
                         last_error=row.last_error,
                         locked_by=row.locked_by,
-                        locked_until=_text(row.locked_until),
-                        created_at=_text(row.created_at),
-                        published_at=_text(row.published_at),
-                        first_attempt_at=_text(row.first_attempt_at),
-                        last_attempt_at=_text(row.last_attempt_at),
+                        locked_until=connections.iso(row.locked_until),
+                        created_at=connections.iso(row.created_at),
+                        published_at=connections.iso(row.published_at),
+                        first_attempt_at=connections.iso(row.first_attempt_at),
+                        last_attempt_at=connections.iso(row.last_attempt_at),
                         receipt=_receipt(row.receipt),
                     )
                 )
@@ -206,12 +151,12 @@ async def requeue(
     }
     wheres = [sa.and_(*conditions, part) for part in exact_errors(errors)]
     counts: dict[str, int] = {}
-    for name in _databases(config, database):
-        async with _connect(config, name) as conn:
+    for name in connections.database_names(config, database):
+        async with connections.connect(config, name) as conn:
             if dry_run:
                 counts[name] = sum([await _count(conn, where) for where in wheres])
                 continue
-            counts[name], touched = await _requeue_rows(conn, wheres)
+            counts[name], touched = await requeue_rows(conn, wheres)
             if actor is not None:
                 await record(
                     conn,
@@ -272,7 +217,7 @@ async def _count(conn: AsyncConnection, where: sa.ColumnElement[bool]) -> int:
     return int((await conn.execute(query)).scalar_one())
 
 
-async def _requeue_rows(
+async def requeue_rows(
     conn: AsyncConnection, wheres: Sequence[sa.ColumnElement[bool]]
 ) -> tuple[int, list[str]]:
     """Back to pending, attempts reset, due now; returns (rows changed, their targets)."""
@@ -287,7 +232,7 @@ async def _requeue_rows(
             .values(
                 status="pending",
                 attempts=0,
-                available_at=_clock(conn),
+                available_at=connections.clock(conn),
                 locked_by=None,
                 locked_until=None,
                 lease_token=None,
@@ -311,13 +256,13 @@ async def set_paused(
     """Pause or resume a target in every database that publishes to it; ``actor``: who
     asked, for the audit row written with the change."""
     changed = []
-    for name in _databases(config, database):
+    for name in connections.database_names(config, database):
         if target not in config.brokers_of(name):
             continue
-        async with _connect(config, name) as conn:
+        async with connections.connect(config, name) as conn:
             values = {
                 "paused": paused,
-                "paused_at": _clock(conn) if paused else None,
+                "paused_at": connections.clock(conn) if paused else None,
                 "paused_by": by if paused else None,
             }
             await conn.execute(_upsert_target(conn.dialect.name, target, values))
@@ -357,9 +302,9 @@ async def cleanup(
     retention = config.outbox.retention
     size = batch_size or retention.batch_size
     done = []
-    for name in _databases(config, database):
-        now = _now()
-        async with _engine(config, name) as engine:
+    for name in connections.database_names(config, database):
+        now = connections.now()
+        async with connections.engine(config, name) as engine:
             published = await _delete_older(
                 engine, "published", outbox.c.published_at, now - retention.published, size
             )
@@ -471,7 +416,7 @@ async def _notify(conn: AsyncConnection, target_names: Sequence[str]) -> None:
     """Wake the processors of these targets once the transaction commits.
 
     Only PostgreSQL needs a word: SQLite's watcher sees the file change, and MySQL's sees the
-    newest pending ``available_at`` rise or the paused targets change (``_clock``).
+    newest pending ``available_at`` rise or the paused targets change (``connections.clock``).
     """
     if conn.dialect.name == "postgresql":
         await conn.execute(

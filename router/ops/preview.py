@@ -22,14 +22,13 @@ from pydantic import BaseModel, ValidationError
 from brokers import BrokerSettings
 from envelopes import ConfigError, WireMessage
 from router.config import RouterConfig
-from router.ops._tables import table
 from router.write.catalog import EventCatalog
 from router.write.events import Event
 from router.write.staging import Stager
 
 M = TypeVar("M", bound=BaseModel)
 
-__all__ = ["Preview", "example_of", "preview", "preview_block", "side_by_side_table"]
+__all__ = ["Preview", "example_of", "preview"]
 
 
 @dataclass(frozen=True)
@@ -139,55 +138,6 @@ def _not_routed(settings: BrokerSettings, target: str, event_class: type[Event],
     else:
         why = f"database {db!r} does not publish to it"
     return f"target {target!r} does not receive {spec.type!r}: {why}"
-
-
-# --- output -----------------------------------------------------------------------------------
-
-
-def preview_block(item: Preview) -> str:
-    """One target's message, as it would be sent."""
-    width = max((len(name) for name in item.wire.headers), default=0)
-    lines = [
-        f"target       {item.target} ({item.kind}, {item.profile} profile)",
-        f"destination  {item.destination}",
-        "headers",
-        *(f"  {name.ljust(width)}  {value}" for name, value in item.wire.headers.items()),
-        f"body ({item.wire.content_type}, {len(item.wire.body):,} bytes)",
-        json.dumps(item.body_document(), indent=2, ensure_ascii=False),
-    ]
-    return "\n".join(lines)
-
-
-def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
-    """Every target in a column; a row per destination, header and body member, with '-'
-    where a target does not get it."""
-    rows: dict[str, list[str | None]] = {}
-
-    def put(key: str, column: int, value: Any) -> None:
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        cut = text if len(text) <= width else text[: width - 1] + "…"
-        rows.setdefault(key, [None] * len(items))[column] = cut
-
-    for column, item in enumerate(items):
-        put("destination", column, item.destination)
-        put("profile", column, item.profile)
-        for name, value in item.wire.headers.items():
-            put(f"header {name}", column, value)
-        for path, value in _flatten(item.body_document()):
-            put(f"body {path}", column, value)
-    header = ["", *(f"{item.target} ({item.kind})" for item in items)]
-    return table(header, [[key, *values] for key, values in rows.items()])
-
-
-def _flatten(document: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted path, value)`` for every leaf of a JSON document (an empty map is a leaf)."""
-    if isinstance(document, dict) and document:
-        return [
-            pair
-            for key, value in document.items()
-            for pair in _flatten(value, f"{prefix}.{key}" if prefix else key)
-        ]
-    return [(prefix or ".", document)]
 
 
 # --- example payloads -------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from envelopes import ConfigError
 from router.config import RouterConfig
-from router.ops import audit
-from router.ops._schema import audit as audit_table
-from router.ops._schema import outbox
-from router.ops.operations import _connect, _engine, _requeue_rows
+from router.ops import audit, connections
+from router.ops.operations import requeue_rows
+from router.ops.schema import audit as audit_table
+from router.ops.schema import outbox
 from router.write.catalog import EventCatalog, load_catalog
 from router.write.staging import Row, Stager
 
@@ -195,7 +195,7 @@ async def replay(
     catalog = _catalog(config) if plan.backfill else EventCatalog()
     stager = Stager(config)
     action = "backfill" if plan.backfill else "replay"
-    async with _engine(config, plan.database) as engine, engine.connect() as conn:
+    async with connections.engine(config, plan.database) as engine, engine.connect() as conn:
         async with conn.begin():
             if plan.backfill:
                 total = await _count_backfill(conn, plan, stager, catalog)
@@ -249,7 +249,7 @@ async def resume_plan(config: RouterConfig, database: str, audit_id: int) -> Rep
     """The plan of the replay or backfill that audit row ``audit_id`` started."""
     if database not in config.databases:
         raise ConfigError(f"no database {database!r} in the config")
-    async with _connect(config, database) as conn:
+    async with connections.connect(config, database) as conn:
         row = (
             await conn.execute(sa.select(audit_table).where(audit_table.c.id == audit_id))
         ).first()
@@ -274,7 +274,7 @@ async def _replay_batch(
         return 0, 0, 0
     cursor.after = seqs[-1]
     # Fenced by 'published' (in _replayable): a row put back meanwhile is not counted twice.
-    done, _ = await _requeue_rows(conn, [sa.and_(o.c.seq.in_(seqs), _replayable(plan))])
+    done, _ = await requeue_rows(conn, [sa.and_(o.c.seq.in_(seqs), _replayable(plan))])
     return len(seqs), done, 0
 
 

@@ -13,10 +13,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from brokers import BrokerSettings
 from router.config import RouterConfig
-from router.ops._schema import outbox, targets
-from router.ops._times import utc as _utc
+from router.ops import connections
 from router.ops.flow import WINDOW, Flow, flows, time_to_empty
-from router.ops.operations import OPEN, RETRY_WINDOW, _connect, _databases, _now, _text
+from router.ops.operations import OPEN, RETRY_WINDOW
+from router.ops.schema import outbox, targets
+from router.ops.times import utc as _utc
 
 __all__ = ["TargetStatus", "status"]
 
@@ -78,8 +79,8 @@ async def status(
     dashboard poll).
     """
     found: list[TargetStatus] = []
-    for name in _databases(config, database):
-        async with _connect(config, name) as conn:
+    for name in connections.database_names(config, database):
+        async with connections.connect(config, name) as conn:
             found.extend(
                 await _status_of(conn, name, config.brokers_of(name), published, flow_reuse)
             )
@@ -93,7 +94,7 @@ async def _status_of(
     published: bool,
     flow_reuse: float = 0.0,
 ) -> list[TargetStatus]:
-    now = _now()
+    now = connections.now()
     o = outbox
     due = sa.case((o.c.status == "processing", o.c.locked_until), else_=o.c.available_at)
     claimable = sa.and_(o.c.status.in_(OPEN), due <= now)
@@ -150,7 +151,7 @@ async def _status_of(
                 oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
                 retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
                 circuit=state.circuit if state else "closed",
-                circuit_since=_text(state.circuit_since) if state else None,
+                circuit_since=connections.iso(state.circuit_since) if state else None,
                 paused=paused,
                 last_error=errors.get(target),
                 staged_per_second=flow.staged_per_second,

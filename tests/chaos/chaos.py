@@ -64,7 +64,7 @@ import yaml
 
 from brokers.nats import EmbeddedNats
 from router import Event, Outbox, load_config
-from router.ops.forkserver import worker_pids
+from router.serve.forkserver import worker_pids
 from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_database
 from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.ledger import Ledger, check_stream

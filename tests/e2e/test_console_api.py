@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry
 
 from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
-from router.ops._schema import outbox as outbox_table
-from router.ops.console import StatusService
-from router.ops.http_app import HttpServer, build_app
 from router.ops.migrate import upgrade
+from router.ops.schema import outbox as outbox_table
+from router.serve.console import StatusService
+from router.serve.http_app import HttpServer, build_app
 from tests.conftest import Database, MysqlDatabases, PgDatabases, make_config
 from tests.integration.events import OrderPlaced, StockReserved
 from tests.integration.test_delivery import serving

@@ -30,7 +30,7 @@ import yaml
 from playwright.async_api import Browser, Page, ViewportSize, async_playwright, expect
 
 from router import Outbox
-from router.ops._schema import outbox as outbox_table
+from router.ops.schema import outbox as outbox_table
 from tests.conftest import Database, NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving
 from tests.e2e.test_console_api import console

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 import yaml
 
 from router import Outbox
-from router.ops._schema import outbox as outbox_table
+from router.ops.schema import outbox as outbox_table
 from tests.conftest import Database, make_config
 from tests.e2e.helpers import router
 from tests.integration.events import OrderPlaced

@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry
 
 from envelopes import RouterError
 from router import Outbox
-from router.ops.console import StatusService
-from router.ops.http_app import HttpServer, build_app
+from router.serve.console import StatusService
+from router.serve.http_app import HttpServer, build_app
 from tests.conftest import MEMORY_BROKERS, Database, NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving, router
 from tests.integration.events import OrderPlaced

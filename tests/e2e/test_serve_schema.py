@@ -11,7 +11,7 @@ import yaml
 from alembic import command
 from sqlalchemy import Connection
 
-from router import SchemaError, Supervisor, load_config
+from router import Runner, SchemaError, load_config
 from router._db import create_engine
 from router.config import DatabaseSettings
 from router.ops.migrate import _alembic_config, head_revision
@@ -104,7 +104,7 @@ async def test_the_library_supervisor_raises_schema_error(
     url = await pg_databases.new(migrated=False)
     config = load_config(write_config(tmp_path, url))
     with pytest.raises(SchemaError, match="run `router init-db` first"):
-        await Supervisor(config, start_embedded=False).run(asyncio.Event())
+        await Runner(config, start_embedded=False).run(asyncio.Event())
 
 
 def test_the_revision_the_stores_expect_is_the_newest_migration() -> None:

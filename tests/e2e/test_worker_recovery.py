@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from router import Outbox
-from router.ops.forkserver import FORKSERVER_NAME, worker_pids
+from router.serve.forkserver import FORKSERVER_NAME, worker_pids
 from tests.chaos.proxy import DelayingProxy
 from tests.conftest import NatsStreams, batch_holder, make_config, nats_broker, pg_fetch
 from tests.e2e.helpers import Serving

@@ -16,7 +16,7 @@ from typing import Any
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from envelopes import EXTERNAL_FIELDS, ExternalEnvelope, InternalEnvelope
-from router import Outbox, RouterConfig, Supervisor
+from router import Outbox, RouterConfig, Runner
 from router.config import RetrySettings
 from router.relay.retry import delay_bounds
 from tests.conftest import NatsStreams, make_config, nats_broker, pg_fetch
@@ -25,8 +25,8 @@ from tests.services import free_port
 
 
 @contextlib.asynccontextmanager
-async def serving(config: RouterConfig, **kwargs: Any) -> AsyncIterator[Supervisor]:
-    supervisor = Supervisor(config, **kwargs)
+async def serving(config: RouterConfig, **kwargs: Any) -> AsyncIterator[Runner]:
+    supervisor = Runner(config, **kwargs)
     await supervisor.start()
     try:
         yield supervisor

@@ -9,7 +9,7 @@ import time
 from decimal import Decimal
 
 from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, PublishResult
-from router import Supervisor
+from router import Runner
 from router.relay.store import Claim
 from tests.conftest import make_config
 from tests.integration.events import OrderPlaced
@@ -49,7 +49,7 @@ async def test_a_stream_held_behind_a_retry_is_not_claimed_until_the_retry_is_du
     def factory(name: str, settings: BrokerSettings) -> Broker:
         return MemoryBroker(name, handler=failing_first)
 
-    supervisor = Supervisor(config, broker_factory=factory, serve_http=False, run_cleanup=False)
+    supervisor = Runner(config, broker_factory=factory, serve_http=False, run_cleanup=False)
     store = supervisor.stores["main"]
     claims: list[float] = []
     claim = store.claim

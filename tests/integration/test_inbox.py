@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from brokers import OutgoingMessage, create_broker
 from envelopes import RouterError, make_internal_envelope, message_id_of, render, uuid7
-from router.ops._schema import inbox as inbox_table
+from router.ops.schema import inbox as inbox_table
 from router.write.inbox import Inbox, inbox_middleware
 from tests.conftest import Database
 from tests.contract.harnesses import RABBIT_URL

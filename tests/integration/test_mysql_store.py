@@ -337,7 +337,7 @@ def test_a_missing_driver_names_the_database_and_the_extra(
 
 def test_loading_a_mysql_config_imports_no_driver() -> None:
     code = (
-        "import sys, router, router.ops.cli\n"
+        "import sys, router, router.cli.main\n"
         "router.parse_config('databases: {main: mariadb://u@h/db}\\n"
         "brokers: {events: {type: memory, internal: true}}\\n')\n"
         "print('asyncmy' in sys.modules)"

@@ -11,9 +11,9 @@ import nats
 import pytest
 
 from router import Outbox
-from router.ops.backlog import BacklogWatch
 from router.ops.operations import set_paused
 from router.ops.status import status
+from router.serve.backlog import BacklogWatch
 from tests.conftest import NATS_URL, Database, NatsStreams, make_config, nats_broker
 from tests.integration.events import OrderPlaced
 from tests.integration.test_delivery import serving, wait_until
@@ -96,7 +96,7 @@ async def test_a_runaway_backlog_alerts_or_pauses_its_target(
     )
     outbox = Outbox(config)
     watch = BacklogWatch(config, interval=0.05)
-    caplog.set_level(logging.INFO, logger="router.ops.backlog")
+    caplog.set_level(logging.INFO, logger="router.serve.backlog")
 
     async def check() -> None:
         async with watch._engines() as engines:

@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from brokers import Broker, BrokerSettings, MemoryBroker
-from router import Event, Outbox, Supervisor
+from router import Event, Outbox, Runner
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from router.relay.store.sqlite import SqliteStore
@@ -34,7 +34,7 @@ async def test_a_commit_in_process_wakes_the_processor_at_once(tmp_path: Path) -
     def factory(name: str, settings: BrokerSettings) -> Broker:
         return broker
 
-    supervisor = Supervisor(config, broker_factory=factory)
+    supervisor = Runner(config, broker_factory=factory)
     store = supervisor.stores["main"]
     assert isinstance(store, SqliteStore)
     store.watch_interval = 3600  # the file watcher would wake it too: take it out of play

@@ -46,7 +46,7 @@ def _loaded_after(code: str, packages: tuple[str, ...] = SDKS) -> list[str]:
     "code",
     [
         "import router",
-        "import router.ops.cli",
+        "import router.cli.main",
         "import brokers, brokers.kafka, brokers.redis, brokers.rabbitmq, brokers.servicebus",
         f"import router; router.parse_config({CONFIG!r})",
     ],
@@ -57,7 +57,7 @@ def test_no_broker_sdk_is_imported(code: str) -> None:
 
 def test_help_loads_no_broker_sdk() -> None:
     code = (
-        "import sys, contextlib, io\nfrom router.ops.cli import main\n"
+        "import sys, contextlib, io\nfrom router.cli.main import main\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--help'])"
     )
@@ -112,7 +112,7 @@ def test_a_worker_imports_nothing_of_the_write_path_or_the_other_commands() -> N
     # What `router serve` imports before its first claim: SQLAlchemy (the write path and
     # the operator commands) and alembic (init-db) would cost it a third of a second.
     code = (
-        "import router, router.ops.cli, router.ops.supervisor, router.ops.workers, "
+        "import router, router.cli.main, router.serve.runner, router.serve.workers, "
         "router.relay.store.postgres, router.relay.store.sqlite"
     )
     assert _loaded_after(code, ("sqlalchemy", "alembic", "jsonschema")) == []
@@ -129,6 +129,7 @@ def test_the_package_exports_every_name_on_first_use() -> None:
 
 
 def test_the_help_names_the_contract_lock_file() -> None:
-    from router.ops import cli, contract
+    from router.cli import contract as command
+    from router.ops import contract
 
-    assert cli.LOCK_FILE == contract.LOCK_FILE
+    assert command.LOCK_FILE == contract.LOCK_FILE

@@ -150,7 +150,7 @@ def test_faststream_warnings_and_a_crash_come_out_as_redacted_json() -> None:
     done = python(
         """
         import logging, warnings
-        from router.ops._logs import setup_logging
+        from router.cli.logs import setup_logging
         from router._secrets import Redactor
         setup_logging("info", "json", Redactor(["pw-1234"]))
         import faststream.redis
@@ -181,7 +181,7 @@ def test_driver_chatter_is_shown_at_debug_and_sql_never() -> None:
     done = python(
         """
         import json, logging
-        from router.ops._logs import setup_logging
+        from router.cli.logs import setup_logging
         names = ("aiokafka", "aio_pika", "azure", "faststream", "asyncio", "sqlalchemy", "router")
         for level in ("debug", "info", "error"):
             setup_logging(level, "json")

@@ -11,7 +11,7 @@ from pydantic import BaseModel, SecretStr
 
 from router import parse_config
 from router._secrets import RedactingFilter, Redactor, secrets_of
-from router.ops._logs import JsonFormatter, TextFormatter
+from router.cli.logs import JsonFormatter, TextFormatter
 
 CONFIG = """
 databases:

@@ -159,7 +159,7 @@ def _sample_event(event_class: type[Event]) -> Event:
 
 def _render(settings: BrokerSettings, stored: str) -> WireMessage:
     """As the processor publishes a row to this broker: downcast to a pinned version
-    (``router.ops.supervisor`` gives a pinned broker's processor this transform), then
+    (``router.serve.runner`` gives a pinned broker's processor this transform), then
     rendered."""
     if settings.versions:
         try:

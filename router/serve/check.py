@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from brokers import BrokerSettings, create_broker
 from envelopes import MissingDestination, RouterError
 from router.config import RouterConfig
-from router.ops._embedded import EmbeddedRun, embedded_brokers
 from router.ops.migrate import current_revision, head_revision
+from router.serve.embedded import EmbeddedRun, embedded_brokers
 
 __all__ = ["CheckResult", "run_checks"]
 

@@ -13,11 +13,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from router._secrets import Redactor
+from router.cli.output import EXIT_OK, table
 from router.config import RouterConfig
 
 __all__ = ["add_parser", "status"]
 
-EXIT_OK = 0
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 
 
@@ -26,6 +26,7 @@ def add_parser(commands: Any) -> None:
     status_ = commands.add_parser("status", help="backlog, failures and circuits per target")
     status_.add_argument("--database", help="only this database")
     status_.add_argument("--json", action="store_true", help="machine-readable output")
+    status_.set_defaults(run=status)
     status_.add_argument(
         "--watch",
         nargs="?",
@@ -68,8 +69,6 @@ async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 
 
 def _human(rows: list[Any]) -> str:
-    from router.ops._tables import table
-
     backlog = table(
         [
             "database",

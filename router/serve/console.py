@@ -4,7 +4,7 @@ discard, the message browser, one message as each target receives it, the audit 
 Shared by a single router and by the parent of a worker pool.
 
 ``StatusService`` holds the routes (async functions returning ``Response``);
-``router.ops.http_app`` serves them with Starlette on uvicorn and holds the token rules. With a
+``router.serve.http_app`` serves them with Starlette on uvicorn and holds the token rules. With a
 token configured, every route but ``/healthz`` and ``/readyz`` (and the dashboard page itself,
 which holds no data and asks for the token) needs ``Authorization: Bearer <token>``; without
 one, the routes that change state are off. The operator API answers through the config's
@@ -34,7 +34,6 @@ from router.relay.metrics import BacklogCollector, counter_totals
 if TYPE_CHECKING:
     # The operator queries run on SQLAlchemy, imported at the first request that reads the
     # backlog: the server itself is up before the processors start, so it must cost little.
-    from router.ops.http_app import HttpServer
     from router.ops.status import TargetStatus
 
 __all__ = ["Action", "Params", "Query", "Response", "Route", "StatusService", "json_response"]
@@ -99,13 +98,6 @@ class StatusService:
         self._lock = asyncio.Lock()
         self._error: str | None = None
         self._redact = Redactor(secrets_of(config))
-
-    def server(self) -> HttpServer:
-        """An HTTP server with every route, on ``http.bind``."""
-        # Starlette and uvicorn: imported when the console starts, after the processors.
-        from router.ops.http_app import HttpServer, build_app
-
-        return HttpServer(self.config.http.host, self.config.http.port, build_app(self))
 
     def routes(self) -> dict[str, Route]:
         """The GET routes by path."""
@@ -215,7 +207,7 @@ class StatusService:
 
     async def dashboard(self) -> Response:
         """A self-contained page that polls /api/outbox and draws the figures."""
-        page = resources.files("router.ops").joinpath("dashboard.html").read_bytes()
+        page = resources.files("router.serve").joinpath("dashboard.html").read_bytes()
         return Response(200, page, "text/html; charset=utf-8")
 
     async def set_paused(self, database: str, target: str, *, paused: bool, by: str) -> Response:

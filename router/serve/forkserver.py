@@ -32,11 +32,21 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["FORKSERVER_NAME", "ForkedWorker", "Forkserver", "die_with_parent", "worker_pids"]
+__all__ = [
+    "FORKSERVER_NAME",
+    "Entry",
+    "ForkedWorker",
+    "Forkserver",
+    "die_with_parent",
+    "worker_pids",
+]
 
 log = logging.getLogger(__name__)
 
 FORKSERVER_NAME = "router-forksrv"
+
+Entry = Callable[[Sequence[str]], int]
+"""What a forked worker runs: a ``main(argv)`` that returns the exit code."""
 """The fork server's process name (``/proc/<pid>/comm``): not a worker."""
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
@@ -82,9 +92,11 @@ class Forkserver:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def start(cls, preload: Callable[[], None]) -> Forkserver | None:
+    def start(cls, preload: Callable[[], None], entry: Entry) -> Forkserver | None:
         """Fork the server; None where it cannot work. Call before any event loop or
-        thread exists: the fork copies this process as it is."""
+        thread exists: the fork copies this process as it is. Each worker runs
+        ``entry(argv)`` (the ``router`` command's main, handed down so this module need not
+        import the command line)."""
         if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
             return None
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
@@ -95,7 +107,7 @@ class Forkserver:
             code = 0
             try:
                 ours.close()
-                _serve(theirs, preload)
+                _serve(theirs, preload, entry)
             except BaseException:
                 code = 1
             finally:
@@ -105,7 +117,7 @@ class Forkserver:
         return cls(ours, pid)
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str], fd: int) -> ForkedWorker:
-        """Fork a worker that runs ``cli.main(argv)`` with ``env`` added to its environment,
+        """Fork a worker that runs ``entry(argv)`` with ``env`` added to its environment,
         holding a copy of ``fd`` (named by ``$ROUTER_READY_FD``); ``OSError`` if it cannot."""
         request = json.dumps({"argv": list(argv), "env": dict(env)}).encode()
         loop = asyncio.get_running_loop()
@@ -170,7 +182,9 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
-def _serve(sock: socket.socket, preload: Callable[[], None]) -> None:  # pragma: no cover
+def _serve(
+    sock: socket.socket, preload: Callable[[], None], entry: Entry
+) -> None:  # pragma: no cover
     """The fork server's loop (its own process): one worker per request until end of file."""
     name = _name(os.getpid()) or "router"
     _prctl(_PR_SET_NAME, FORKSERVER_NAME.encode())
@@ -192,20 +206,22 @@ def _serve(sock: socket.socket, preload: Callable[[], None]) -> None:  # pragma:
             middle = 0
         else:
             if middle == 0:
-                _middle(sock, message, fds, pool, name)
+                _middle(sock, message, fds, pool, name, entry)
         for fd in fds:
             os.close(fd)
         if middle:
             os.waitpid(middle, 0)
 
 
-def _middle(sock: socket.socket, message: bytes, fds: list[int], pool: int, name: str) -> None:
+def _middle(
+    sock: socket.socket, message: bytes, fds: list[int], pool: int, name: str, entry: Entry
+) -> None:
     """Fork the worker, say its pid, exit: the worker is re-parented to the pool's parent."""
     try:
         worker = os.fork()
         if worker == 0:
             _prctl(_PR_SET_NAME, name.encode())  # a worker is named as its parent is
-            _worker(sock, json.loads(message), fds, pool)
+            _worker(sock, json.loads(message), fds, pool, entry)
         sock.send(str(worker).encode())
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -215,7 +231,7 @@ def _middle(sock: socket.socket, message: bytes, fds: list[int], pool: int, name
 
 
 def _worker(
-    sock: socket.socket, request: dict[str, object], fds: list[int], pool: int
+    sock: socket.socket, request: dict[str, object], fds: list[int], pool: int, entry: Entry
 ) -> None:  # pragma: no cover
     """Become ``router serve --child``: never returns."""
     code = 1
@@ -236,12 +252,10 @@ def _worker(
         assert isinstance(argv, list)
         os.environ.update({str(k): str(v) for k, v in env.items()})
         if fds:
-            from router.ops.supervisor import READY_FD
+            from router.serve.runner import READY_FD
 
             os.environ[READY_FD] = str(fds[0])
-        from router.ops.cli import main
-
-        code = main([str(a) for a in argv])
+        code = entry([str(a) for a in argv])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -1,44 +1,88 @@
-"""The operator commands of ``router``: status, requeue, trace, pause/resume, cleanup,
-preview and contract, each printing a table (or ``--json``) and returning its exit code.
+"""The outbox's rows, for operators: ``router requeue``, ``trace``, ``pause``/``resume`` and
+``cleanup``; each prints a table (or ``--json``) and returns its exit code.
 
-Each imports what it uses when it runs (SQLAlchemy for the database queries, the contract
-tools...): ``router.ops.cli`` imports this module for every command, ``router serve`` too.
+Each imports what it uses when it runs (SQLAlchemy for the database queries): the parser
+imports this module for every command, ``router serve`` too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from envelopes import ConfigError, StagingError
 from router._secrets import Redactor
+from router.cli.arguments import moment
+from router.cli.output import EXIT_FAILED, EXIT_OK, emit
 from router.config import RouterConfig
-from router.write.catalog import load_catalog
 
 __all__ = [
-    "EXIT_CONFIG",
-    "EXIT_FAILED",
-    "EXIT_OK",
+    "add_cleanup",
+    "add_pause_resume",
+    "add_requeue",
+    "add_trace",
     "cleanup",
-    "contract",
     "pause",
-    "preview",
     "requeue",
     "trace",
 ]
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+def add_requeue(commands: Any) -> None:
+    """Register ``router requeue``."""
+    requeue_ = commands.add_parser("requeue", help="put abandoned (or failed) rows back to pending")
+    requeue_.add_argument("--database", help="only this database")
+    requeue_.add_argument(
+        "--target", action="append", default=[], help="only this target (repeatable)"
+    )
+    requeue_.add_argument(
+        "--event-type", action="append", default=[], help="only this event type (repeatable)"
+    )
+    requeue_.add_argument("--error", help="only rows whose last error contains this text")
+    requeue_.add_argument(
+        "--since", type=moment, help="created at or after (ISO 8601 or 2h, 1d ago)"
+    )
+    requeue_.add_argument("--until", type=moment, help="created before (ISO 8601 or 2h, 1d ago)")
+    requeue_.add_argument(
+        "--failed",
+        action="store_true",
+        help="also rows waiting to retry (default: only abandoned ones)",
+    )
+    requeue_.add_argument(
+        "--group", metavar="G", help="exactly the rows of failure group G (router groups)"
+    )
+    requeue_.add_argument("--dry-run", action="store_true", help="only count what would change")
+    requeue_.add_argument("--json", action="store_true")
+    requeue_.set_defaults(run=requeue)
 
 
-def emit(args: argparse.Namespace, document: Any, human: str, redactor: Redactor) -> None:
-    """``human``, or with ``--json`` the document; either way with every secret masked (an
-    error text may quote a URL with its password)."""
-    print(redactor(json.dumps(document, indent=2, default=str) if args.json else human))
+def add_trace(commands: Any) -> None:
+    """Register ``router trace``."""
+    trace_ = commands.add_parser("trace", help="every target's row of one event")
+    trace_.add_argument("message_id")
+    trace_.add_argument("--json", action="store_true")
+    trace_.set_defaults(run=trace)
+
+
+def add_pause_resume(commands: Any) -> None:
+    """Register ``router pause`` and ``router resume``."""
+    for verb, text in (
+        ("pause", "stop claiming a target's rows (every worker)"),
+        ("resume", "claim a paused target's rows again"),
+    ):
+        command = commands.add_parser(verb, help=text)
+        command.add_argument("target")
+        command.add_argument("--database", help="only this database")
+        command.add_argument("--json", action="store_true")
+        command.set_defaults(run=pause)
+
+
+def add_cleanup(commands: Any) -> None:
+    """Register ``router cleanup``."""
+    cleanup_ = commands.add_parser("cleanup", help="delete rows past their retention")
+    cleanup_.add_argument("--database", help="only this database")
+    cleanup_.add_argument("--json", action="store_true")
+    cleanup_.set_defaults(run=cleanup)
 
 
 async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
@@ -46,7 +90,7 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
     from router.ops.audit import cli_actor
 
     if args.group:
-        from router.ops.commands_groups import requeue_group
+        from router.cli.groups import requeue_group
 
         return await requeue_group(config, args, redactor)
     statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
@@ -157,67 +201,6 @@ async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Reda
         redactor,
     )
     return EXIT_OK
-
-
-async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops.preview import preview, preview_block, side_by_side_table
-
-    try:
-        previews = preview(
-            config,
-            load_catalog(config.events, config.base_dir),
-            args.event_type,
-            targets=None if args.all_targets else args.target,
-            database=args.database,
-            version=args.version,
-            payload=args.payload,
-            stream_key=args.stream_key,
-            headers=_pairs(args.header, "--header"),
-            extensions=_pairs(args.extension, "--extension"),
-        )
-    except (ConfigError, StagingError) as exc:
-        print(f"router: {redactor(str(exc))}", file=sys.stderr)
-        return EXIT_CONFIG
-    side_by_side = args.all_targets or len(previews) > 1
-    human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
-    emit(args, [p.as_dict() for p in previews], human, redactor)
-    return EXIT_OK
-
-
-async def contract(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import contract
-
-    path = Path(args.file) if getattr(args, "file", None) else config.base_dir / contract.LOCK_FILE
-    try:
-        catalog = load_catalog(config.events, config.base_dir)
-        if args.contract_command == "export":
-            print(contract.export(config, catalog, args.out), end="")
-            return EXIT_OK
-        if args.contract_command == "lock":
-            print(contract.lock(config, catalog, path))
-            return EXIT_OK
-        result = contract.check(config, catalog, path)
-    except ConfigError as exc:
-        print(f"router: {redactor(str(exc))}", file=sys.stderr)
-        return EXIT_CONFIG
-    if result is None:
-        print(
-            f"router: no contract lock at {contract.shown(path)}; run `router contract lock`",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    emit(args, result.as_dict(), result.human(), redactor)
-    return EXIT_FAILED if result.breaking else EXIT_OK
-
-
-def _pairs(items: Sequence[str], option: str) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"{option} takes NAME=VALUE, got {item!r}")
-        pairs[name] = value
-    return pairs
 
 
 def _span(duration: timedelta) -> str:

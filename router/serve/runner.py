@@ -1,4 +1,4 @@
-"""The supervisor behind ``router serve``: one processor per (database, broker) target.
+"""What ``router serve`` runs in one process: one processor per (database, broker) target.
 
 Every database gets a store and a watcher (NOTIFY on PostgreSQL, the WAL watcher on SQLite)
 that wakes the processors of the targets with new rows. A database that is down only stalls
@@ -23,10 +23,10 @@ from brokers import Broker, BrokerSettings, create_broker
 from envelopes import DatabaseError, RouterError, SchemaError
 from router._local import database_key, register
 from router.config import RouterConfig
-from router.ops._embedded import embedded_brokers
 from router.relay.metrics import Metrics
 from router.relay.processor import Processor
 from router.relay.store import OutboxStore, open_store
+from router.serve.embedded import embedded_brokers
 from router.write.catalog import check_partners, load_catalog
 from router.write.pinning import Pinning
 
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
     # The console (Starlette, uvicorn) and the operator queries (SQLAlchemy) are imported when
     # they start, after the processors: time a worker would otherwise spend before its first
     # claim.
-    from router.ops.http_app import HttpServer
+    from router.serve.http_app import HttpServer
 
 __all__ = [
     "INSTANCE",
     "BrokerFactory",
-    "Supervisor",
+    "Runner",
     "backlog_loop",
     "check_config_schemas",
     "check_schemas",
@@ -96,7 +96,7 @@ def tell_parent_ready(worker_id: str) -> None:
             os.close(descriptor)
 
 
-class Supervisor:
+class Runner:
     """Starts, wakes and stops every processor of a config."""
 
     def __init__(
@@ -174,10 +174,12 @@ class Supervisor:
             key = database_key(self.config.databases[name], self.config.base_dir)
             self._exit_stack.callback(register(key, functools.partial(self._announced, name)))
         if self.config.http.enabled and self._serve_http:
-            from router.ops.console import StatusService
+            # Starlette and uvicorn: imported when the console starts, after the processors.
+            from router.serve.console import StatusService
+            from router.serve.http_app import console_server
 
             service = StatusService(self.config, self.metrics.registry, self._health)
-            self.http = service.server()
+            self.http = console_server(service)
             await self.http.start()
             self._exit_stack.push_async_callback(self.http.stop)
         if self._run_cleanup:
@@ -292,10 +294,10 @@ async def check_config_schemas(config: RouterConfig) -> None:
 
 
 async def backlog_loop(config: RouterConfig) -> None:
-    """Apply the targets' ``on_backlog`` rules (router.ops.backlog), if any target has one."""
+    """Apply the targets' ``on_backlog`` rules (router.serve.backlog), if any target has one."""
     if not any(b.on_backlog for db in config.databases for b in config.brokers_of(db).values()):
         return
-    from router.ops.backlog import BACKLOG_CHECK_SECONDS, BacklogWatch  # SQLAlchemy: later
+    from router.serve.backlog import BACKLOG_CHECK_SECONDS, BacklogWatch  # SQLAlchemy: later
 
     await asyncio.sleep(BACKLOG_CHECK_SECONDS)  # not in the way of the first claims
     await BacklogWatch(config).run()

@@ -34,7 +34,7 @@ from starlette.responses import Response as StarletteResponse
 from starlette.routing import Route as StarletteRoute
 
 from envelopes import RouterError
-from router.ops.console import (
+from router.serve.console import (
     OPEN_ROUTES,
     Action,
     Params,
@@ -45,9 +45,9 @@ from router.ops.console import (
 )
 
 if TYPE_CHECKING:
-    from router.ops.console import StatusService
+    from router.serve.console import StatusService
 
-__all__ = ["HttpServer", "build_app"]
+__all__ = ["HttpServer", "build_app", "console_server"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,11 @@ Endpoint = Callable[[Request], Awaitable[StarletteResponse]]
 # server itself is given STOP_WAIT in all, so a stuck request never holds up a shutdown.
 GRACE = 1
 STOP_WAIT = 1.5
+
+
+def console_server(service: StatusService) -> HttpServer:
+    """An HTTP server with every route of ``service``, on ``http.bind``."""
+    return HttpServer(service.config.http.host, service.config.http.port, build_app(service))
 
 
 def build_app(service: StatusService) -> Starlette:

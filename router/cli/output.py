@@ -1,10 +1,25 @@
-"""Plain text tables for the commands' human output."""
+"""What the commands print and return: exit codes, ``--json`` or human text, aligned tables."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["table"]
+from router._secrets import Redactor
+
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "emit", "table"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and something it checked or did failed
+EXIT_CONFIG = 2  # it could not run: the config, the arguments or the schema are wrong
+
+
+def emit(args: argparse.Namespace, document: Any, human: str, redactor: Redactor) -> None:
+    """``human``, or with ``--json`` the document; either way with every secret masked (an
+    error text may quote a URL with its password)."""
+    print(redactor(json.dumps(document, indent=2, default=str) if args.json else human))
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: int = 0) -> str:

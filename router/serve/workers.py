@@ -13,7 +13,7 @@ NOTIFY on PostgreSQL, the file watcher on SQLite, the watch poll on MySQL (at it
 within its ``watch_interval``). The dead worker's streams go on within a second instead of
 after its lease.
 
-A worker is *ready* once its Supervisor has started its processors; it says so by writing
+A worker is *ready* once its Runner has started its processors; it says so by writing
 ``ready <id>`` on a pipe the parent passed it (``$ROUTER_READY_FD``). A pipe needs no port, no
 file and no polling, and its end of file tells a worker that died before it was ready. A worker
 that dies after it was ready is replaced at once; one that dies before (a broken config or
@@ -42,10 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.config import RouterConfig
-from router.ops._embedded import embedded_brokers
-from router.ops.console import StatusService
-from router.ops.forkserver import Forkserver, die_with_parent
-from router.ops.supervisor import (
+from router.relay.metrics import multiprocess_registry
+from router.relay.store import OutboxStore, open_store
+from router.serve.console import StatusService
+from router.serve.embedded import embedded_brokers
+from router.serve.forkserver import Entry, Forkserver, die_with_parent
+from router.serve.runner import (
     PID,
     READY_FD,
     backlog_loop,
@@ -54,10 +56,8 @@ from router.ops.supervisor import (
     new_worker_id,
     with_pid,
 )
-from router.relay.metrics import multiprocess_registry
-from router.relay.store import OutboxStore, open_store
 
-__all__ = ["WorkerPool"]
+__all__ = ["WorkerSupervisor"]
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,21 @@ class Worker:
         return delay
 
 
-class WorkerPool:
-    """Runs and supervises ``count`` worker processes."""
+class WorkerSupervisor:
+    """The process supervisor of ``router serve --workers N``: starts ``count`` worker
+    processes, restarts one that dies (freeing its leases first) and stops them all."""
 
     def __init__(
-        self, config: RouterConfig, count: int, child_args: Sequence[str], *, fork: bool = True
+        self,
+        config: RouterConfig,
+        count: int,
+        child_args: Sequence[str],
+        *,
+        entry: Entry,
+        fork: bool = True,
     ) -> None:
         """Make the pool before any event loop runs: with ``fork``, its fork server is a copy
-        of this process as it is now (``router.ops.forkserver``)."""
+        of this process as it is now (``router.serve.forkserver``)."""
         self.config = config
         self.workers = [Worker(i) for i in range(count)]
         self._child_args = list(child_args)
@@ -124,7 +131,7 @@ class WorkerPool:
         # before the fork server imports prometheus_client, which reads it on import.
         self._metrics_dir = tempfile.mkdtemp(prefix="router-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
-        self._forkserver = Forkserver.start(lambda: _preload(config)) if fork else None
+        self._forkserver = Forkserver.start(lambda: _preload(config), entry) if fork else None
         self._closing: asyncio.Task[None] | None = None
         self._stores: dict[str, OutboxStore] = {}
         self._stopping = False
@@ -145,10 +152,12 @@ class WorkerPool:
             await check_schemas(self._stores)
             await stack.enter_async_context(embedded_brokers(self.config))
             if self.config.http.enabled:
+                from router.serve.http_app import console_server  # Starlette, uvicorn: now
+
                 service = StatusService(
                     self.config, multiprocess_registry(self._metrics_dir), self._health
                 )
-                http = service.server()
+                http = console_server(service)
                 await http.start()
                 stack.push_async_callback(http.stop)
             stack.callback(asyncio.Task.cancel, asyncio.create_task(cleanup_loop(self.config)))
@@ -379,7 +388,7 @@ class WorkerPool:
 def _preload(config: RouterConfig) -> None:
     """In the fork server: import what a worker of ``config`` imports before its first claim
     (its database's store, its brokers' adapters and client libraries)."""
-    importlib.import_module("router.ops.supervisor")
+    importlib.import_module("router.serve.runner")
     stores = {"sqlite": "router.relay.store.sqlite", "mysql": "router.relay.store.mysql"}
     modules = {
         stores.get(db.kind, "router.relay.store.postgres") for db in config.databases.values()

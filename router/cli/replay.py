@@ -10,19 +10,18 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any, TextIO
 
 from router._secrets import Redactor
+from router.cli.arguments import moment
+from router.cli.output import EXIT_OK
 from router.config import RouterConfig
 
 __all__ = ["add_parser", "replay"]
 
-EXIT_OK, EXIT_FAILED = 0, 1
 
-
-def add_parser(commands: Any, moment: Callable[[str], datetime]) -> None:
-    """Register ``router replay`` (``moment`` parses --since/--until as the other commands)."""
+def add_parser(commands: Any) -> None:
+    """Register ``router replay``."""
     replay_ = commands.add_parser(
         "replay",
         help="send a target's retained events again, or backfill a new target",
@@ -49,6 +48,7 @@ def add_parser(commands: Any, moment: Callable[[str], datetime]) -> None:
     replay_.add_argument("--resume", type=int, metavar="AUDIT_ID", help="continue this replay")
     replay_.add_argument("--dry-run", action="store_true", help="only count")
     replay_.add_argument("--json", action="store_true", help="JSON lines, even on a terminal")
+    replay_.set_defaults(run=replay)
 
 
 def _rate(text: str) -> float:

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from brokers import OnBacklog
 from envelopes import RouterError
 from router.config import RouterConfig
-from router.ops._schema import outbox
+from router.ops.schema import outbox
 
 __all__ = ["BACKLOG_CHECK_SECONDS", "BacklogWatch", "queued"]
 

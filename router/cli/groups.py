@@ -1,7 +1,7 @@
 """The failure-group commands of ``router`` and the audit trail: groups, requeue --group,
 discard, audit; each printing a table (or ``--json``) and returning its exit code.
 
-Like ``router.ops.commands``, each imports what it uses when it runs.
+Like the other commands, each imports what it uses when it runs.
 """
 
 from __future__ import annotations
@@ -11,19 +11,61 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from router._secrets import Redactor
+from router.cli.arguments import positive
+from router.cli.output import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, emit, table
 from router.config import RouterConfig
-from router.ops.commands import emit
 
 if TYPE_CHECKING:
     from router.ops.groups import FailureGroup
 
-__all__ = ["audit", "discard", "groups", "requeue_group"]
+__all__ = [
+    "add_audit",
+    "add_discard",
+    "add_groups",
+    "audit",
+    "discard",
+    "groups",
+    "requeue_group",
+]
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+def add_groups(commands: Any) -> None:
+    """Register ``router groups``."""
+    groups_ = commands.add_parser(
+        "groups", help="failed and abandoned rows grouped by what went wrong"
+    )
+    groups_.add_argument("--database", help="only this database")
+    groups_.add_argument("--target", help="only this target")
+    groups_.add_argument("--json", action="store_true")
+    groups_.set_defaults(run=groups)
+
+
+def add_discard(commands: Any) -> None:
+    """Register ``router discard``."""
+    discard_ = commands.add_parser(
+        "discard", help="delete a failure group's rows: they will never be sent"
+    )
+    discard_.add_argument(
+        "--group", metavar="G", required=True, help="the failure group (router groups)"
+    )
+    discard_.add_argument("--database", help="only look for the group in this database")
+    discard_.add_argument("--dry-run", action="store_true", help="only count what would go")
+    discard_.add_argument("--json", action="store_true")
+    discard_.set_defaults(run=discard)
+
+
+def add_audit(commands: Any) -> None:
+    """Register ``router audit``."""
+    audit_ = commands.add_parser("audit", help="who requeued, discarded, paused or resumed what")
+    audit_.add_argument("--database", help="only this database")
+    audit_.add_argument(
+        "--limit", type=positive, default=50, help="the latest N actions (default 50)"
+    )
+    audit_.add_argument("--json", action="store_true")
+    audit_.set_defaults(run=audit)
 
 
 async def groups(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops._tables import table
     from router.ops.groups import list_groups
 
     found = await list_groups(config, args.database, args.target)
@@ -125,7 +167,6 @@ def _counted(
 
 
 async def audit(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops._tables import table
     from router.ops.audit import history
 
     rows = await history(config, args.database, args.limit)

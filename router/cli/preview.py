@@ -1,0 +1,122 @@
+"""``router preview``: the exact message each target would receive for an event."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from envelopes import ConfigError, StagingError
+from router._secrets import Redactor
+from router.cli.arguments import pairs, positive
+from router.cli.output import EXIT_CONFIG, EXIT_OK, emit, table
+from router.config import RouterConfig
+from router.write.catalog import load_catalog
+
+if TYPE_CHECKING:
+    from router.ops.preview import Preview
+
+__all__ = ["add_parser", "preview", "preview_block", "side_by_side_table"]
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``router preview``."""
+    preview_ = commands.add_parser(
+        "preview", help="the exact message each target would get for an event"
+    )
+    preview_.add_argument("event_type", metavar="EVENT_TYPE")
+    preview_.add_argument(
+        "--target", action="append", help="this target only (repeatable; default: all of them)"
+    )
+    preview_.add_argument(
+        "--all-targets", action="store_true", help="every target of the event, side by side"
+    )
+    given = preview_.add_mutually_exclusive_group()
+    given.add_argument("--payload", metavar="JSON", help="the event's fields as JSON")
+    given.add_argument(
+        "--example", action="store_true", help="an example made from the event class (default)"
+    )
+    preview_.add_argument("--version", type=positive, help="this version of the event type")
+    preview_.add_argument("--database", help="as staged in this database")
+    preview_.add_argument("--stream-key", help="the stream key to stage with")
+    preview_.add_argument(
+        "--header", action="append", default=[], metavar="NAME=VALUE", help="a staged header"
+    )
+    preview_.add_argument(
+        "--extension", action="append", default=[], metavar="NAME=VALUE", help="an extension"
+    )
+    preview_.add_argument("--json", action="store_true")
+    preview_.set_defaults(run=preview)
+
+
+async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
+    from router.ops.preview import preview
+
+    try:
+        previews = preview(
+            config,
+            load_catalog(config.events, config.base_dir),
+            args.event_type,
+            targets=None if args.all_targets else args.target,
+            database=args.database,
+            version=args.version,
+            payload=args.payload,
+            stream_key=args.stream_key,
+            headers=pairs(args.header, "--header"),
+            extensions=pairs(args.extension, "--extension"),
+        )
+    except (ConfigError, StagingError) as exc:
+        print(f"router: {redactor(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIG
+    side_by_side = args.all_targets or len(previews) > 1
+    human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
+    emit(args, [p.as_dict() for p in previews], human, redactor)
+    return EXIT_OK
+
+
+def preview_block(item: Preview) -> str:
+    """One target's message, as it would be sent."""
+    width = max((len(name) for name in item.wire.headers), default=0)
+    lines = [
+        f"target       {item.target} ({item.kind}, {item.profile} profile)",
+        f"destination  {item.destination}",
+        "headers",
+        *(f"  {name.ljust(width)}  {value}" for name, value in item.wire.headers.items()),
+        f"body ({item.wire.content_type}, {len(item.wire.body):,} bytes)",
+        json.dumps(item.body_document(), indent=2, ensure_ascii=False),
+    ]
+    return "\n".join(lines)
+
+
+def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
+    """Every target in a column; a row per destination, header and body member, with '-'
+    where a target does not get it."""
+    rows: dict[str, list[str | None]] = {}
+
+    def put(key: str, column: int, value: Any) -> None:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        cut = text if len(text) <= width else text[: width - 1] + "…"
+        rows.setdefault(key, [None] * len(items))[column] = cut
+
+    for column, item in enumerate(items):
+        put("destination", column, item.destination)
+        put("profile", column, item.profile)
+        for name, value in item.wire.headers.items():
+            put(f"header {name}", column, value)
+        for path, value in _flatten(item.body_document()):
+            put(f"body {path}", column, value)
+    header = ["", *(f"{item.target} ({item.kind})" for item in items)]
+    return table(header, [[key, *values] for key, values in rows.items()])
+
+
+def _flatten(document: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted path, value)`` for every leaf of a JSON document (an empty map is a leaf)."""
+    if isinstance(document, dict) and document:
+        return [
+            pair
+            for key, value in document.items()
+            for pair in _flatten(value, f"{prefix}.{key}" if prefix else key)
+        ]
+    return [(prefix or ".", document)]
