@@ -1,5 +1,6 @@
 """Fixtures shared by every test: real PostgreSQL and MariaDB databases, NATS streams, SQLite
-files, and ``database``: one test on a fresh database of each kind."""
+files, and ``database``: one test on a fresh database of each kind. Also the hook that marks
+the fast tier (``pytest -m fast``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ from tests.services import MARIADB, NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 NATS_URL = "nats://127.0.0.1:4222"
+
+# The fast tier, `pytest -m fast` (scripts/fast): tests that need no service running and start
+# no peer, for the inner loop. That is tests/unit/ (SQLite files and the in-memory broker). The
+# contract suite is not in it: every value of its `harness` (KINDS, tests/contract/conftest.py)
+# is a real broker or a peer the tests start; it has no in-memory one.
+FAST_FOLDERS = ("tests/unit/",)
+# Fixtures that reach a service or start a peer, directly or through the fixtures they use: a
+# test under FAST_FOLDERS that needs one (a unit test on PostgreSQL, say) stays out of the tier.
+SERVICE_FIXTURES = frozenset(
+    {
+        "pg_template",  # PostgreSQL (pg_databases, pg_url and database use it)
+        "mysql_databases",  # MariaDB (mysql_url and database use it)
+        "nats_streams",  # NATS JetStream
+        "kafka_peer",  # tansu, started per session
+        "servicebus_peer",  # the AMQP 1.0 Service Bus peer, started per session
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the fast tier: the tests under FAST_FOLDERS that use no SERVICE_FIXTURES."""
+    for item in items:
+        needs = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if item.nodeid.startswith(FAST_FOLDERS) and not needs:
+            item.add_marker(pytest.mark.fast)
 
 
 def database_url(name: str) -> str:
