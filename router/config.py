@@ -170,8 +170,9 @@ class HttpSettings(BaseModel):
     bind: str = Field("127.0.0.1:8642", description="host:port to listen on.")
     token: SecretStr | None = Field(
         None,
-        description="If set, every endpoint but /healthz and /readyz needs "
-        "'Authorization: Bearer <token>'. Take it from the environment: ${ROUTER_HTTP_TOKEN}.",
+        description="If set, every GET endpoint but /healthz, /readyz and the console page / "
+        "needs 'Authorization: Bearer <token>'; unset, the console's POST actions are off. Take "
+        "it from the environment: ${ROUTER_HTTP_TOKEN}.",
     )
     ready_requires_partners: bool = Field(
         False,
