@@ -87,8 +87,15 @@ class EventFilter(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    include: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
-    exclude: list[str] = Field(default_factory=list)
+    include: list[str] = Field(
+        default_factory=lambda: ["*"],
+        min_length=1,
+        description="Glob patterns of the event types sent; default: every published type.",
+    )
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns of event types not sent, even when included; default: none.",
+    )
 
     def matches(self, event_type: str) -> bool:
         """True when the type matches an include pattern and no exclude pattern."""
@@ -102,7 +109,9 @@ class RateLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    messages_per_second: float = Field(gt=0, description="The steady rate allowed.")
+    messages_per_second: float = Field(
+        gt=0, description="The steady rate allowed, in messages per second."
+    )
     burst: int | None = Field(
         None,
         ge=1,
@@ -125,14 +134,16 @@ class RateLimit(BaseModel):
 
 
 class OnBacklog(BaseModel):
-    """What to do when a target's queue (rows pending or waiting to retry) passes
-    ``max_rows``: ``alert`` (a warning in the log and a metric, delivery goes on) or
-    ``pause`` (the target is paused, as `router pause` does, until an operator resumes it)."""
+    """What to do when a target's queue (rows pending or waiting to retry) grows too long."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_rows: int = Field(ge=1, description="Queued rows allowed before the action.")
-    action: Literal["alert", "pause"] = Field("alert", description="alert | pause")
+    action: Literal["alert", "pause"] = Field(
+        "alert",
+        description="alert: a warning in the log and a metric, delivery goes on; pause: the "
+        "target is paused, as router pause does, until an operator resumes it.",
+    )
 
 
 class BrokerSettings(BaseModel):
@@ -140,11 +151,13 @@ class BrokerSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: str
+    type: str = Field(
+        description="The kind of broker, which decides the settings it takes besides these."
+    )
     internal: bool = Field(False, description="The owning system's own broker: gets every event.")
     envelope: Profile | None = Field(
         None,
-        description="internal | external | cloudevents; default: internal for the "
+        description="The envelope profile this broker receives; default: internal for the "
         "internal broker, external otherwise.",
     )
     omit: list[str] = Field(
@@ -157,7 +170,9 @@ class BrokerSettings(BaseModel):
         "the external envelope, and whole payloads.",
     )
     events: EventFilter | None = Field(
-        None, description="External brokers only: which published event types to send."
+        None,
+        description="External brokers only: which published event types to send; default: "
+        "all of them.",
     )
     versions: dict[str, int] = Field(
         default_factory=dict,
@@ -165,7 +180,10 @@ class BrokerSettings(BaseModel):
         "the current one; the event's downcasters make it (Event.downcaster).",
     )
     destination: str = Field(
-        "{destination}", description="Template for where each event goes on this broker."
+        "{destination}",
+        description="Template for where each event goes on this broker: {event_type}, "
+        "{destination}, {service} and {version} are replaced; the default is the destination "
+        "the event declares, else its type.",
     )
     cloudevents_mode: Literal["structured", "binary"] = Field(
         "structured",
@@ -180,13 +198,13 @@ class BrokerSettings(BaseModel):
     on_backlog: OnBacklog | None = Field(
         None,
         description="When this target's queue passes max_rows: alert (log and metric) or "
-        "pause it (load shedding for a runaway backlog).",
+        "pause it (load shedding for a runaway backlog); default: no limit.",
     )
     slo_seconds: float = Field(
         1.0,
         gt=0,
-        description="Commit-to-acknowledgement time this target should meet: status and "
-        "/metrics report the share of rows delivered within it.",
+        description="Commit-to-acknowledgement time this target should meet, in seconds: "
+        "status and /metrics report the share of rows delivered within it.",
     )
     connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     publish_timeout: float = Field(

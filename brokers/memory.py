@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from pydantic import Field
+
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers._settings import BrokerSettings
 from envelopes import BrokerUnavailable
@@ -26,7 +28,7 @@ Handler = Callable[[OutgoingMessage], PublishResult | None]
 class MemorySettings(BrokerSettings):
     """Settings of the in-memory broker (``type: memory``); for tests only."""
 
-    type: Literal["memory"]
+    type: Literal["memory"] = Field(description="The in-memory broker, for tests.")
 
 
 class MemoryBroker:

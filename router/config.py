@@ -45,9 +45,11 @@ class RetrySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_attempts: int = Field(10, ge=1, description="Attempts before a row is abandoned.")
-    base_delay: float = Field(1.0, gt=0, description="Seconds before the first retry.")
+    base_delay: float = Field(
+        1.0, gt=0, description="Seconds before the first retry; each later one doubles it."
+    )
     max_delay: float = Field(
-        300.0, gt=0, description="Cap of the doubling delay (jitter then spreads it by ±jitter)."
+        300.0, gt=0, description="Cap of the doubling delay, in seconds (then spread by ±jitter)."
     )
     jitter: float = Field(0.2, ge=0, le=1, description="Spread of each delay, as a fraction.")
 
@@ -102,7 +104,7 @@ class CircuitSettings(BaseModel):
         30.0, ge=0, description="Seconds of continuous unreachability before the circuit opens."
     )
     probe_max_delay: float = Field(
-        60.0, gt=0, description="Longest wait between two probes of an open circuit."
+        60.0, gt=0, description="Longest wait between two probes of an open circuit, in seconds."
     )
 
 
@@ -115,14 +117,19 @@ class OutboxSettings(BaseModel):
     lease_seconds: float = Field(
         30.0,
         gt=0,
-        description="How long a claim holds its rows before others may take them; extended "
+        description="Seconds a claim holds its rows before others may take them; extended "
         "while a batch is still being published.",
     )
     poll_interval: float = Field(
-        60.0, gt=0, description="Fallback poll when no wake-up arrives (NOTIFY covers PostgreSQL)."
+        60.0,
+        gt=0,
+        description="Seconds between fallback polls when no wake-up arrives (NOTIFY covers "
+        "PostgreSQL).",
     )
     max_payload_bytes: int = Field(
-        262_144, ge=1024, description="Largest stored envelope; stage() rejects bigger events."
+        262_144,
+        ge=1024,
+        description="Largest stored envelope, in bytes; stage() rejects bigger events.",
     )
     vacuum_after_rows: int = Field(
         50_000,
@@ -137,11 +144,19 @@ class OutboxSettings(BaseModel):
         "second); on: an fsync per claim and per mark.",
     )
     shutdown_grace_seconds: float = Field(
-        10.0, ge=0, description="How long a stopping router waits for in-flight publishes."
+        10.0, ge=0, description="Seconds a stopping router waits for in-flight publishes."
     )
-    retry: RetrySettings = Field(default_factory=RetrySettings)
-    circuit: CircuitSettings = Field(default_factory=CircuitSettings)
-    retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    retry: RetrySettings = Field(
+        default_factory=RetrySettings, description="When a failed row is tried again."
+    )
+    circuit: CircuitSettings = Field(
+        default_factory=CircuitSettings,
+        description="When a target stops claiming because its broker is unreachable.",
+    )
+    retention: RetentionSettings = Field(
+        default_factory=RetentionSettings,
+        description="How long finished rows are kept, and how often they are removed.",
+    )
 
 
 class HttpSettings(BaseModel):
@@ -149,12 +164,15 @@ class HttpSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True, description="Serve health checks, metrics and the console; false: no HTTP at all."
+    )
     bind: str = Field("127.0.0.1:8642", description="host:port to listen on.")
     token: SecretStr | None = Field(
         None,
-        description="If set, every endpoint but /healthz and /readyz needs "
-        "'Authorization: Bearer <token>'. Take it from the environment: ${ROUTER_HTTP_TOKEN}.",
+        description="If set, every GET endpoint but /healthz, /readyz and the console page / "
+        "needs 'Authorization: Bearer <token>'; unset, the console's POST actions are off. Take "
+        "it from the environment: ${ROUTER_HTTP_TOKEN}.",
     )
     ready_requires_partners: bool = Field(
         False,
@@ -241,10 +259,20 @@ class RouterConfig(BaseModel):
     service: str = Field(
         "app", pattern=NAME_PATTERN, description="This system's name: the envelopes' 'source'."
     )
-    databases: dict[str, DatabaseSettings] = Field(min_length=1)
-    brokers: dict[str, AnyBrokerSettings] = Field(min_length=1)
-    outbox: OutboxSettings = Field(default_factory=OutboxSettings)
-    http: HttpSettings = Field(default_factory=HttpSettings)
+    databases: dict[str, DatabaseSettings] = Field(
+        min_length=1,
+        description="The databases holding outbox rows, by name (a name may map to its URL alone).",
+    )
+    brokers: dict[str, AnyBrokerSettings] = Field(
+        min_length=1,
+        description="The brokers events are delivered to, by name; 'type' picks the kind.",
+    )
+    outbox: OutboxSettings = Field(
+        default_factory=OutboxSettings, description="How processors claim, publish and retry rows."
+    )
+    http: HttpSettings = Field(
+        default_factory=HttpSettings, description="The HTTP endpoint of router serve."
+    )
     events: list[str] = Field(
         default_factory=list,
         description="Modules that define this service's events (imported by serve, preview "

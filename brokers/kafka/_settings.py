@@ -19,15 +19,17 @@ class KafkaSasl(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
-    username: str
-    password: SecretStr
+    mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "PLAIN", description="How the credentials are checked."
+    )
+    username: str = Field(description="The SASL user name.")
+    password: SecretStr = Field(description="The SASL password.")
 
 
 class KafkaSettings(BrokerSettings):
     """Kafka: topic per destination, key = stream key, acks=all, idempotent producer."""
 
-    type: Literal["kafka"]
+    type: Literal["kafka"] = Field(description="A Kafka broker.")
     adapter: ClassVar[str] = "brokers.kafka._adapter:KafkaBroker"
     extra: ClassVar[str | None] = "kafka"
     client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aiokafka")
@@ -35,13 +37,19 @@ class KafkaSettings(BrokerSettings):
 
     # Plain text on purpose: addresses are not secret (credentials go in `sasl`), and
     # output must still say where a failing broker is.
-    bootstrap_servers: str = Field("127.0.0.1:9092", description="host:port[,host:port...]")
+    bootstrap_servers: str = Field(
+        "127.0.0.1:9092", description="host:port of one or more brokers, comma-separated."
+    )
     idempotent: bool = Field(
         True, description="Idempotent producer: no duplicates or reordering on retries."
     )
-    tls: bool = False
-    sasl: KafkaSasl | None = None
-    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
+    tls: bool = Field(False, description="Connect over TLS; false: plain text.")
+    sasl: KafkaSasl | None = Field(
+        None, description="SASL credentials; default: connect without authenticating."
+    )
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        "none", description="How record batches are compressed; none: not at all."
+    )
     max_request_size: int = Field(1_048_576, ge=1024, description="Largest record, in bytes.")
     max_in_flight: int = Field(256, ge=1, description="Messages awaiting their ack at most.")
 

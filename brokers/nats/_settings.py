@@ -18,14 +18,27 @@ class NatsStream(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    subjects: list[str] = Field(min_length=1)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="The stream's name.")
+    subjects: list[str] = Field(
+        min_length=1,
+        description="Subjects it captures (wildcards allowed); every destination must be one.",
+    )
     create: bool = Field(True, description="Create the stream if missing (else only check it).")
-    storage: Literal["file", "memory"] = "file"
-    replicas: int = Field(1, ge=1, le=5)
-    max_age_seconds: float | None = Field(None, gt=0)
+    storage: Literal["file", "memory"] = Field(
+        "file", description="Where a stream the router creates keeps messages."
+    )
+    replicas: int = Field(
+        1, ge=1, le=5, description="Copies of a stream the router creates, in a cluster."
+    )
+    max_age_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a stream the router creates keeps a message; default: no limit.",
+    )
     duplicate_window_seconds: float = Field(
-        120.0, ge=0.1, description="How long JetStream drops a repeated Nats-Msg-Id."
+        120.0,
+        ge=0.1,
+        description="Seconds a stream the router creates drops a repeated Nats-Msg-Id for.",
     )
 
     @field_validator("subjects")
@@ -47,7 +60,7 @@ class NatsEmbedded(BaseModel):
 class NatsSettings(BrokerSettings):
     """NATS JetStream: publishes with acks in flight, ``Nats-Msg-Id`` = message id."""
 
-    type: Literal["nats"]
+    type: Literal["nats"] = Field(description="A NATS JetStream broker.")
     adapter: ClassVar[str] = "brokers.nats._adapter:NatsBroker"
     extra: ClassVar[str | None] = "nats"
     client_modules: ClassVar[tuple[str, ...]] = ("nats",)
@@ -55,8 +68,12 @@ class NatsSettings(BrokerSettings):
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )
-    stream: NatsStream
-    embedded: NatsEmbedded | None = None
+    stream: NatsStream = Field(description="The JetStream stream that captures the subjects.")
+    embedded: NatsEmbedded | None = Field(
+        None,
+        description="Run a local nats-server on url while the router runs; default: connect "
+        "to a server running elsewhere.",
+    )
     max_in_flight: int = Field(2000, ge=1, description="Publishes awaiting their ack at most.")
 
     @model_validator(mode="after")

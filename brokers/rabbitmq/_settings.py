@@ -16,27 +16,34 @@ class RabbitExchange(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(min_length=1, max_length=255)
-    type: Literal["topic", "direct", "fanout", "headers"] = "topic"
-    durable: bool = True
+    name: str = Field(min_length=1, max_length=255, description="The exchange's name.")
+    type: Literal["topic", "direct", "fanout", "headers"] = Field(
+        "topic", description="The exchange type it is declared with."
+    )
+    durable: bool = Field(True, description="Declared to survive a broker restart.")
     declare: bool = Field(True, description="Declare it on connect (else it must exist).")
 
 
 class RabbitSettings(BrokerSettings):
     """RabbitMQ: persistent messages, publisher confirms, mandatory routing."""
 
-    type: Literal["rabbitmq"]
+    type: Literal["rabbitmq"] = Field(description="A RabbitMQ broker.")
     adapter: ClassVar[str] = "brokers.rabbitmq._adapter:RabbitBroker"
     extra: ClassVar[str | None] = "rabbitmq"
     client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aio_pika")
     cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
 
-    url: SecretStr = Field(SecretStr("amqp://guest:guest@127.0.0.1:5672/"))
-    exchange: RabbitExchange
+    url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="The AMQP URL, credentials included.",
+    )
+    exchange: RabbitExchange = Field(description="The exchange messages are published to.")
     mandatory: bool = Field(
         True, description="A message no queue is bound to is an error, not silently dropped."
     )
-    persistent: bool = True
+    persistent: bool = Field(
+        True, description="Messages are stored on disk by the broker (delivery mode 2)."
+    )
     max_in_flight: int = Field(256, ge=1, description="Messages awaiting their confirm at most.")
 
     def check_destination(self, destination: str) -> None:

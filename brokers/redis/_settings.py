@@ -15,13 +15,15 @@ __all__ = ["RedisSettings"]
 class RedisSettings(BrokerSettings):
     """Redis Streams: one XADD per message to the destination stream."""
 
-    type: Literal["redis"]
+    type: Literal["redis"] = Field(description="A Redis Streams broker.")
     adapter: ClassVar[str] = "brokers.redis._adapter:RedisBroker"
     extra: ClassVar[str | None] = "redis"
     # What every format needs; ``format: faststream`` also needs FastStream (missing_client).
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
 
-    url: SecretStr = Field(SecretStr("redis://127.0.0.1:6379/0"))
+    url: SecretStr = Field(
+        SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."
+    )
     maxlen: int | None = Field(
         None, ge=1, description="Trim each stream to about this many entries (XADD MAXLEN ~)."
     )

@@ -17,7 +17,7 @@ _ENTITY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,259}$")
 class ServiceBusSettings(BrokerSettings):
     """Azure Service Bus: a queue or topic per destination, sent in size-limited batches."""
 
-    type: Literal["servicebus"]
+    type: Literal["servicebus"] = Field(description="An Azure Service Bus namespace.")
     adapter: ClassVar[str] = "brokers.servicebus._adapter:ServiceBusBroker"
     extra: ClassVar[str | None] = "servicebus"
     client_modules: ClassVar[tuple[str, ...]] = ("azure.servicebus",)
@@ -26,7 +26,9 @@ class ServiceBusSettings(BrokerSettings):
     connection_string: SecretStr = Field(
         description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."
     )
-    entity: Literal["queue", "topic"] = Field("queue", description="What destinations name.")
+    entity: Literal["queue", "topic"] = Field(
+        "queue", description="Whether destinations name queues or topics."
+    )
     sessions: bool = Field(
         False, description="The entity is session-enabled: session_id = the stream key."
     )

@@ -1,0 +1,1 @@
+"""Developer scripts; a package so that tests can import scripts.reference."""
