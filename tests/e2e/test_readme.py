@@ -13,6 +13,9 @@ rest of a JSON string and ``{...}`` for a JSON object: the docs shorten long bod
 SETUP names the state the commands run in (see ``SETUPS``); an unknown one fails, and every
 one must be used by some page. Each sample is its own test, named by page and line.
 
+Every other shell block (```bash, ```console, ```shell, or any block with a ``$ `` line) must
+be in ``PROVEN_ELSEWHERE``, with the test that runs it: a new shell sample nobody runs fails.
+
 Nothing here is skipped: it needs no outside service.
 """
 
@@ -50,6 +53,20 @@ QUICKSTART_COMMANDS = """\
 .venv/bin/python examples/shop/app.py          # commits 3 orders, each with 2 events
 .venv/bin/python examples/shop/listen.py --once  # prints what arrived at each broker"""
 
+# Shell blocks that are not samples, each with what runs it. Keep it small: a block that can
+# be a sample should be one.
+PROVEN_ELSEWHERE = {
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/router init-db && "
+    ".venv/bin/router serve": "README.md's first command: tests/e2e/test_install.py runs it",
+    "bash scripts/test": "the test command itself: CI runs it (.ci/run)",
+    QUICKSTART_COMMANDS: "test_quickstart_output here and tests/e2e/test_install.py run it",
+    "$ router contract check          # after renaming OrderPlaced.customer to buyer\n"
+    "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)\n"
+    "breaking  partners  order_placed v1  payload.customer: renamed to payload.buyer "
+    "(removed, and added with its schema)": "tests/e2e/test_contract.py::"
+    "test_renaming_a_field_of_a_published_event_fails_the_check",
+}
+SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->$")
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
@@ -70,6 +87,12 @@ class Block:
     language: str
     text: str
     setup: str | None  # the readme-test marker right above it, if any
+
+    @property
+    def is_shell(self) -> bool:
+        """A shell block, by its language or its ``$`` lines."""
+        lines = self.text.splitlines()
+        return self.language in SHELLS or any(line.startswith("$ ") for line in lines)
 
 
 def blocks(page: Path) -> list[Block]:
@@ -142,6 +165,24 @@ def test_the_docs_mark_their_samples() -> None:
         assert all(expected for _, expected in sample.commands), (
             f"a command without output: {sample}"
         )
+
+
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=f"{b.page}:{b.line}") for b in BLOCKS if b.is_shell]
+)
+def test_every_shell_block_is_run(block: Block) -> None:
+    """A shell block is a sample, or listed with the test that proves it."""
+    assert block.setup is not None or block.text.strip() in PROVEN_ELSEWHERE, (
+        f"{block.page}:{block.line}: a shell block nothing runs. Make it a sample "
+        "(<!-- readme-test: SETUP --> above it, `$ ` before each command), or add it to "
+        f"PROVEN_ELSEWHERE with the test that runs it:\n{block.text}"
+    )
+
+
+def test_every_block_proven_elsewhere_is_still_on_a_page() -> None:
+    texts = {block.text.strip() for block in BLOCKS}
+    stale = [text for text in PROVEN_ELSEWHERE if text not in texts]
+    assert not stale, f"PROVEN_ELSEWHERE lists blocks no page has: {stale}"
 
 
 def test_the_readme_quickstart_is_the_one_run() -> None:
