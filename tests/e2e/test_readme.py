@@ -1,4 +1,5 @@
-"""README.md's shell samples are the real output of the current code.
+"""The shell samples of README.md and of every docs/**/*.md page are the real output of the
+current code.
 
 A fenced block right after ``<!-- readme-test: SETUP -->`` is a sample: each ``$ COMMAND``
 line is run in a fresh copy of the embedded default (config.yaml and examples/ in a temp
@@ -6,10 +7,15 @@ folder, SQLite and the embedded NATS server on free ports), and the lines under 
 the first lines of what the command printed (its stdout, or its stderr when stdout is empty).
 Only what must vary is normalised: times, durations, ids, worker ids (host:pid:tag), the temp
 folder, the free ports (mapped back to the shipped 4333 and 8642), attempt counts and rates,
-and runs of spaces (table widths follow the values). ``…`` in a README line stands for the
-rest of a JSON string and ``{...}`` for a JSON object: the README shortens long bodies.
+and runs of spaces (table widths follow the values). ``…`` in a sample line stands for the
+rest of a JSON string and ``{...}`` for a JSON object: the docs shorten long bodies.
 
-SETUP names the state the commands run in (see ``SETUPS``); an unknown one fails.
+SETUP names the state the commands run in (see ``SETUPS``); an unknown one fails, and every
+one must be used by some page. Each sample is its own test, named by page and line.
+
+Every other shell block (```bash, ```console, ```shell, or any block with a ``$ `` line) must
+be in ``PROVEN_ELSEWHERE``, with the test that runs it: a new shell sample nobody runs fails.
+
 Nothing here is skipped: it needs no outside service.
 """
 
@@ -23,6 +29,7 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,52 +49,146 @@ PARTNER_DOWN = (
 QUICKSTART = "output of the Quickstart commands, with serve running; messages in any order"
 SETUPS = (FRESH, INIT_DB, PARTNER_DOWN, QUICKSTART)
 
+QUICKSTART_COMMANDS = """\
+.venv/bin/python examples/shop/app.py          # commits 3 orders, each with 2 events
+.venv/bin/python examples/shop/listen.py --once  # prints what arrived at each broker"""
+
+# Shell blocks that are not samples, each with what runs it. Keep it small: a block that can
+# be a sample should be one.
+PROVEN_ELSEWHERE = {
+    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/router init-db && "
+    ".venv/bin/router serve": "README.md's first command: tests/e2e/test_install.py runs it",
+    "bash scripts/test": "the test command itself: CI runs it (.ci/run)",
+    QUICKSTART_COMMANDS: "test_quickstart_output here and tests/e2e/test_install.py run it",
+    "$ router contract check          # after renaming OrderPlaced.customer to buyer\n"
+    "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)\n"
+    "breaking  partners  order_placed v1  payload.customer: renamed to payload.buyer "
+    "(removed, and added with its schema)": "tests/e2e/test_contract.py::"
+    "test_renaming_a_field_of_a_published_event_fails_the_check",
+}
+SHELLS = {"bash", "sh", "shell", "console", "zsh"}
+MARKER = re.compile(r"^<!-- readme-test: (.*?) -->$")
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
 pytestmark = pytest.mark.timeout(120)
+
+
+def pages() -> list[Path]:
+    """README.md and every page of the docs site."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page."""
+
+    page: str  # relative to the repository
+    line: int  # of the opening fence
+    language: str
+    text: str
+    setup: str | None  # the readme-test marker right above it, if any
+
+    @property
+    def is_shell(self) -> bool:
+        """A shell block, by its language or its ``$`` lines."""
+        lines = self.text.splitlines()
+        return self.language in SHELLS or any(line.startswith("$ ") for line in lines)
+
+
+def blocks(page: Path) -> list[Block]:
+    """Every fenced block of ``page``, in order."""
+    text = page.read_text(encoding="utf-8")
+    found = []
+    for match in FENCE.finditer(text):
+        above = text[: match.start()].removesuffix("\n").rpartition("\n")[2]
+        marker = MARKER.fullmatch(above)  # the line right above the fence
+        found.append(
+            Block(
+                page=str(page.relative_to(ROOT)),
+                line=text[: match.start()].count("\n") + 1,
+                language=match[1],
+                text=match[2],
+                setup=marker[1].strip() if marker else None,
+            )
+        )
+    return found
 
 
 @dataclass
 class Sample:
-    """One marked block of README.md."""
+    """One marked block of a page."""
 
+    page: str
     setup: str
     line: int
     commands: list[tuple[str, list[str]]] = field(default_factory=list)
     output: list[str] = field(default_factory=list)  # a block without `$` lines
 
-
-def samples() -> list[Sample]:
-    """Every ``<!-- readme-test: ... -->`` block of README.md."""
-    text = README.read_text(encoding="utf-8")
-    found = []
-    pattern = r"^<!-- readme-test: (.*?) -->\n```[a-z]*\n(.*?)^```"
-    for match in re.finditer(pattern, text, re.MULTILINE | re.DOTALL):
-        sample = Sample(match[1].strip(), text[: match.start()].count("\n") + 1)
-        for raw in match[2].splitlines():
-            if raw.startswith("$ "):
-                sample.commands.append((raw[2:], []))
-            elif sample.commands:
-                sample.commands[-1][1].append(raw)
-            else:
-                sample.output.append(raw)
-        for _, expected in sample.commands:
-            while expected and not expected[-1].strip():  # the blank line before the next `$`
-                expected.pop()
-        found.append(sample)
-    return found
+    @property
+    def where(self) -> str:
+        """``page:line``, the sample's test id."""
+        return f"{self.page}:{self.line}"
 
 
-SAMPLES = samples()
+def sample_of(block: Block) -> Sample:
+    """The commands and expected lines of a marked block."""
+    assert block.setup is not None
+    sample = Sample(block.page, block.setup, block.line)
+    for raw in block.text.splitlines():
+        if raw.startswith("$ "):
+            sample.commands.append((raw[2:], []))
+        elif sample.commands:
+            sample.commands[-1][1].append(raw)
+        else:
+            sample.output.append(raw)
+    for _, expected in sample.commands:
+        while expected and not expected[-1].strip():  # the blank line before the next `$`
+            expected.pop()
+    return sample
 
 
-def test_the_readme_marks_its_samples() -> None:
+BLOCKS = [block for page in pages() for block in blocks(page)]
+SAMPLES = [sample_of(block) for block in BLOCKS if block.setup is not None]
+
+
+def of(setup: str) -> list[object]:
+    """The samples with this setup, one test parameter each."""
+    return [pytest.param(s, id=s.where) for s in SAMPLES if s.setup == setup]
+
+
+def test_the_docs_mark_their_samples() -> None:
     setups = {s.setup for s in SAMPLES}
     assert setups <= set(SETUPS), f"unknown readme-test setup(s): {setups - set(SETUPS)}"
-    assert setups == set(SETUPS), f"no README sample with setup(s) {set(SETUPS) - setups}"
+    assert setups == set(SETUPS), f"no sample on any page with setup(s) {set(SETUPS) - setups}"
     for sample in SAMPLES:
         assert sample.commands or sample.setup == QUICKSTART, sample
         assert all(expected for _, expected in sample.commands), (
             f"a command without output: {sample}"
         )
+
+
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=f"{b.page}:{b.line}") for b in BLOCKS if b.is_shell]
+)
+def test_every_shell_block_is_run(block: Block) -> None:
+    """A shell block is a sample, or listed with the test that proves it."""
+    assert block.setup is not None or block.text.strip() in PROVEN_ELSEWHERE, (
+        f"{block.page}:{block.line}: a shell block nothing runs. Make it a sample "
+        "(<!-- readme-test: SETUP --> above it, `$ ` before each command), or add it to "
+        f"PROVEN_ELSEWHERE with the test that runs it:\n{block.text}"
+    )
+
+
+def test_every_block_proven_elsewhere_is_still_on_a_page() -> None:
+    texts = {block.text.strip() for block in BLOCKS}
+    stale = [text for text in PROVEN_ELSEWHERE if text not in texts]
+    assert not stale, f"PROVEN_ELSEWHERE lists blocks no page has: {stale}"
+
+
+def test_the_readme_quickstart_is_the_one_run() -> None:
+    found = re.search(r"^## Quickstart\n.*?^```bash\n(.*?)^```", README.read_text(), re.M | re.S)
+    assert found, "README.md has no Quickstart commands"
+    assert found[1].strip() == QUICKSTART_COMMANDS
 
 
 class Copy:
@@ -114,7 +215,7 @@ class Copy:
         }
 
     def run(self, command: str) -> str:
-        """Run one README command line here; its stdout (or stderr when stdout is empty)."""
+        """Run one sample command line here; its stdout (or stderr when stdout is empty)."""
         words = shlex.split(command)
         done: subprocess.CompletedProcess[str]
         if words[0] == "router":
@@ -122,7 +223,7 @@ class Copy:
         elif words[0] == ".venv/bin/python":
             done = python(*words[1:], cwd=self.folder, env=self.env, timeout=30)
         else:
-            pytest.fail(f"README sample command not understood: {command}")
+            pytest.fail(f"sample command not understood: {command}")
         return done.stdout or done.stderr
 
     def normalise(self, text: str) -> list[str]:
@@ -157,7 +258,7 @@ def normalise_line(line: str) -> str:
 
 
 def matches(expected: str, actual: str) -> bool:
-    """``actual`` is ``expected``, where the README's ``…`` and ``{...}`` shorten it."""
+    """``actual`` is ``expected``, where a sample's ``…`` and ``{...}`` shorten it."""
     if "…" not in expected and "{...}" not in expected:
         return expected == actual
     pattern = re.escape(expected).replace("…", '[^"]*').replace(r"\{\.\.\.\}", r"\{[^{}]*\}")
@@ -165,7 +266,7 @@ def matches(expected: str, actual: str) -> bool:
 
 
 def compare(copy: Copy, command: str, expected: list[str], attempts: int = 1) -> None:
-    """The real output of ``command`` starts with the README's lines (tried a few times when
+    """The real output of ``command`` starts with the sample's lines (tried a few times when
     the state the sample shows may be passing through a transition)."""
     want = [normalise_line(line) for line in expected]
     for attempt in range(attempts):
@@ -175,16 +276,11 @@ def compare(copy: Copy, command: str, expected: list[str], attempts: int = 1) ->
         if attempt + 1 < attempts:
             time.sleep(0.5)
     diff = "\n".join(
-        f"{'  ' if i < len(got) and matches(w, got[i]) else '! '}README: {w}\n"
+        f"{'  ' if i < len(got) and matches(w, got[i]) else '! '}sample: {w}\n"
         f"  real:   {got[i] if i < len(got) else '<missing>'}"
         for i, w in enumerate(want)
     )
-    pytest.fail(f"README sample `$ {command}` is not the real output:\n{diff}")
-
-
-def of(setup: str) -> list[Sample]:
-    """The README's samples with this setup."""
-    return [s for s in SAMPLES if s.setup == setup]
+    pytest.fail(f"sample `$ {command}` is not the real output:\n{diff}")
 
 
 @pytest.fixture
@@ -192,30 +288,28 @@ def copy(tmp_path: Path) -> Copy:
     return Copy(tmp_path)
 
 
-def test_fresh_samples(copy: Copy) -> None:
-    for sample in of(FRESH):
-        folder = copy.folder / "var"
-        if folder.exists():  # each sample starts fresh
-            shutil.rmtree(folder)
-        for command, expected in sample.commands:
-            compare(copy, command, expected)
+@pytest.mark.parametrize("sample", of(FRESH))
+def test_fresh_sample(copy: Copy, sample: Sample) -> None:
+    for command, expected in sample.commands:
+        compare(copy, command, expected)
 
 
-def test_samples_after_init_db(copy: Copy) -> None:
+@pytest.mark.parametrize("sample", of(INIT_DB))
+def test_sample_after_init_db(copy: Copy, sample: Sample) -> None:
     assert copy.run("router init-db")
-    for sample in of(INIT_DB):
-        for command, expected in sample.commands:
-            compare(copy, command, expected)
+    for command, expected in sample.commands:
+        compare(copy, command, expected)
 
 
-@pytest.fixture
-def serving(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Copy, Serving]]:
-    copy = Copy(tmp_path, partner_down=request.param)
+@contextmanager
+def serving(folder: Path, partner_down: bool) -> Iterator[Copy]:
+    """A copy after init-db with ``router serve`` running in it."""
+    copy = Copy(folder, partner_down=partner_down)
     assert copy.run("router init-db")
-    serve = Serving(tmp_path, copy.env)
+    serve = Serving(folder, copy.env)
     try:
         serve.wait_for("router.started")
-        yield copy, serve
+        yield copy
     finally:
         code = serve.stop()
         assert code == 0, serve.log.read_text()
@@ -234,53 +328,63 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20) -> N
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("serving", [True], indirect=True)
-def test_operations_samples_with_the_partner_down(serving: tuple[Copy, Serving]) -> None:
-    copy, _ = serving
-    copy.run(".venv/bin/python examples/shop/app.py")
+@pytest.fixture(scope="module")
+def partner_down(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Copy, str]]:
+    """Serving with the partner broker down, after the example's 3 orders (shared: the
+    samples only read); with a partner row's message id."""
+    with serving(tmp_path_factory.mktemp("partner-down"), partner_down=True) as copy:
+        copy.run(".venv/bin/python examples/shop/app.py")
 
-    def settled() -> bool:
-        targets = status_of(copy)
-        return targets["events"]["published"] == 6 and targets["partners"]["failed"] == 3
+        def settled() -> bool:
+            targets = status_of(copy)
+            return targets["events"]["published"] == 6 and targets["partners"]["failed"] == 3
 
-    wait_for(settled, "6 events published and 3 partner rows retrying")
-    with sqlite3.connect(copy.folder / "var/shop.db") as db:
-        (message_id,) = db.execute(
-            "SELECT message_id FROM router_outbox WHERE target = 'partners' LIMIT 1"
-        ).fetchone()
-    for sample in of(PARTNER_DOWN):
-        for command, expected in sample.commands:
-            command = re.sub(UUID, message_id, command)
-            compare(copy, command, expected, attempts=6)
+        wait_for(settled, "6 events published and 3 partner rows retrying")
+        with sqlite3.connect(copy.folder / "var/shop.db") as db:
+            (message_id,) = db.execute(
+                "SELECT message_id FROM router_outbox WHERE target = 'partners' LIMIT 1"
+            ).fetchone()
+        yield copy, message_id
 
 
-@pytest.mark.parametrize("serving", [False], indirect=True)
-def test_quickstart_output(serving: tuple[Copy, Serving]) -> None:
-    copy, _ = serving
-    quickstart = re.search(
-        r"^## Quickstart\n.*?^```bash\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL
-    )
-    assert quickstart, "README.md has no Quickstart commands"
-    app, listen = (line.split("#")[0].strip() for line in quickstart[1].strip().splitlines())
-    copy.run(app)
-    wait_for(
-        lambda: (
-            status_of(copy)["partners"]["published"] == 3
-            and status_of(copy)["events"]["published"] == 6
-        ),
-        "the Quickstart's 9 messages delivered",
-    )
-    got = copy.normalise(copy.run(listen))
-    for sample in of(QUICKSTART):
-        want = [normalise_line(line) for line in sample.output]
-        heads = [i for i, line in enumerate(want) if line.startswith("[")]
-        tail = [line for line in (want[heads[-1] + 2 :] if heads else want) if line != "…"]
-        assert got[-len(tail) :] == tail, f"README: {tail}\nreal: {got[-len(tail) :]}"
-        pairs = [(got[i], got[i + 1]) for i, line in enumerate(got) if line.startswith("[")]
-        for i in heads:
-            found = [p for p in pairs if matches(want[i], p[0]) and matches(want[i + 1], p[1])]
-            assert found, (
-                f"README.md line {sample.line}: no real message like\n{want[i]}\n{want[i + 1]}"
-                "\nreal:\n" + "\n".join(f"{h}\n{b}" for h, b in pairs)
-            )
-            pairs.remove(found[0])
+@pytest.mark.parametrize("sample", of(PARTNER_DOWN))
+def test_operations_sample_with_the_partner_down(
+    partner_down: tuple[Copy, str], sample: Sample
+) -> None:
+    copy, message_id = partner_down
+    for command, expected in sample.commands:
+        command = re.sub(UUID, message_id, command)
+        compare(copy, command, expected, attempts=6)
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """What the Quickstart's listen.py printed once app.py's 9 messages were delivered."""
+    with serving(tmp_path_factory.mktemp("quickstart"), partner_down=False) as copy:
+        app, listen = (line.split("#")[0].strip() for line in QUICKSTART_COMMANDS.splitlines())
+        copy.run(app)
+        wait_for(
+            lambda: (
+                status_of(copy)["partners"]["published"] == 3
+                and status_of(copy)["events"]["published"] == 6
+            ),
+            "the Quickstart's 9 messages delivered",
+        )
+        return copy.normalise(copy.run(listen))
+
+
+@pytest.mark.parametrize("sample", of(QUICKSTART))
+def test_quickstart_output(quickstart: list[str], sample: Sample) -> None:
+    got = quickstart
+    want = [normalise_line(line) for line in sample.output]
+    heads = [i for i, line in enumerate(want) if line.startswith("[")]
+    tail = [line for line in (want[heads[-1] + 2 :] if heads else want) if line != "…"]
+    assert got[-len(tail) :] == tail, f"{sample.where}: {tail}\nreal: {got[-len(tail) :]}"
+    pairs = [(got[i], got[i + 1]) for i, line in enumerate(got) if line.startswith("[")]
+    for i in heads:
+        found = [p for p in pairs if matches(want[i], p[0]) and matches(want[i + 1], p[1])]
+        assert found, (
+            f"{sample.where}: no real message like\n{want[i]}\n{want[i + 1]}"
+            "\nreal:\n" + "\n".join(f"{h}\n{b}" for h, b in pairs)
+        )
+        pairs.remove(found[0])
