@@ -175,7 +175,7 @@ def _describe(exc: ValidationError, data: dict[str, Any]) -> list[str]:
         loc = _drop_union_tags(error["loc"], data)
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
-            message = "unknown key (check the spelling; see the config reference in README.md)"
+            message = "unknown key (check the spelling; see docs/reference/configuration.md)"
         elif error["type"] == "missing":
             message = "required key is missing"
         elif error["type"] == "union_tag_invalid":

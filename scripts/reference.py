@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli_parser() -> argparse.ArgumentParser:
     """The ``router`` command's parser; the one place that knows where it is built."""
-    from router.ops.cli import _parser
+    from router.cli.parser import build_parser
 
-    return _parser()
+    return build_parser()
 
 
 @contextmanager

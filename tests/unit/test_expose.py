@@ -311,8 +311,8 @@ FIELDS = "'fields' takes asynchronous, expected_version, positions, priority, te
         ),
         (
             "    expose: {header: [x-tenant]}\n",
-            "brokers.billing.expose.header: unknown key (check the spelling; see the config "
-            "reference in README.md)",
+            "brokers.billing.expose.header: unknown key (check the spelling; see "
+            "docs/reference/configuration.md)",
         ),
         (
             "    envelope: cloudevents\n    expose: {fields: [tenant]}\n",
