@@ -35,6 +35,7 @@ if _TYPE_CHECKING:
     )
     from router.relay.processor import Processor, ProcessorStats
     from router.serve.runner import Runner
+    from router.write.entities import RaisesEvents
     from router.write.events import Event, EventSpec, correlation, current_correlation_id
     from router.write.inbox import Inbox, inbox_middleware, message_id_of
     from router.write.outbox import Outbox, Transaction
@@ -67,6 +68,7 @@ _HOMES = {
     "router.write.inbox": ("Inbox", "inbox_middleware", "message_id_of"),
     "router.write.outbox": ("Outbox", "Transaction"),
     "router.write.sync": ("SyncOutbox",),
+    "router.write.entities": ("RaisesEvents",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 # Every name of __all__ but __version__ has a home (tests/unit/test_lazy_imports.py).
@@ -88,6 +90,7 @@ __all__ = [
     "Processor",
     "ProcessorStats",
     "PublishError",
+    "RaisesEvents",
     "RetrySettings",
     "RouterConfig",
     "RouterError",

@@ -43,10 +43,20 @@ _AUTOCOMMIT = (
 
 def sync_driver(connection: Any) -> SyncDriver:
     """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
-    module = type(connection).__module__
-    root = module.partition(".")[0]
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(connection, Session):  # an application's subclass too
+        return SqlAlchemyDriver(connection.connection())
+    if isinstance(connection, Connection):
+        return SqlAlchemyDriver(connection)
+    root = type(connection).__module__.partition(".")[0]
     if root == "sqlalchemy":
-        return _sqlalchemy(connection)
+        raise StagingError(
+            f"SyncOutbox.stage() takes a SQLAlchemy Session or Connection; got "
+            f"{type(connection).__name__}: stage on an AsyncSession or AsyncConnection with "
+            "`await Outbox.stage(...)`"
+        )
     if root == "django":
         return DjangoDriver(connection)
     if root == "psycopg" and "Async" not in type(connection).__name__:
@@ -96,21 +106,6 @@ class SqlAlchemyDriver:
             self.connection.execute(clause(statement.sql), statement.params)
         else:
             self.connection.exec_driver_sql(statement.sql, statement.params)
-
-
-def _sqlalchemy(connection: Any) -> SqlAlchemyDriver:
-    from sqlalchemy.engine import Connection
-    from sqlalchemy.orm import Session
-
-    if isinstance(connection, Session):
-        return SqlAlchemyDriver(connection.connection())
-    if isinstance(connection, Connection):
-        return SqlAlchemyDriver(connection)
-    raise StagingError(
-        f"SyncOutbox.stage() takes a SQLAlchemy Session or Connection; got "
-        f"{type(connection).__name__}: stage on an AsyncSession or AsyncConnection with "
-        "`await Outbox.stage(...)`"
-    )
 
 
 class DjangoDriver:

@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any, Unpack
 
 from envelopes import StageOptions
-from router.write.drivers import sync_driver
 from router.write.events import Event
-from router.write.writer import Writer, message_ids
+from router.write.writer import Writer
 
 __all__ = ["SyncOutbox"]
 
@@ -43,12 +42,11 @@ class SyncOutbox(Writer):
         keywords and the ``StagingError`` cases are ``Outbox.stage``'s; nothing is written
         when it raises.
         """
-        if not events and not stream_keys:  # keys without events: build_rows says why
-            return []
-        name = self._database(database)
-        rows = self._rows(name, events, stream_key, stream_keys, options)
-        driver = sync_driver(connection)
-        self._expect(name, self.config.databases[name].kind, driver.dialect)
-        for statement in self._stager.statements(driver.dialect, rows):
-            driver.execute(statement)
-        return message_ids(rows)
+        return self._stage_sync(
+            connection,
+            events,
+            database=database,
+            stream_key=stream_key,
+            stream_keys=stream_keys,
+            options=options,
+        )

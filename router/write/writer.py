@@ -4,15 +4,18 @@ statements. Rows are built and checked here, once (``Stager``: pure, no I/O), as
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
-from typing import Self
+from typing import Any, Self
 
 from envelopes import StageOptions, StagingError
 from router._local import database_key
 from router._yaml import load_config
 from router.config import RouterConfig
+from router.write import entities
 from router.write._tracing import current_traceparent
+from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
 from router.write.staging import Row, Stager
 
@@ -31,6 +34,40 @@ class Writer:
     def from_file(cls, path: str | os.PathLike[str] | None = None) -> Self:
         """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it."""
         return cls(load_config(path or os.environ.get("ROUTER_CONFIG", "config.yaml")))
+
+    def stage_on_flush(self, sessions: Any, *, database: str | None = None) -> None:
+        """Stage the events entities raised (``RaisesEvents.raise_event``) when ``sessions``
+        flush, in the flush's transaction and in the order raised; each event's stream key is
+        its entity's identity unless it was raised with one.
+
+        ``sessions``: a SQLAlchemy ``Session`` (class or instance), ``sessionmaker``,
+        ``AsyncSession`` or ``async_sessionmaker``. An entity's events are staged once, at
+        the first flush after they were raised; a rolled-back transaction stages nothing.
+        """
+        name = self._database(database)
+        entities.stage_on_flush(sessions, functools.partial(self._stage_sync, database=name))
+
+    def _stage_sync(
+        self,
+        connection: Any,
+        events: Sequence[Event],
+        *,
+        database: str | None = None,
+        stream_key: str | None = None,
+        stream_keys: Sequence[str | None] | None = None,
+        options: StageOptions | None = None,
+    ) -> list[str]:
+        """``SyncOutbox.stage``: also what a flush of a tracked session runs, sync or async
+        (an async session flushes in a sync context of its own)."""
+        if not events and not stream_keys:  # keys without events: build_rows says why
+            return []
+        name = self._database(database)
+        rows = self._rows(name, events, stream_key, stream_keys, options or {})
+        driver = sync_driver(connection)
+        self._expect(name, self.config.databases[name].kind, driver.dialect)
+        for statement in self._stager.statements(driver.dialect, rows):
+            driver.execute(statement)
+        return message_ids(rows)
 
     def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
         """The targets rows of these events go to."""
