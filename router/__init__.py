@@ -35,9 +35,11 @@ if _TYPE_CHECKING:
     )
     from router.relay.processor import Processor, ProcessorStats
     from router.serve.runner import Runner
+    from router.write.entities import RaisesEvents
     from router.write.events import Event, EventSpec, correlation, current_correlation_id
     from router.write.inbox import Inbox, inbox_middleware, message_id_of
     from router.write.outbox import Outbox, Transaction
+    from router.write.sync import SyncOutbox
 
 _HOMES = {
     "router._yaml": ("load_config", "parse_config"),
@@ -65,6 +67,8 @@ _HOMES = {
     "router.write.events": ("Event", "EventSpec", "correlation", "current_correlation_id"),
     "router.write.inbox": ("Inbox", "inbox_middleware", "message_id_of"),
     "router.write.outbox": ("Outbox", "Transaction"),
+    "router.write.sync": ("SyncOutbox",),
+    "router.write.entities": ("RaisesEvents",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 # Every name of __all__ but __version__ has a home (tests/unit/test_lazy_imports.py).
@@ -86,12 +90,14 @@ __all__ = [
     "Processor",
     "ProcessorStats",
     "PublishError",
+    "RaisesEvents",
     "RetrySettings",
     "RouterConfig",
     "RouterError",
     "Runner",
     "SchemaError",
     "StagingError",
+    "SyncOutbox",
     "Transaction",
     "__version__",
     "correlation",

@@ -16,7 +16,6 @@ connection inside a transaction. For code without a transaction of its own::
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,29 +26,22 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from envelopes import StageOptions, StagingError
 from router._db import create_engine
-from router._local import announce, database_key, listening
-from router._yaml import load_config
+from router._local import announce, listening
 from router.config import RouterConfig
-from router.write._tracing import current_traceparent
-from router.write.events import Event, current_correlation_id
-from router.write.staging import Row, Stager
+from router.write.events import Event
+from router.write.staging import Row
+from router.write.writer import Writer, message_ids
 
 __all__ = ["Outbox", "Transaction"]
 
 
-class Outbox:
-    """Stages events as outbox rows, one per target, in the caller's transaction."""
+class Outbox(Writer):
+    """Stages events as outbox rows, one per target, in the caller's transaction (async:
+    ``SyncOutbox`` is its twin for sync code)."""
 
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self._stager = Stager(config)
+        super().__init__(config)
         self._engines: dict[str, AsyncEngine] = {}
-        self._keys: dict[str, str] = {}
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str] | None = None) -> Outbox:
-        """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it."""
-        return cls(load_config(path or os.environ.get("ROUTER_CONFIG", "config.yaml")))
 
     async def stage(
         self,
@@ -76,13 +68,9 @@ class Outbox:
         if not events and not stream_keys:  # keys without events: build_rows says why
             return []
         name = self._database(database)
-        options["correlation_id"] = options.get("correlation_id") or current_correlation_id()
-        options["traceparent"] = options.get("traceparent") or current_traceparent()
-        rows = self._stager.build_rows(
-            name, events, stream_key=stream_key, stream_keys=stream_keys, **options
-        )
+        rows = self._rows(name, events, stream_key, stream_keys, options)
         await self._insert(connection, name, rows)
-        return list(dict.fromkeys(row.message_id for row in rows))
+        return message_ids(rows)
 
     async def _insert(self, connection: Any, name: str, rows: Sequence[Row]) -> None:
         """One INSERT of ``rows`` in the caller's transaction, refused outside of one."""
@@ -110,10 +98,6 @@ class Outbox:
         if isinstance(connection, AsyncSession):
             self._announce_after_commit(connection, name, rows)
 
-    def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
-        """The targets rows of these events go to."""
-        return {r.target for e in events for r in self._stager.routes(database, type(e))}
-
     def engine(self, database: str | None = None, **kwargs: Any) -> AsyncEngine:
         """A SQLAlchemy engine for a configured database (SQLite: WAL and a busy timeout)."""
         name = self._database(database)
@@ -133,14 +117,6 @@ class Outbox:
         if tx.targets:
             announce(self._key(name), tx.targets)
 
-    def _key(self, database: str) -> str:
-        key = self._keys.get(database)
-        if key is None:
-            key = self._keys[database] = database_key(
-                self.config.databases[database], self.config.base_dir
-            )
-        return key
-
     def _announce_after_commit(
         self, session: AsyncSession, database: str, rows: Sequence[Row]
     ) -> None:
@@ -158,28 +134,6 @@ class Outbox:
         engines, self._engines = self._engines, {}
         for engine in engines.values():
             await engine.dispose()
-
-    def _database(self, database: str | None) -> str:
-        if database is None:
-            if len(self.config.databases) == 1:
-                return next(iter(self.config.databases))
-            raise StagingError(
-                f"several databases are configured ({sorted(self.config.databases)}); "
-                "pass database=..."
-            )
-        if database not in self.config.databases:
-            raise StagingError(
-                f"unknown database {database!r}; configured: {sorted(self.config.databases)}"
-            )
-        return database
-
-    @staticmethod
-    def _expect(name: str, configured: str, actual: str) -> None:
-        if configured != actual:
-            raise StagingError(
-                f"database {name!r} is {configured} in the config, "
-                f"but stage() got a {actual} connection"
-            )
 
 
 @dataclass(slots=True)
@@ -216,9 +170,11 @@ async def _sqlalchemy_connection(connection: Any) -> AsyncConnection:
         return await connection.connection()
     if isinstance(connection, AsyncConnection):
         return connection
+    sync = type(connection).__module__.partition(".")[0] in {"sqlalchemy", "django"}
     raise StagingError(
         "stage() takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
         f"connection; got {type(connection).__name__}"
+        + (" (a sync connection: stage on it with SyncOutbox.stage(...))" if sync else "")
     )
 
 

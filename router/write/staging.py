@@ -14,6 +14,7 @@ the order of the events, so per stream key, seq follows the order given.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from typing import Any, Unpack
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
-from sqlalchemy import TextClause, text
+from sqlalchemy import text
 
 from brokers import EventRoute
 from envelopes import (
@@ -37,7 +38,7 @@ from router.config import RouterConfig
 from router.write.events import Event, EventSpec
 from router.write.pinning import check_pin
 
-__all__ = ["Route", "Row", "Stager"]
+__all__ = ["Route", "Row", "Stager", "Statement", "clause"]
 
 _COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
 
@@ -63,8 +64,9 @@ WITH inserted AS (
 SELECT pg_notify('router_outbox', $7)
 """
 
-_PG_INSERT_SA = text(
-    f"""
+# The same statement with named parameters, for SQLAlchemy's text() and the DB-API drivers
+# (psycopg, psycopg2, Django's cursor), which take ``:name`` or ``%(name)s`` (``Statement``).
+PG_INSERT_NAMED = f"""
 WITH inserted AS (
     INSERT INTO router_outbox ({_COLUMNS})
     SELECT * FROM unnest(
@@ -75,7 +77,6 @@ WITH inserted AS (
 )
 SELECT pg_notify('router_outbox', :notify)
 """
-)
 
 # Per-stream commit order on MySQL and MariaDB, which have no transaction-scoped advisory lock.
 # GET_LOCK() would be one, but it belongs to the session: it outlives COMMIT and ROLLBACK, so
@@ -123,13 +124,33 @@ class Row:
     envelope: str
 
 
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement of an insert, as every driver's ``execute`` can take it: ``sql`` with
+    ``:name`` parameters and a dict (SQLAlchemy's ``text()``, sqlite3; ``%(name)s`` for the
+    pyformat drivers), or with ``%s`` parameters and a tuple (the MySQL drivers' own form)."""
+
+    sql: str
+    params: dict[str, Any] | tuple[Any, ...]
+
+    @property
+    def named(self) -> bool:
+        """True for ``:name`` parameters and a dict."""
+        return isinstance(self.params, dict)
+
+
+# One compiled text() per statement text: the texts are few (PostgreSQL's one, a MySQL
+# chunk's per row count, SQLite's per row count), and compiling one costs more than a row.
+clause = functools.lru_cache(maxsize=512)(text)
+
+
 class Stager:
     """Builds rows for events (with routes cached per event class) and inserts them."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
-        self._sqlite_inserts: dict[int, TextClause] = {}
+        self._sqlite_inserts: dict[int, str] = {}
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
         """Brokers that carry extensions as CloudEvents attributes."""
@@ -195,28 +216,37 @@ class Stager:
         """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
         await conn.execute(PG_INSERT, *_columns(rows), _notify_payload(rows), _stream_keys(rows))
 
-    async def insert_sqlalchemy(self, conn: Any, dialect: str, rows: Sequence[Row]) -> None:
-        """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
+    def statements(self, dialect: str, rows: Sequence[Row]) -> list[Statement]:
+        """The statements that insert ``rows`` (in order) on ``dialect``; ``StagingError``
+        before any of them runs if one row cannot go in (a MySQL stream key too long)."""
         if dialect == "postgresql":
             ids, targets, destinations, types, streams, envelopes = _columns(rows)
-            await conn.execute(
-                _PG_INSERT_SA,
-                {
-                    "ids": ids,
-                    "targets": targets,
-                    "destinations": destinations,
-                    "types": types,
-                    "streams": streams,
-                    "envelopes": envelopes,
-                    "notify": _notify_payload(rows),
-                    "locks": _stream_keys(rows),
-                },
-            )
-            return
+            params = {
+                "ids": ids,
+                "targets": targets,
+                "destinations": destinations,
+                "types": types,
+                "streams": streams,
+                "envelopes": envelopes,
+                "notify": _notify_payload(rows),
+                "locks": _stream_keys(rows),
+            }
+            return [Statement(PG_INSERT_NAMED, params)]
         if dialect == "mysql":
-            await _insert_mysql(conn, rows)
-            return
+            return _mysql_statements(rows)
+        return self._sqlite_statements(rows)
+
+    async def insert_sqlalchemy(self, conn: Any, dialect: str, rows: Sequence[Row]) -> None:
+        """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
+        for statement in self.statements(dialect, rows):
+            if statement.named:
+                await conn.execute(clause(statement.sql), statement.params)
+            else:
+                await conn.exec_driver_sql(statement.sql, statement.params)
+
+    def _sqlite_statements(self, rows: Sequence[Row]) -> list[Statement]:
         stamp = sqlite_time(datetime.now(UTC))
+        statements = []
         for start in range(0, len(rows), _SQLITE_MAX_ROWS):
             chunk = rows[start : start + _SQLITE_MAX_ROWS]
             params: dict[str, Any] = {}
@@ -232,15 +262,16 @@ class Stager:
                     stamp,
                 )
                 params.update({f"{f}{i}": v for f, v in zip(_SQLITE_FIELDS, values, strict=True)})
-            await conn.execute(self._sqlite_insert(len(chunk)), params)
+            statements.append(Statement(self._sqlite_insert(len(chunk)), params))
+        return statements
 
-    def _sqlite_insert(self, count: int) -> TextClause:
+    def _sqlite_insert(self, count: int) -> str:
         statement = self._sqlite_inserts.get(count)
         if statement is None:
             values = ", ".join(
                 "(" + ", ".join(f":{f}{i}" for f in _SQLITE_FIELDS) + ")" for i in range(count)
             )
-            statement = text(
+            statement = (
                 f"INSERT INTO router_outbox ({_COLUMNS}, available_at, created_at) VALUES {values}"
             )
             if len(self._sqlite_inserts) < 256:
@@ -364,7 +395,7 @@ def _keys_per_event(
     return keys
 
 
-async def _insert_mysql(conn: Any, rows: Sequence[Row]) -> None:
+def _mysql_statements(rows: Sequence[Row]) -> list[Statement]:
     """Lock the rows' stream keys (see ``_MYSQL_STREAM_LOCKS``), then insert the rows."""
     keys = _stream_keys(rows)
     for key in keys:
@@ -373,11 +404,12 @@ async def _insert_mysql(conn: Any, rows: Sequence[Row]) -> None:
                 f"stream key {key[:40]!r}... is {len(key):,} characters; "
                 f"a MySQL outbox keeps stream keys of at most {MYSQL_MAX_STREAM_KEY}"
             )
+    statements = []
     if keys:
         values = ", ".join(["(%s)"] * len(keys))
-        await conn.exec_driver_sql(_MYSQL_STREAM_LOCKS.format(values=values), tuple(keys))
+        statements.append(Statement(_MYSQL_STREAM_LOCKS.format(values=values), tuple(keys)))
     for chunk in _mysql_chunks(rows):
-        params = [
+        params = tuple(
             value
             for r in chunk
             for value in (
@@ -388,9 +420,10 @@ async def _insert_mysql(conn: Any, rows: Sequence[Row]) -> None:
                 r.stream_key,
                 r.envelope,
             )
-        ]
+        )
         values = ", ".join([_MYSQL_ROW] * len(chunk))
-        await conn.exec_driver_sql(_MYSQL_INSERT.format(values=values), tuple(params))
+        statements.append(Statement(_MYSQL_INSERT.format(values=values), params))
+    return statements
 
 
 def _mysql_chunks(rows: Sequence[Row]) -> list[Sequence[Row]]:

@@ -1,0 +1,213 @@
+"""The connections ``SyncOutbox.stage`` takes, each behind one small shape: its dialect, and
+``execute`` for one ``Statement`` in the caller's transaction.
+
+- SQLAlchemy's sync ``Session`` and ``Connection`` (psycopg, psycopg2, PyMySQL, mysqlclient,
+  pysqlite): the same ``text()`` statements the async path runs.
+- Django's connection (``django.db.connection`` or ``connections[alias]``), inside
+  ``transaction.atomic()``: its cursor takes ``%(name)s`` and ``%s`` on every backend.
+- Raw DB-API connections of psycopg 3, psycopg2 and sqlite3.
+
+``sync_driver`` refuses, before anything is written, a connection that would commit each
+statement on its own (autocommit outside a transaction), and async connections, which
+``Outbox.stage`` takes. Nothing here imports a driver: a connection is recognised by its
+class's module, so an application has only the driver it uses installed.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from typing import Any, Protocol
+
+from envelopes import StagingError
+from router.write.staging import Statement, clause
+
+__all__ = ["SyncDriver", "sync_driver"]
+
+
+class SyncDriver(Protocol):
+    """One caller's connection, as the sync writer uses it."""
+
+    dialect: str
+    """``postgresql``, ``mysql`` or ``sqlite``: which statements it takes."""
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement in the caller's transaction."""
+
+
+_AUTOCOMMIT = (
+    "stage() needs the connection inside a transaction, but {what}, so each statement would "
+    "commit on its own, apart from the caller's work; {fix}"
+)
+
+
+def sync_driver(connection: Any) -> SyncDriver:
+    """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
+
+    if isinstance(connection, Session):  # an application's subclass too
+        return SqlAlchemyDriver(connection.connection())
+    if isinstance(connection, Connection):
+        return SqlAlchemyDriver(connection)
+    root = type(connection).__module__.partition(".")[0]
+    if root == "sqlalchemy":
+        raise StagingError(
+            f"SyncOutbox.stage() takes a SQLAlchemy Session or Connection; got "
+            f"{type(connection).__name__}: stage on an AsyncSession or AsyncConnection with "
+            "`await Outbox.stage(...)`"
+        )
+    if root == "django":
+        return DjangoDriver(connection)
+    if root == "psycopg" and "Async" not in type(connection).__name__:
+        return PsycopgDriver(connection)
+    if root == "psycopg2":
+        return Psycopg2Driver(connection)
+    if isinstance(connection, sqlite3.Connection):
+        return Sqlite3Driver(connection)
+    raise StagingError(
+        "SyncOutbox.stage() takes a SQLAlchemy Session or Connection, Django's connection, "
+        f"or a psycopg, psycopg2 or sqlite3 connection; got {type(connection).__name__}"
+        + (
+            " (an async connection: stage on it with `await Outbox.stage(...)`)"
+            if "Async" in type(connection).__name__ or root == "asyncpg"
+            else ""
+        )
+    )
+
+
+def pyformat(sql: str) -> str:
+    """``:name`` parameters as ``%(name)s``, for drivers of the pyformat style."""
+    return _NAMED.sub(r"%(\1)s", sql.replace("%", "%%"))
+
+
+# A ``:name`` parameter, not a PostgreSQL ``::type`` cast or a ``:`` inside a word.
+_NAMED = re.compile(r"(?<![:\w]):(\w+)")
+
+
+class SqlAlchemyDriver:
+    """A SQLAlchemy sync ``Connection`` (a ``Session``'s, in its transaction)."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.dialect: str = connection.dialect.name
+        if connection._is_autocommit_isolation():  # what SQLAlchemy asks before BEGIN
+            raise StagingError(
+                _AUTOCOMMIT.format(
+                    what="it runs in AUTOCOMMIT (isolation_level='AUTOCOMMIT')",
+                    fix="stage on a connection without AUTOCOMMIT, in a transaction "
+                    "(with session.begin(): ... or with engine.begin() as connection: ...)",
+                )
+            )
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement on the connection."""
+        if statement.named:
+            self.connection.execute(clause(statement.sql), statement.params)
+        else:
+            self.connection.exec_driver_sql(statement.sql, statement.params)
+
+
+class DjangoDriver:
+    """Django's connection for one database alias, inside ``transaction.atomic()``."""
+
+    _DIALECTS = {"postgresql": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        dialect = self._DIALECTS.get(connection.vendor)
+        if dialect is None:
+            raise StagingError(
+                f"Django database {connection.alias!r} is {connection.vendor}; the outbox "
+                "runs on PostgreSQL, MySQL/MariaDB and SQLite"
+            )
+        self.dialect = dialect
+        if not connection.in_atomic_block:
+            raise StagingError(
+                _AUTOCOMMIT.format(
+                    what=f"Django's connection {connection.alias!r} is outside "
+                    "transaction.atomic()",
+                    fix="stage inside `with transaction.atomic():` (or ATOMIC_REQUESTS)",
+                )
+            )
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement on a cursor of the connection."""
+        sql = pyformat(statement.sql) if statement.named else statement.sql
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, statement.params)
+
+
+class PsycopgDriver:
+    """A psycopg 3 connection: in a transaction unless autocommit and idle."""
+
+    dialect = "postgresql"
+
+    def __init__(self, connection: Any) -> None:
+        from psycopg.pq import TransactionStatus
+
+        self.connection = connection
+        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
+            raise StagingError(
+                _AUTOCOMMIT.format(
+                    what="the psycopg connection is in autocommit mode",
+                    fix="stage inside `with connection.transaction():`, or on a connection "
+                    "without autocommit (then commit it)",
+                )
+            )
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement on a cursor of the connection."""
+        sql = pyformat(statement.sql) if statement.named else statement.sql
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, statement.params)
+
+
+class Psycopg2Driver:
+    """A psycopg2 connection: in a transaction unless autocommit and idle."""
+
+    dialect = "postgresql"
+
+    def __init__(self, connection: Any) -> None:
+        from psycopg2.extensions import TRANSACTION_STATUS_IDLE
+
+        self.connection = connection
+        idle = connection.get_transaction_status() == TRANSACTION_STATUS_IDLE
+        if connection.autocommit and idle:
+            raise StagingError(
+                _AUTOCOMMIT.format(
+                    what="the psycopg2 connection is in autocommit mode",
+                    fix="stage on a connection without autocommit (then commit it)",
+                )
+            )
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement on a cursor of the connection."""
+        sql = pyformat(statement.sql) if statement.named else statement.sql
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, statement.params)
+
+
+class Sqlite3Driver:
+    """A sqlite3 connection: it opens a transaction before an INSERT unless it autocommits."""
+
+    dialect = "sqlite"
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+        # Python 3.12's autocommit attribute; before it (and by default after), the legacy
+        # mode: isolation_level None means no implicit BEGIN.
+        autocommit = getattr(connection, "autocommit", -1)
+        legacy_autocommit = autocommit == -1 and connection.isolation_level is None
+        if (autocommit is True or legacy_autocommit) and not connection.in_transaction:
+            raise StagingError(
+                _AUTOCOMMIT.format(
+                    what="the sqlite3 connection autocommits (isolation_level=None)",
+                    fix="stage after connection.execute('BEGIN'), or on a connection with "
+                    "the default isolation_level (then commit it)",
+                )
+            )
+
+    def execute(self, statement: Statement) -> None:
+        """Run one statement on the connection."""
+        self.connection.execute(statement.sql, statement.params)

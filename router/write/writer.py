@@ -1,0 +1,125 @@
+"""What the async ``Outbox`` and the sync ``SyncOutbox`` share: everything but running the
+statements. Rows are built and checked here, once (``Stager``: pure, no I/O), as httpx's
+``Client`` and ``AsyncClient`` share one base; only the insert differs between the two."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any, Self
+
+from envelopes import StageOptions, StagingError
+from router._local import database_key
+from router._yaml import load_config
+from router.config import RouterConfig
+from router.write import entities
+from router.write._tracing import current_traceparent
+from router.write.drivers import sync_driver
+from router.write.events import Event, current_correlation_id
+from router.write.staging import Row, Stager
+
+__all__ = ["Writer", "message_ids"]
+
+
+class Writer:
+    """The config, the row builder, and the checks of a ``stage()`` call before any I/O."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._stager = Stager(config)
+        self._keys: dict[str, str] = {}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str] | None = None) -> Self:
+        """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it."""
+        return cls(load_config(path or os.environ.get("ROUTER_CONFIG", "config.yaml")))
+
+    def stage_on_flush(self, sessions: Any, *, database: str | None = None) -> None:
+        """Stage the events entities raised (``RaisesEvents.raise_event``) when ``sessions``
+        flush, in the flush's transaction and in the order raised; each event's stream key is
+        its entity's identity unless it was raised with one.
+
+        ``sessions``: a SQLAlchemy ``Session`` (class or instance), ``sessionmaker``,
+        ``AsyncSession`` or ``async_sessionmaker``. An entity's events are staged once, at
+        the first flush after they were raised; a rolled-back transaction stages nothing.
+        """
+        name = self._database(database)
+        entities.stage_on_flush(sessions, functools.partial(self._stage_sync, database=name))
+
+    def _stage_sync(
+        self,
+        connection: Any,
+        events: Sequence[Event],
+        *,
+        database: str | None = None,
+        stream_key: str | None = None,
+        stream_keys: Sequence[str | None] | None = None,
+        options: StageOptions | None = None,
+    ) -> list[str]:
+        """``SyncOutbox.stage``: also what a flush of a tracked session runs, sync or async
+        (an async session flushes in a sync context of its own)."""
+        if not events and not stream_keys:  # keys without events: build_rows says why
+            return []
+        name = self._database(database)
+        rows = self._rows(name, events, stream_key, stream_keys, options or {})
+        driver = sync_driver(connection)
+        self._expect(name, self.config.databases[name].kind, driver.dialect)
+        for statement in self._stager.statements(driver.dialect, rows):
+            driver.execute(statement)
+        return message_ids(rows)
+
+    def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
+        """The targets rows of these events go to."""
+        return {r.target for e in events for r in self._stager.routes(database, type(e))}
+
+    def _rows(
+        self,
+        database: str,
+        events: Sequence[Event],
+        stream_key: str | None,
+        stream_keys: Sequence[str | None] | None,
+        options: StageOptions,
+    ) -> list[Row]:
+        """The rows of one ``stage()`` call, with the context's correlation id and
+        traceparent where the call gives none (``StagingError`` if any event cannot go)."""
+        options["correlation_id"] = options.get("correlation_id") or current_correlation_id()
+        options["traceparent"] = options.get("traceparent") or current_traceparent()
+        return self._stager.build_rows(
+            database, events, stream_key=stream_key, stream_keys=stream_keys, **options
+        )
+
+    def _key(self, database: str) -> str:
+        key = self._keys.get(database)
+        if key is None:
+            key = self._keys[database] = database_key(
+                self.config.databases[database], self.config.base_dir
+            )
+        return key
+
+    def _database(self, database: str | None) -> str:
+        if database is None:
+            if len(self.config.databases) == 1:
+                return next(iter(self.config.databases))
+            raise StagingError(
+                f"several databases are configured ({sorted(self.config.databases)}); "
+                "pass database=..."
+            )
+        if database not in self.config.databases:
+            raise StagingError(
+                f"unknown database {database!r}; configured: {sorted(self.config.databases)}"
+            )
+        return database
+
+    @staticmethod
+    def _expect(name: str, configured: str, actual: str) -> None:
+        if configured != actual:
+            raise StagingError(
+                f"database {name!r} is {configured} in the config, "
+                f"but stage() got a {actual} connection"
+            )
+
+
+def message_ids(rows: Sequence[Row]) -> list[str]:
+    """The staged events' ids, in order (an event has a row per target)."""
+    return list(dict.fromkeys(row.message_id for row in rows))
