@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
@@ -17,12 +18,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MYSQL_DRIVER",
+    "POSTGRES_DRIVER",
     "SQLITE_BUSY_TIMEOUT",
     "asyncpg_dsn",
     "create_engine",
-    "missing_mysql_driver",
+    "missing_driver",
     "mysql_connect_args",
-    "mysql_driver",
+    "require_driver",
     "sqlalchemy_url",
     "sqlite_path",
     "sqlite_time",
@@ -34,6 +36,9 @@ SQLITE_BUSY_TIMEOUT = 30.0
 # The MySQL/MariaDB driver, for the application's engine and the router's store alike (the
 # `mysql` extra; pyproject.toml says why this one). Imported only when such a database opens.
 MYSQL_DRIVER = "asyncmy"
+# PostgreSQL's, an extra too (`postgresql`): an application that only stages from sync code
+# (SyncOutbox on psycopg, Django) needs no asyncio driver.
+POSTGRES_DRIVER = "asyncpg"
 
 
 def asyncpg_dsn(database: DatabaseSettings) -> str:
@@ -54,20 +59,40 @@ def sqlite_path(database: DatabaseSettings, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path).resolve()
 
 
-def mysql_driver(where: str) -> ModuleType:
-    """The MySQL driver module; ``ConfigError`` naming ``where`` (the database's YAML path,
-    ``databases.<name>``) and the extra to install when it is missing."""
+def _driver_of(kind: str) -> tuple[str, str, str] | None:
+    """The async driver a database kind needs from an extra: its module, the extra, and
+    what the error calls the database. None for SQLite, whose driver comes with the package."""
+    if kind == "mysql":
+        return MYSQL_DRIVER, "mysql", "a MySQL or MariaDB database"
+    if kind == "postgresql":
+        return POSTGRES_DRIVER, "postgresql", "a PostgreSQL database"
+    return None
+
+
+def require_driver(kind: str, where: str) -> ModuleType | None:
+    """The async driver module of a database kind; ``ConfigError`` naming ``where`` (the
+    database's YAML path, ``databases.<name>``) and the extra to install when it is missing."""
+    driver = _driver_of(kind)
+    if driver is None:
+        return None
     try:
-        return importlib.import_module(MYSQL_DRIVER)
+        return importlib.import_module(driver[0])
     except ImportError as exc:
-        raise ConfigError(missing_mysql_driver(where, exc.name)) from None
+        raise ConfigError(missing_driver(kind, where, exc.name)) from None
 
 
-def missing_mysql_driver(where: str, module: str | None = None) -> str:
-    """What to tell the user whose MySQL database has no driver installed."""
+def missing_driver(kind: str, where: str, module: str | None = None) -> str | None:
+    """What to tell the user whose database of ``kind`` has no driver installed, when the
+    driver is not installed (``module``: the import that failed); None if it is."""
+    driver = _driver_of(kind)
+    if driver is None:
+        return None
+    name, extra, what = driver
+    if module is None and importlib.util.find_spec(name) is not None:
+        return None
     return (
-        f"{where}: a MySQL or MariaDB database needs the {MYSQL_DRIVER} driver "
-        f"({module or MYSQL_DRIVER} is not installed): pip install 'outbox-router[mysql]'"
+        f"{where}: {what} needs the {name} driver ({module or name} is not installed): "
+        f"pip install 'outbox-router[{extra}]'"
     )
 
 
@@ -113,8 +138,9 @@ def create_engine(
     from sqlalchemy import event
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    if database.kind == "mysql":
-        mysql_driver(f"databases.{name}" if name else f"database {database.public_url()}")
+    require_driver(
+        database.kind, f"databases.{name}" if name else f"database {database.public_url()}"
+    )
     if database.kind == "sqlite":
         sqlite_path(database, base_dir).parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_TIMEOUT})

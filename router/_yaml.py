@@ -6,7 +6,6 @@ never repeat a value, because after interpolation a value may be a password or a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from pydantic import ValidationError
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from envelopes import ConfigError
-from router._db import MYSQL_DRIVER, missing_mysql_driver
+from router._db import missing_driver
 from router.config import RouterConfig
 
 __all__ = ["load_config", "parse_config", "require_clients"]
@@ -71,9 +70,9 @@ def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
     Only the kinds the config uses count; nothing is imported to find out.
     """
     problems = [
-        missing_mysql_driver(f"databases.{name}")
+        problem
         for name, database in config.databases.items()
-        if database.kind == "mysql" and importlib.util.find_spec(MYSQL_DRIVER) is None
+        if (problem := missing_driver(database.kind, f"databases.{name}")) is not None
     ]
     problems += [
         f"brokers.{name}: {hint}"

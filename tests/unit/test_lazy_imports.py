@@ -81,7 +81,6 @@ def test_a_missing_client_is_named_with_its_yaml_path_and_extra(
 def test_a_missing_mysql_driver_is_named_with_its_yaml_path_and_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("router._yaml.MYSQL_DRIVER", "no_such_mysql_driver")
     monkeypatch.setattr("router._db.MYSQL_DRIVER", "no_such_mysql_driver")
     config = parse_config(CONFIG.replace("sqlite:///outbox.db", "mariadb://root@db:3306/shop"))
     with pytest.raises(ConfigError) as caught:
@@ -90,6 +89,21 @@ def test_a_missing_mysql_driver_is_named_with_its_yaml_path_and_extra(
         "config.yaml: 1 problem:\n"
         "  - databases.main: a MySQL or MariaDB database needs the no_such_mysql_driver driver "
         "(no_such_mysql_driver is not installed): pip install 'outbox-router[mysql]'"
+    )
+
+
+def test_a_missing_postgresql_driver_is_named_with_its_yaml_path_and_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # asyncpg is an extra: an application that stages only from sync code does without it.
+    monkeypatch.setattr("router._db.POSTGRES_DRIVER", "no_such_pg_driver")
+    config = parse_config(CONFIG.replace("sqlite:///outbox.db", "postgresql://db/shop"))
+    with pytest.raises(ConfigError) as caught:
+        require_clients(config, "config.yaml")
+    assert str(caught.value) == (
+        "config.yaml: 1 problem:\n"
+        "  - databases.main: a PostgreSQL database needs the no_such_pg_driver driver "
+        "(no_such_pg_driver is not installed): pip install 'outbox-router[postgresql]'"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router._db import asyncpg_dsn, mysql_connect_args, mysql_driver, sqlite_path
+from router._db import asyncpg_dsn, mysql_connect_args, require_driver, sqlite_path
 from router.config import DatabaseSettings
 from router.relay.store.base import (
     OPEN_STATUSES,
@@ -45,8 +45,8 @@ def open_store(
         from router.relay.store.sqlite import SqliteStore
 
         return SqliteStore(name, sqlite_path(database, base_dir))
+    require_driver(database.kind, f"databases.{name}")  # missing: a ConfigError naming the extra
     if database.kind == "mysql":
-        mysql_driver(f"databases.{name}")  # missing: a ConfigError naming the extra
         from router.relay.store.mysql import MysqlStore
 
         return MysqlStore(name, mysql_connect_args(database), pool_size=database.pool_size)
