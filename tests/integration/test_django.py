@@ -5,8 +5,9 @@ the test asserts on what the process printed and on what the database holds.
 
 Each kind: an order and its event commit together (a row per target), an exception in the
 ``atomic()`` block leaves neither, staging outside one is refused, a second alias stages in
-its own transaction, and ``manage.py check --database default`` fails (``router.E001``) on a
-database without the router's tables or behind them, and passes at head.
+its own transaction, and ``manage.py check --database default`` (and ``migrate``) fails
+(``router.E001``) on a database without the router's tables or behind them, and passes at head
+and after ``init_db()``. Once, on SQLite: the check's other two errors.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def django_database(database: Database) -> dict[str, Any]:
     if database.kind == "sqlite":
         return {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": str(database.base_dir / "outbox.db"),
+            "NAME": str(database.base_dir / database.url.removeprefix("sqlite:///")),
         }
     name = database.url.rpartition("/")[2]
     if database.kind == "postgresql":
@@ -211,6 +212,10 @@ async def test_the_check_fails_without_the_router_tables_until_init_db(
         "(router.E001) Django database 'default' (router database 'main') has no router tables"
     ) in checked.stderr
     assert "HINT: run `router init-db`" in checked.stderr
+    # migrate runs the database checks too: the router's tables come first
+    migrate = bare_project.python("-m", "django", "migrate")
+    assert migrate.returncode == 1
+    assert "(router.E001)" in migrate.stderr
 
     done = bare_project.run("init_db")["init_db"]
     assert done == {"before": None, "after": HEAD, "revision": HEAD}
@@ -227,4 +232,26 @@ async def test_the_check_fails_without_the_router_tables_until_init_db(
     assert (
         f"(router.E001) Django database 'default' (router database 'main') is at router "
         f"schema {previous}; this router needs {HEAD}"
+    ) in checked.stderr
+
+
+@pytest.mark.parametrize("bare_project", ["sqlite"], indirect=True)
+async def test_the_check_reports_a_config_it_cannot_read(bare_project: Project) -> None:
+    config = bare_project.database.base_dir / "config.yaml"
+    config.unlink()
+    checked = bare_project.check()
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        f"(router.E002) the router's config cannot be read: {config}: config file not found"
+    ) in checked.stderr
+
+
+async def test_the_check_reports_a_database_it_cannot_read(tmp_path: Path) -> None:
+    project = Project(Database("sqlite", "sqlite:///missing/outbox.db", tmp_path))
+    write_config(project.database)
+    checked = project.check()
+    assert checked.returncode == 1, checked.stdout
+    assert (
+        "(router.E003) cannot read the router schema of database 'default': "
+        "OperationalError: unable to open database file"
     ) in checked.stderr

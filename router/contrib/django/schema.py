@@ -21,12 +21,14 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from router.contrib.django.config import config_path, get_outbox
+from envelopes import ConfigError
+from router.contrib.django.config import get_outbox
 from router.contrib.django.databases import database_settings, matching_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from router.config import RouterConfig
     from router.ops.migrate import MigrationResult
 
 __all__ = ["check_schema", "init_db", "schema_revision"]
@@ -55,15 +57,16 @@ def check_schema(
     **kwargs: Any,
 ) -> list[Any]:
     """Django system check (tag ``database``: ``manage.py check --database default``): an
-    Error ``router.E001`` for each given database whose router tables are not at head."""
+    Error ``router.E001`` for each given database whose router tables are not at head,
+    ``router.E003`` for one it cannot read, ``router.E002`` when the config cannot be read."""
     from django.core.checks import Error
 
     if not databases:
         return []
     try:
         config = get_outbox().config
-    except Exception as exc:  # any reason the config cannot be read is the user's to see
-        return [Error(f"cannot read {config_path()}: {exc}", id=CONFIG_UNREADABLE)]
+    except ConfigError as exc:  # its message names the file and what is wrong
+        return [Error(f"the router's config cannot be read: {exc}", id=CONFIG_UNREADABLE)]
     found = []
     for alias in databases:
         problem = _schema_problem(config, alias)
@@ -72,7 +75,8 @@ def check_schema(
     return found
 
 
-def _schema_problem(config: Any, alias: str) -> Any:
+def _schema_problem(config: RouterConfig, alias: str) -> Any:
+    """The Error for Django's database ``alias``, or None (at head, or not a router database)."""
     from django.core.checks import Error
     from django.db import DatabaseError, connections
 
