@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("router", "brokers", "envelopes")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
-LAYERS = "inside router: root <- write, relay <- ops <- serve <- cli"
+LAYERS = "inside router: root <- write, relay <- ops <- serve, contrib <- cli"
 PACKAGE_FLOW = "envelopes <- brokers <- router"
 ROOT_MODULES = "router's root modules import no layer above them"
 PRIVATE_MODULES = "a private module is imported only inside its own package"
@@ -84,8 +84,18 @@ def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
             {PRIVATE_MODULES},
         ),
         ({"router/ops/flow.py": "import router.ops.status"}, {NO_CYCLE}),  # status imports flow
+        # serve and contrib are independent: neither may import the other
+        ({"router/serve/runner.py": "import router.contrib.django"}, {LAYERS}),
     ],
-    ids=["up-a-layer", "write-to-relay", "root-to-ops", "brokers-to-router", "private", "cycle"],
+    ids=[
+        "up-a-layer",
+        "write-to-relay",
+        "root-to-ops",
+        "brokers-to-router",
+        "private",
+        "cycle",
+        "serve-to-contrib",
+    ],
 )
 def test_a_broken_rule_breaks_its_contract(
     tmp_path: Path, edits: dict[str, str], broken: set[str]

@@ -1,0 +1,1 @@
+"""The shop's one app: orders, and the events they raise."""

@@ -1,0 +1,1 @@
+"""The Django shop's project package (settings)."""

@@ -1,0 +1,36 @@
+"""``stage()``: events as outbox rows in the transaction of one of Django's databases."""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+from envelopes import StageOptions
+from router.contrib.django.config import get_outbox
+from router.contrib.django.databases import router_database
+from router.write.events import Event
+
+__all__ = ["stage"]
+
+
+def stage(
+    *events: Event,
+    using: str = "default",
+    database: str | None = None,
+    stream_key: str | None = None,
+    **options: Unpack[StageOptions],
+) -> list[str]:
+    """Stage ``events`` in the open ``transaction.atomic(using=using)`` block; returns their
+    ids. The rows commit or roll back with that block.
+
+    ``using``: the Django database alias. ``database``: the router database (a key of
+    ``databases:`` in ``config.yaml``) whose brokers get the events; by default the one at
+    the same place as ``using`` (``router.contrib.django.databases``), else the only one
+    configured. ``StagingError`` outside ``transaction.atomic()``, and in every case
+    ``SyncOutbox.stage`` names; nothing is written then.
+    """
+    from django.db import connections
+
+    connection = connections[using]
+    outbox = get_outbox()
+    name = database if database is not None else router_database(outbox.config, connection)
+    return outbox.stage(connection, *events, database=name, stream_key=stream_key, **options)

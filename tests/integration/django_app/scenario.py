@@ -1,0 +1,116 @@
+"""Steps a test runs on the test project, in this process; each prints one JSON line.
+
+    python -m tests.integration.django_app.scenario migrate commit
+
+with ``DJANGO_SETTINGS_MODULE=tests.integration.django_app.settings`` and the variables
+``settings`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import django
+
+from router import StagingError
+from router.contrib.django import init_db, schema_revision, stage
+from tests.integration.events import OrderPlaced
+
+
+def _place(using: str = "default") -> tuple[int, list[str]]:
+    """Save an order and stage its event on ``using``'s open transaction."""
+    from tests.integration.django_app.orders.models import Order
+
+    order = Order.objects.using(using).create(customer="ada", total=Decimal("9.50"))
+    ids = stage(
+        OrderPlaced(order_id=str(order.pk), total=order.total),
+        using=using,
+        stream_key=str(order.pk),
+        correlation_id="req-1",
+    )
+    return int(order.pk), ids
+
+
+def migrate() -> dict[str, Any]:
+    """Django's own tables (and the app's), with ``manage.py migrate``."""
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return {}
+
+
+def commit() -> dict[str, Any]:
+    """An order and its event in one ``atomic()`` block that commits."""
+    from django.db import transaction
+
+    with transaction.atomic():
+        order, ids = _place()
+    return {"order": order, "ids": ids}
+
+
+def rollback() -> dict[str, Any]:
+    """An order and its event in a block that raises."""
+    from django.db import transaction
+
+    try:
+        with transaction.atomic():
+            order, ids = _place()
+            raise RuntimeError("business rule")
+    except RuntimeError as exc:
+        return {"order": order, "ids": ids, "raised": str(exc)}
+
+
+def outside() -> dict[str, Any]:
+    """``stage()`` with no ``atomic()`` block open."""
+    try:
+        stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+    except StagingError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def other() -> dict[str, Any]:
+    """An order and its event on the alias ``other``, in ``atomic(using="other")``."""
+    from django.db import connections, transaction
+
+    with transaction.atomic(using="other"):
+        order, ids = _place("other")
+        default_in_block = connections["default"].in_atomic_block
+    return {"order": order, "ids": ids, "default_in_block": default_in_block}
+
+
+def init() -> dict[str, Any]:
+    """``init_db("default")``, and the revision read with Django's connection after it."""
+    from django.db import connections
+
+    result = init_db("default")
+    return {
+        "before": result.before,
+        "after": result.after,
+        "revision": schema_revision(connections["default"]),
+    }
+
+
+STEPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "migrate": migrate,
+    "commit": commit,
+    "rollback": rollback,
+    "outside": outside,
+    "other": other,
+    "init_db": init,
+}
+
+
+def main(steps: list[str]) -> None:
+    """Run ``steps`` in order."""
+    django.setup()
+    for step in steps:
+        print(json.dumps({"step": step, **STEPS[step]()}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
