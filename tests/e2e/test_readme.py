@@ -59,6 +59,14 @@ PROVEN_ELSEWHERE = {
     "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/router init-db && "
     ".venv/bin/router serve": "README.md's first command: tests/e2e/test_install.py runs it",
     "bash scripts/test": "the test command itself: CI runs it (.ci/run)",
+    "pip install 'outbox-router[django]'    # the app; router serve and init-db on PostgreSQL\n"
+    "                                       # also need [postgresql], on MariaDB [mysql]": (
+        "tests/e2e/test_sync_install.py installs the django extra in a fresh venv"
+    ),
+    "router init-db              # creates or upgrades router_outbox and its companions\n"
+    "python manage.py migrate    # Django's own tables": (
+        "tests/e2e/test_django_example.py runs both, in this order"
+    ),
     QUICKSTART_COMMANDS: "test_quickstart_output here and tests/e2e/test_install.py run it",
     "$ router contract check          # after renaming OrderPlaced.customer to buyer\n"
     "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)\n"
