@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, object_session, sessionmaker
 from envelopes import StagingError
 from router.write.events import Event
 
-__all__ = ["RaisesEvents", "stage_on_flush"]
+__all__ = ["RaisesEvents", "stage_on_flush", "take_raised"]
 
 Stage = Callable[..., list[str]]
 """``Writer._stage_sync``: ``stage(connection, events, stream_keys=...)``."""
@@ -47,7 +47,8 @@ _order = itertools.count()  # raise order across every entity of a process
 # its new and changed entities strongly, but an unchanged one only weakly: that one is held
 # in its session's ``info`` instead, so its events cannot vanish with the application's last
 # reference to it before the commit.
-_pending: weakref.WeakSet[Any] = weakref.WeakSet()
+# By id: an entity need not be hashable (a model may define __eq__ alone).
+_pending: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
@@ -66,20 +67,28 @@ class RaisesEvents:
         ``stream_key`` or else on the entity's identity (its primary key)."""
         if not isinstance(event, Event):
             raise StagingError(f"raise_event() takes a router.Event, got {type(event)!r}")
-        session = object_session(self)
+        state = sa.inspect(self, raiseerr=False)  # None: not SQLAlchemy's (a Django model)
         with _lock:
             self.__dict__.setdefault(_ATTRIBUTE, []).append(
                 _Raised(next(_order), event, stream_key)
             )
-            if session is None:
-                _pending.add(self)
-            else:
-                session.info.setdefault(_HELD, {})[id(self)] = self
+            if state is not None and state.session is not None:
+                state.session.info.setdefault(_HELD, {})[id(self)] = self
+            elif state is not None:
+                _pending[id(self)] = self
 
     @property
     def raised_events(self) -> list[Event]:
         """The events raised and not staged yet, in order."""
         return [raised.event for raised in self.__dict__.get(_ATTRIBUTE, ())]
+
+
+def take_raised(entity: RaisesEvents) -> list[tuple[Event, str | None]]:
+    """The events ``entity`` raised and their stream keys (None: the entity's own), in raise
+    order, taken off it: for an ORM without sessions to listen on (Django's models)."""
+    with _lock:
+        raised = entity.__dict__.pop(_ATTRIBUTE, [])
+    return [(r.event, r.stream_key) for r in raised]
 
 
 def stage_on_flush(sessions: Any, stage: Stage) -> None:
@@ -125,7 +134,7 @@ def _stage(session: Session, stage: Stage) -> None:
         held = session.info.get(_HELD, {})
         for entity in entities:
             raised.extend((r, entity) for r in entity.__dict__.pop(_ATTRIBUTE, ()))
-            _pending.discard(entity)
+            _pending.pop(id(entity), None)
             held.pop(id(entity), None)
     if not raised:
         return
@@ -139,7 +148,7 @@ def _of(session: Session) -> Sequence[Any]:
     """The entities of ``session`` with events waiting."""
     with _lock:
         held = [e for e in session.info.get(_HELD, {}).values() if object_session(e) is session]
-        return held + [e for e in _pending if object_session(e) is session]
+        return held + [e for e in _pending.values() if object_session(e) is session]
 
 
 def _identity(entity: Any) -> str:

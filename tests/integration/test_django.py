@@ -197,6 +197,25 @@ async def test_a_named_alias_stages_in_its_own_transaction(project: Project) -> 
     assert {r["message_id"] for r in rows} == set(done["ids"])
 
 
+async def test_a_models_raised_events_are_staged_with_its_save_once(project: Project) -> None:
+    done = project.run("migrate", "entity")["entity"]
+    assert done["waiting"] == 0
+    rows = [r for r in await project.database.rows() if r["target"] == "events"]
+    assert [(r["event_type"], r["stream_key"]) for r in rows] == [
+        ("stock_reserved", str(done["shipment"])),  # the model's primary key
+        ("order_placed", "o-7"),  # raised with its own stream key
+    ]
+    shipments = await project.database.fetch("SELECT quantity FROM orders_shipment")
+    assert [row["quantity"] for row in shipments] == [3]
+
+
+async def test_a_models_events_roll_back_with_its_block(project: Project) -> None:
+    done = project.run("migrate", "entity_rollback")["entity_rollback"]
+    assert done["raised"] == "business rule"
+    assert await project.database.rows() == []
+    assert await project.database.fetch("SELECT id FROM orders_shipment") == []
+
+
 async def test_the_check_passes_at_head(project: Project) -> None:
     checked = project.check()
     assert checked.returncode == 0, checked.stderr

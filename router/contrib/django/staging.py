@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Unpack
 
 from envelopes import StageOptions
@@ -17,6 +18,7 @@ def stage(
     using: str = "default",
     database: str | None = None,
     stream_key: str | None = None,
+    stream_keys: Sequence[str | None] | None = None,
     **options: Unpack[StageOptions],
 ) -> list[str]:
     """Stage ``events`` in the open ``transaction.atomic(using=using)`` block; returns their
@@ -33,4 +35,11 @@ def stage(
     connection = connections[using]
     outbox = get_outbox()
     name = database if database is not None else router_database(outbox.config, connection)
-    return outbox.stage(connection, *events, database=name, stream_key=stream_key, **options)
+    return outbox.stage(
+        connection,
+        *events,
+        database=name,
+        stream_key=stream_key,
+        stream_keys=stream_keys,
+        **options,
+    )

@@ -18,7 +18,7 @@ import django
 
 from router import StagingError
 from router.contrib.django import init_db, schema_revision, stage
-from tests.integration.events import OrderPlaced
+from tests.integration.events import OrderPlaced, StockReserved
 
 
 def _place(using: str = "default") -> tuple[int, list[str]]:
@@ -83,6 +83,36 @@ def other() -> dict[str, Any]:
     return {"order": order, "ids": ids, "default_in_block": default_in_block}
 
 
+def entity() -> dict[str, Any]:
+    """A model raises two events and is saved outside any block, then saved again."""
+    from tests.integration.django_app.orders.models import Shipment
+
+    shipment = Shipment(order_ref="o-7", quantity=2)
+    shipment.raise_event(StockReserved(order_id="o-7", quantity=2))
+    shipment.raise_event(OrderPlaced(order_id="o-7", total=Decimal(3)), stream_key="o-7")
+    shipment.save()  # its own transaction: the row and the events together
+    shipment.quantity = 3
+    shipment.save()  # nothing raised since: nothing staged
+    return {"shipment": int(shipment.pk), "waiting": len(shipment.raised_events)}
+
+
+def entity_rollback() -> dict[str, Any]:
+    """A model saved with an event inside a block that then raises."""
+    from django.db import transaction
+
+    from tests.integration.django_app.orders.models import Shipment
+
+    try:
+        with transaction.atomic():
+            shipment = Shipment(order_ref="o-8")
+            shipment.raise_event(StockReserved(order_id="o-8", quantity=1))
+            shipment.save()
+            raise RuntimeError("business rule")
+    except RuntimeError as exc:
+        return {"raised": str(exc)}
+    return {"raised": None}
+
+
 def init() -> dict[str, Any]:
     """``init_db("default")``, and the revision read with Django's connection after it."""
     from django.db import connections
@@ -102,6 +132,8 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "outside": outside,
     "other": other,
     "init_db": init,
+    "entity": entity,
+    "entity_rollback": entity_rollback,
 }
 
 
