@@ -1,4 +1,4 @@
-"""examples/django_shop as a user runs it, on PostgreSQL and on SQLite: ``router init-db``,
+"""examples/django_shop as a user runs it, on PostgreSQL, MariaDB and SQLite: ``router init-db``,
 ``manage.py migrate``, ``manage.py check --database default``, ``router serve``, and
 ``manage.py place_order``; the order's ``OrderPlaced`` must arrive in NATS JetStream."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from router.ops.migrate import head_revision
-from tests.conftest import NATS_URL, NatsStreams, PgDatabases
+from tests.conftest import NATS_URL, MysqlDatabases, NatsStreams, PgDatabases
 from tests.e2e.helpers import ROOT, Serving, router
 from tests.services import free_port
 
@@ -39,11 +39,15 @@ def manage(folder: Path, env: dict[str, str], *args: str) -> subprocess.Complete
     return done
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def database_url(request: pytest.FixtureRequest, pg_databases: PgDatabases) -> str:
+@pytest.fixture(params=["postgresql", "mysql", "sqlite"])
+async def database_url(
+    request: pytest.FixtureRequest, pg_databases: PgDatabases, mysql_databases: MysqlDatabases
+) -> str:
     """An empty database: init-db has its tables to create."""
     if request.param == "postgresql":
         return await pg_databases.new(migrated=False)
+    if request.param == "mysql":
+        return await mysql_databases.new(migrated=False)
     return "sqlite:///./var/shop.db"  # the example's default, in the copy's folder
 
 

@@ -2,7 +2,8 @@
 
 One database, from ``DATABASE_URL`` (the variable ``config.yaml`` reads too, so Django and
 the router share it): ``sqlite:///./var/shop.db`` by default (relative to this project), or
-``postgresql://user:password@host:port/name`` (Django's ``postgresql`` backend, psycopg 3).
+``postgresql://user:password@host:port/name`` (Django's ``postgresql`` backend, psycopg 3),
+or ``mysql://`` / ``mariadb://`` (Django's ``mysql`` backend, on PyMySQL).
 """
 
 from __future__ import annotations
@@ -33,7 +34,23 @@ def database(url: str) -> dict[str, Any]:
             "HOST": parts.hostname or "",
             "PORT": str(parts.port or ""),
         }
-    raise ImproperlyConfigured(f"DATABASE_URL: use sqlite:/// or postgresql://, not {scheme}://")
+    if scheme in ("mysql", "mariadb"):
+        # PyMySQL stands in for mysqlclient (no compiler needed); either works with Django.
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": unquote(parts.path.lstrip("/")),
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+            "OPTIONS": {"charset": "utf8mb4"},
+        }
+    raise ImproperlyConfigured(
+        f"DATABASE_URL: use sqlite:///, postgresql:// or mysql://, not {scheme}://"
+    )
 
 
 DATABASES = {"default": database(os.environ.get("DATABASE_URL", "sqlite:///./var/shop.db"))}
