@@ -1,12 +1,17 @@
 """What the tests of the web app examples (examples/flask_shop, examples/fastapi_shop) share:
-the environment their README sets, on a fresh database and a stream of the test's own, and
-what arrived at NATS."""
+the environment their README sets, on a fresh database and a stream of the test's own; the
+commands their docs page and README document; and what arrived at NATS."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,3 +85,55 @@ def check_envelopes(messages: list[Delivered], env: dict[str, str], service: str
 def in_order_per_order(messages: list[Delivered], order_id: str) -> list[str]:
     """The event types delivered for one order, in stream order."""
     return [m.body["type"] for m in messages if m.event[1] == order_id]
+
+
+@dataclass(frozen=True)
+class Commands:
+    """The ```bash block of an example's docs page and README."""
+
+    text: str
+    exported: frozenset[str]  # the variables it exports
+    lines: list[str]  # the commands after the exports, comments stripped
+
+
+def documented_commands(page: Path) -> Commands:
+    """The first ```bash block of ``page``."""
+    found = re.search(r"^```bash\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
+    assert found, f"{page} has no ```bash block"
+    exported: set[str] = set()
+    lines = []
+    for line in found[1].splitlines():
+        command = line.partition("#")[0].strip()
+        if command.startswith("export "):
+            exported.add(command.removeprefix("export ").partition("=")[0])
+        elif command:
+            lines.append(command)
+    return Commands(found[1].strip(), frozenset(exported), lines)
+
+
+def run_documented(line: str) -> subprocess.CompletedProcess[str]:
+    """One documented command, as a user types it in examples/, with this venv's commands
+    (``router``, ``flask``, ``uvicorn``) first on the PATH and this process's environment."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return subprocess.run(
+        ["bash", "-c", line],
+        cwd=ROOT / "examples",
+        env={**os.environ, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def lines_not_in(page: Path, source: Path) -> list[str]:
+    """The lines of ``page``'s ```python excerpts that ``source`` does not have (blank lines
+    and ``...`` aside): the docs show the example's code, only shortened."""
+    have = {line.strip() for line in source.read_text(encoding="utf-8").splitlines()}
+    text = page.read_text(encoding="utf-8")
+    return [
+        line.strip()
+        for block in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+        for line in block.splitlines()
+        if line.strip() not in ("", "...") and line.strip() not in have
+    ]

@@ -1,12 +1,11 @@
-"""examples/fastapi_shop as its README runs it, against PostgreSQL and NATS JetStream:
-``router init-db``, the app's ``create-tables``, ``router serve`` beside the app; the app is
-driven in-process with FastAPI's ``TestClient`` (its lifespan and every request on one event
-loop), request after request on one engine's pool."""
+"""examples/fastapi_shop as its docs page (docs/frameworks-fastapi.md) and README run it,
+against PostgreSQL and NATS JetStream: the documented ``router init-db`` and ``python -m
+fastapi_shop.app create-tables``, then ``router serve`` beside the app. The app is driven
+in-process with FastAPI's ``TestClient`` (in place of uvicorn; its lifespan and every request
+on one event loop), request after request on one engine's pool."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +19,32 @@ from tests.conftest import NatsStreams, PgDatabases
 from tests.e2e.example_apps import (
     check_envelopes,
     delivered,
+    documented_commands,
     example_env,
     in_order_per_order,
+    lines_not_in,
     query,
+    run_documented,
 )
-from tests.e2e.helpers import ROOT, Serving, router
+from tests.e2e.helpers import ROOT, Serving
 
 pytestmark = pytest.mark.timeout(120)
+
+DOCS = ROOT / "docs" / "frameworks-fastapi.md"
+EXAMPLE = ROOT / "examples" / "fastapi_shop"
+
+
+def test_the_docs_page_and_the_readme_document_the_commands_run_here() -> None:
+    commands = documented_commands(DOCS)
+    assert documented_commands(EXAMPLE / "README.md") == commands
+    assert commands.exported == {"ROUTER_CONFIG", "DATABASE_URL", "NATS_URL"}  # set by `env`
+    assert commands.lines == [
+        "router init-db",  # the `serving` fixture runs these two as they are written
+        "python -m fastapi_shop.app create-tables",
+        "router serve &",  # then serves
+        "uvicorn fastapi_shop.app:app",  # the TestClient, in process
+    ]
+    assert lines_not_in(DOCS, EXAMPLE / "app.py") == []
 
 
 @pytest.fixture
@@ -39,21 +57,11 @@ async def env(
 
 @pytest.fixture
 def serving(env: dict[str, str], tmp_path: Path) -> Iterator[Serving]:
-    """The README's commands: ``router init-db``, ``python -m fastapi_shop.app
-    create-tables`` (from examples/), then ``router serve``, stopped (exit code 0) after the
-    test."""
-    migrated = router("init-db", cwd=tmp_path)
-    assert migrated.returncode == 0, migrated.stderr
-    created = subprocess.run(
-        [sys.executable, "-m", "fastapi_shop.app", "create-tables"],
-        cwd=ROOT / "examples",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert created.returncode == 0, created.stderr
-    assert created.stdout == "created the shop's tables\n"
+    """The documented ``router init-db`` and ``create-tables``, then ``router serve``,
+    stopped (exit code 0) after the test."""
+    for line in documented_commands(DOCS).lines[:2]:
+        done = run_documented(line)
+        assert done.returncode == 0, f"{line}\n{done.stdout}{done.stderr}"
     serve = Serving(tmp_path)
     serve.wait_for("router.started")
     yield serve

@@ -1,6 +1,7 @@
-"""examples/flask_shop as its README runs it, against PostgreSQL and NATS JetStream:
-``router init-db``, the app's ``create-tables``, ``router serve`` beside the app; the app is
-driven in-process with Flask's test client, request after request on one engine's pool."""
+"""examples/flask_shop as its docs page (docs/frameworks-flask.md) and README run it, against
+PostgreSQL and NATS JetStream: the documented ``router init-db`` and ``flask ... create-tables``,
+then ``router serve`` beside the app. The app is driven in-process with Flask's test client
+(in place of ``flask run``), request after request on one engine's pool."""
 
 from __future__ import annotations
 
@@ -23,13 +24,32 @@ from tests.conftest import NatsStreams, PgDatabases
 from tests.e2e.example_apps import (
     check_envelopes,
     delivered,
+    documented_commands,
     example_env,
     in_order_per_order,
+    lines_not_in,
     query,
+    run_documented,
 )
-from tests.e2e.helpers import Serving, router
+from tests.e2e.helpers import ROOT, Serving
 
 pytestmark = pytest.mark.timeout(120)
+
+DOCS = ROOT / "docs" / "frameworks-flask.md"
+EXAMPLE = ROOT / "examples" / "flask_shop"
+
+
+def test_the_docs_page_and_the_readme_document_the_commands_run_here() -> None:
+    commands = documented_commands(DOCS)
+    assert documented_commands(EXAMPLE / "README.md") == commands
+    assert commands.exported == {"ROUTER_CONFIG", "DATABASE_URL", "NATS_URL"}  # set by `env`
+    assert commands.lines == [
+        "router init-db",  # the `app` fixture runs these two as they are written
+        "flask --app flask_shop.app create-tables",
+        "router serve &",  # `serving`
+        "flask --app flask_shop.app run",  # the test client, in process
+    ]
+    assert lines_not_in(DOCS, EXAMPLE / "app.py") == []
 
 
 @pytest.fixture
@@ -41,14 +61,14 @@ async def env(
 
 
 @pytest.fixture
-def app(env: dict[str, str], tmp_path: Path) -> Iterator[Flask]:
-    """The example app after ``router init-db`` and ``flask ... create-tables``."""
-    migrated = router("init-db", cwd=tmp_path)
-    assert migrated.returncode == 0, migrated.stderr
+def app(env: dict[str, str]) -> Iterator[Flask]:
+    """The example app after the documented ``router init-db`` and ``create-tables``."""
+    commands = documented_commands(DOCS)
+    for line in commands.lines[:2]:
+        done = run_documented(line)
+        assert done.returncode == 0, f"{line}\n{done.stdout}{done.stderr}"
     app = create_app()
     app.config["TESTING"] = True  # an unhandled error reaches the test as itself
-    created = app.test_cli_runner().invoke(args=["create-tables"])
-    assert created.exit_code == 0, created.output
     yield app
     app.extensions["shop"].engine.dispose()
 
