@@ -53,6 +53,26 @@ QUICKSTART_COMMANDS = """\
 .venv/bin/python examples/shop/app.py          # commits 3 orders, each with 2 events
 .venv/bin/python examples/shop/listen.py --once  # prints what arrived at each broker"""
 
+FLASK_COMMANDS = """\
+export ROUTER_CONFIG=flask_shop/config.yaml
+export DATABASE_URL=postgresql://postgres@127.0.0.1:5432/shop
+export NATS_URL=nats://127.0.0.1:4222
+
+router init-db                                  # the outbox table
+flask --app flask_shop.app create-tables        # the app's own table
+router serve &                                  # delivers what the app commits
+flask --app flask_shop.app run"""
+
+FASTAPI_COMMANDS = """\
+export ROUTER_CONFIG=fastapi_shop/config.yaml
+export DATABASE_URL=postgresql://postgres@127.0.0.1:5432/shop
+export NATS_URL=nats://127.0.0.1:4222
+
+router init-db                                  # the outbox table
+python -m fastapi_shop.app create-tables        # the app's own table
+router serve &                                  # delivers what the app commits
+uvicorn fastapi_shop.app:app"""
+
 # Shell blocks that are not samples, each with what runs it. Keep it small: a block that can
 # be a sample should be one.
 PROVEN_ELSEWHERE = {
@@ -73,6 +93,9 @@ PROVEN_ELSEWHERE = {
     "breaking  partners  order_placed v1  payload.customer: renamed to payload.buyer "
     "(removed, and added with its schema)": "tests/e2e/test_contract.py::"
     "test_renaming_a_field_of_a_published_event_fails_the_check",
+    # The web app examples' commands (their pages and READMEs): run on PostgreSQL and NATS.
+    FLASK_COMMANDS: "tests/e2e/test_flask_example.py (the app through Flask's test client)",
+    FASTAPI_COMMANDS: "tests/e2e/test_fastapi_example.py (the app through TestClient)",
 }
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->$")

@@ -1,0 +1,1 @@
+"""A FastAPI shop that stages its events with ``Outbox`` (see README.md)."""

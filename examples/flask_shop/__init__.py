@@ -1,0 +1,1 @@
+"""A Flask shop that stages its events with ``SyncOutbox`` (see README.md)."""
