@@ -44,8 +44,10 @@ _AUTOCOMMIT = (
 def sync_driver(connection: Any) -> SyncDriver:
     """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
     from sqlalchemy.engine import Connection
-    from sqlalchemy.orm import Session
+    from sqlalchemy.orm import Session, scoped_session
 
+    if isinstance(connection, scoped_session):  # Flask-SQLAlchemy's db.session
+        connection = connection()
     if isinstance(connection, Session):  # an application's subclass too
         return SqlAlchemyDriver(connection.connection())
     if isinstance(connection, Connection):

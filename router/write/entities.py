@@ -102,7 +102,10 @@ def _listen_target(sessions: Any) -> Any:
     """What SQLAlchemy's events can listen on for ``sessions``: an async session flushes its
     sync session, and an ``async_sessionmaker`` gets a Session class of its own."""
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import scoped_session
 
+    if isinstance(sessions, scoped_session):  # Flask-SQLAlchemy's db.session
+        return sessions.session_factory
     if isinstance(sessions, AsyncSession):
         return sessions.sync_session
     if isinstance(sessions, async_sessionmaker):
@@ -116,7 +119,7 @@ def _listen_target(sessions: Any) -> Any:
         return sessions
     raise StagingError(
         "stage_on_flush() takes a SQLAlchemy Session (class or instance), sessionmaker, "
-        f"AsyncSession or async_sessionmaker; got {type(sessions).__name__}"
+        f"scoped_session, AsyncSession or async_sessionmaker; got {type(sessions).__name__}"
     )
 
 

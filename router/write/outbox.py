@@ -16,6 +16,7 @@ connection inside a transaction. For code without a transaction of its own::
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Unpack
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.pool import NullPool
 
 from envelopes import StageOptions, StagingError
 from router._db import create_engine
@@ -42,6 +44,8 @@ class Outbox(Writer):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
         self._engines: dict[str, AsyncEngine] = {}
+        self._made_with: dict[str, dict[str, Any]] = {}
+        self._loops: dict[str, asyncio.AbstractEventLoop | None] = {}
 
     async def stage(
         self,
@@ -99,13 +103,45 @@ class Outbox(Writer):
             self._announce_after_commit(connection, name, rows)
 
     def engine(self, database: str | None = None, **kwargs: Any) -> AsyncEngine:
-        """A SQLAlchemy engine for a configured database (SQLite: WAL and a busy timeout)."""
+        """A SQLAlchemy engine for a configured database (SQLite: WAL and a busy timeout),
+        made on the first call with ``kwargs`` (``create_async_engine``'s) and kept.
+
+        A pooled engine's connections belong to the event loop that opened them, so the
+        engine may not be used from another loop (Flask runs each ``async def`` view in a
+        loop of its own): that is refused with what to do instead.
+        """
         name = self._database(database)
-        if name not in self._engines:
-            self._engines[name] = create_engine(
+        made = self._engines.get(name)
+        if made is None:
+            made = self._engines[name] = create_engine(
                 self.config.databases[name], self.config.base_dir, name=name, **kwargs
             )
-        return self._engines[name]
+            self._made_with[name] = kwargs
+            self._loops[name] = _running_loop()
+            return made
+        if kwargs and kwargs != self._made_with[name]:
+            raise ValueError(
+                f"the engine of database {name!r} exists already, made with "
+                f"{sorted(self._made_with[name]) or 'no options'}; pass its options on the "
+                "first call to engine() (or none later)"
+            )
+        self._check_loop(name, made)
+        return made
+
+    def _check_loop(self, name: str, engine: AsyncEngine) -> None:
+        made_on, now = self._loops.get(name), _running_loop()
+        if made_on is None:  # made outside any loop: the first loop to use it owns it
+            self._loops[name] = now
+            return
+        if now is None or made_on is now or isinstance(engine.pool, NullPool):
+            return
+        raise StagingError(
+            f"the engine of database {name!r} was made on another event loop, and its pooled "
+            "connections belong to that loop (Flask runs each async view in a new loop). "
+            "In a sync framework, stage with SyncOutbox on its own session; or make this "
+            "engine unpooled once, before the first request: "
+            "outbox.engine(poolclass=sqlalchemy.pool.NullPool)"
+        )
 
     @asynccontextmanager
     async def transaction(self, database: str | None = None) -> AsyncIterator[Transaction]:
@@ -132,6 +168,8 @@ class Outbox(Writer):
     async def close(self) -> None:
         """Dispose the engines this outbox created."""
         engines, self._engines = self._engines, {}
+        self._made_with.clear()
+        self._loops.clear()
         for engine in engines.values():
             await engine.dispose()
 
@@ -187,6 +225,13 @@ def _autocommits(conn: AsyncConnection) -> bool:
     private method SQLAlchemy itself consults before emitting BEGIN.
     """
     return conn.sync_connection is not None and conn.sync_connection._is_autocommit_isolation()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _is_asyncpg(connection: Any) -> bool:

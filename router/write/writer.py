@@ -41,8 +41,9 @@ class Writer:
         its entity's identity unless it was raised with one.
 
         ``sessions``: a SQLAlchemy ``Session`` (class or instance), ``sessionmaker``,
-        ``AsyncSession`` or ``async_sessionmaker``. An entity's events are staged once, at
-        the first flush after they were raised; a rolled-back transaction stages nothing.
+        ``scoped_session``, ``AsyncSession`` or ``async_sessionmaker``. An entity's events are
+        staged once, at the first flush after they were raised; a rolled-back transaction
+        stages nothing.
         """
         name = self._database(database)
         entities.stage_on_flush(sessions, functools.partial(self._stage_sync, database=name))

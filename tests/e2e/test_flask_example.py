@@ -5,7 +5,6 @@ then ``router serve`` beside the app. The app is driven in-process with Flask's 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
@@ -15,11 +14,11 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import text
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import NullPool, QueuePool
 
 from flask_shop.app import Shop, create_app
 from flask_shop.events import OrderPlaced
-from router import Outbox
+from router import Outbox, StagingError
 from tests.conftest import NatsStreams, PgDatabases
 from tests.e2e.example_apps import (
     check_envelopes,
@@ -154,22 +153,30 @@ def async_app(outbox: Outbox) -> Flask:
     return app
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="Flask runs each async view in a new event loop, but Outbox keeps one AsyncEngine "
-    "(asyncpg pool) per database: the 2nd request checks out the 1st one's pooled connection, "
-    "whose pre-ping raises RuntimeError: Task <...> got Future <...> attached to a different "
-    "loop (a 500; the pool drops that connection, so requests alternate: 1 ok, 2 fails, 3 ok)",
-)
-def test_an_async_view_with_the_async_outbox_stages_in_every_request(
+def test_an_async_view_on_the_pooled_async_outbox_is_refused_with_what_to_do(
+    app: Flask, serving: Serving, env: dict[str, str], nats_streams: NatsStreams
+) -> None:
+    # Flask runs each async view in a new event loop; the Outbox's pooled engine belongs to
+    # the first. The second request is refused before it touches the database, saying what
+    # to do, instead of failing inside the driver with "attached to a different loop".
+    outbox = Outbox.from_file(env["ROUTER_CONFIG"])
+    client = async_app(outbox).test_client()
+    first = client.post("/orders").get_json()["id"]
+    with pytest.raises(StagingError) as refused:
+        client.post("/orders")
+    assert "was made on another event loop" in str(refused.value)
+    assert "SyncOutbox" in str(refused.value)
+    assert "outbox.engine(poolclass=sqlalchemy.pool.NullPool)" in str(refused.value)
+    messages = delivered(nats_streams, env, 1)
+    assert [m.event for m in messages] == [("order_placed", first)]
+
+
+def test_an_async_view_on_an_unpooled_async_outbox_stages_in_every_request(
     app: Flask, serving: Serving, env: dict[str, str], nats_streams: NatsStreams
 ) -> None:
     outbox = Outbox.from_file(env["ROUTER_CONFIG"])
-    try:
-        client = async_app(outbox).test_client()
-        orders = [client.post("/orders").get_json()["id"] for _ in range(2)]
-    finally:
-        asyncio.run(outbox.close())
-    messages = delivered(nats_streams, env, 2)
+    outbox.engine(poolclass=NullPool)  # once, before the first request: what the error says
+    client = async_app(outbox).test_client()
+    orders = [client.post("/orders").get_json()["id"] for _ in range(3)]
+    messages = delivered(nats_streams, env, 3)
     assert sorted(m.event for m in messages) == sorted(("order_placed", o) for o in orders)

@@ -373,3 +373,34 @@ async def test_async_and_sync_connections_are_sent_to_their_own_outbox(
         sync.close()
         await outbox.close()
     assert await database.rows() == []
+
+
+async def test_a_scoped_session_stages_and_tracks_flushes(
+    pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
+) -> None:
+    # Flask-SQLAlchemy's db.session is a scoped_session: stage() takes it as the session it
+    # stands for, and stage_on_flush() listens on its factory.
+    from sqlalchemy.orm import scoped_session, sessionmaker
+
+    from tests.integration.test_entity_events import Base, Order
+
+    database = await make_database("sqlite", pg_databases, mysql_databases, tmp_path)
+    engine = sa.create_engine(sa_url(database, "pysqlite"))
+    Base.metadata.create_all(engine)
+    db_session = scoped_session(sessionmaker(engine))
+    outbox = Client(database, lambda: db_session.begin(), db_session.begin, engine.dispose).outbox()
+    outbox.stage_on_flush(db_session)
+    try:
+        with db_session.begin():
+            outbox.stage(db_session, StockReserved(order_id="direct", quantity=1))
+            order = Order(id="o-9", total=1)
+            order.raise_event(StockReserved(order_id="raised", quantity=1))
+            db_session.add(order)
+    finally:
+        db_session.remove()
+        engine.dispose()
+    stored = await database.rows()
+    assert [(r["envelope"]["payload"]["order_id"], r["stream_key"]) for r in stored] == [
+        ("direct", None),
+        ("raised", "o-9"),
+    ]
