@@ -15,6 +15,7 @@ class's module, so an application has only the driver it uses installed.
 
 from __future__ import annotations
 
+import functools
 import re
 import sqlite3
 from typing import Any, Protocol
@@ -78,9 +79,12 @@ def sync_driver(connection: Any) -> SyncDriver:
     )
 
 
-def pyformat(sql: str) -> str:
-    """``:name`` parameters as ``%(name)s``, for drivers of the pyformat style."""
-    return _NAMED.sub(r"%(\1)s", sql.replace("%", "%%"))
+@functools.lru_cache(maxsize=512)
+def pyformat(sql: str, kind: str = "s") -> str:
+    """``:name`` parameters as ``%(name)s``, for drivers of the pyformat style (``kind`` "b":
+    psycopg 3's ``%(name)b``, sent in binary). Cached: the texts are few, and converting one
+    cost a stage() on psycopg about 5% of its time."""
+    return _NAMED.sub(rf"%(\1){kind}", sql.replace("%", "%%"))
 
 
 # A ``:name`` parameter, not a PostgreSQL ``::type`` cast or a ``:`` inside a word.
@@ -134,10 +138,41 @@ class DjangoDriver:
             )
 
     def execute(self, statement: Statement) -> None:
-        """Run one statement on a cursor of the connection."""
+        """Run one statement in the connection's transaction.
+
+        On PostgreSQL with psycopg 3 it goes on a server-binding cursor of the connection
+        Django holds, its arrays in binary: Django's own cursor binds on the client (unless
+        ``server_side_binding``), quoting every array element into the SQL text, which made
+        a stage() take 1.8x a plain prepared INSERT. Django's query log (``DEBUG``) and
+        ``execute_wrapper``s do not see this statement; the transaction is the same.
+        """
+        raw = self._psycopg()
+        if raw is not None:
+            sql = pyformat(statement.sql, "b") if statement.named else statement.sql
+            with _psycopg_cursor(raw) as cursor:
+                cursor.execute(sql, statement.params, prepare=True)
+            return
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
+
+    def _psycopg(self) -> Any:
+        """The psycopg 3 connection under Django's PostgreSQL one, or None."""
+        if self.dialect != "postgresql":
+            return None
+        self.connection.ensure_connection()
+        raw = self.connection.connection
+        return raw if type(raw).__module__.partition(".")[0] == "psycopg" else None
+
+
+def _psycopg_cursor(connection: Any) -> Any:
+    """A server-binding cursor on a psycopg 3 connection, whatever cursor class the
+    connection makes by default. Its statements are prepared on their first run
+    (``prepare=True``): the few statements stage() sends repeat on every connection, and a
+    connection may have preparing off (Django's default)."""
+    import psycopg
+
+    return psycopg.Cursor(connection)
 
 
 class PsycopgDriver:
@@ -159,10 +194,11 @@ class PsycopgDriver:
             )
 
     def execute(self, statement: Statement) -> None:
-        """Run one statement on a cursor of the connection."""
-        sql = pyformat(statement.sql) if statement.named else statement.sql
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, statement.params)
+        """Run one statement on a cursor of the connection, its arrays sent in binary
+        (psycopg's text arrays cost the server a parse of every element)."""
+        sql = pyformat(statement.sql, "b") if statement.named else statement.sql
+        with _psycopg_cursor(self.connection) as cursor:
+            cursor.execute(sql, statement.params, prepare=True)
 
 
 class Psycopg2Driver:
