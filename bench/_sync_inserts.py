@@ -91,7 +91,9 @@ def django_values(connection: Any, rows: Sequence[Row]) -> None:
 
 
 def django_values_prepared(connection: Any, rows: Sequence[Row]) -> None:
-    """VALUES, prepared, on a server-binding psycopg cursor of Django's own connection."""
+    """VALUES, prepared, on a server-binding psycopg cursor of Django's own connection (it
+    prepares only with a ``prepare_threshold``, which Django sets to None unless OPTIONS
+    give one)."""
     with psycopg.Cursor(connection.connection) as cursor:
         cursor.execute(values_insert(len(rows)), flat(rows), prepare=True)
 
@@ -144,9 +146,9 @@ def steps(driver: str, stager: Stager) -> dict[str, HandInsert]:
 
     stage()'s own statement as its driver sends it (without the writer's checks and option
     handling around it); with its SQL converted to ``%(name)s`` once instead of per call;
-    (Django: on a server-binding psycopg cursor, so prepared, instead of Django's
-    client-binding one;) with binary arrays; without the locks and the NOTIFY (a plain unnest
-    insert of binary arrays); and the hand inserts.
+    (Django: on a server-binding psycopg cursor, so prepared from its 6th run, instead of
+    Django's client-binding one;) with binary arrays; without the locks and the NOTIFY (a
+    plain unnest insert of binary arrays); and the hand inserts.
     """
 
     def statement(rows: Sequence[Row]) -> tuple[str, dict[str, Any]]:
@@ -183,7 +185,7 @@ def steps(driver: str, stager: Stager) -> dict[str, HandInsert]:
         "... its SQL converted once": converted_once,
     }
     if driver == "django":
-        ladder["... on a server-binding psycopg cursor"] = server_binding
+        ladder["... on a server-binding psycopg cursor, prepared"] = server_binding
     ladder["... binary arrays"] = binary
     ladder["... no locks, no NOTIFY (unnest, binary arrays)"] = plain
     for name, insert in HAND[(driver, False)].items():

@@ -6,8 +6,10 @@
 
 ``bench.stage``'s method on the sync writer, for two drivers, each on a fresh migrated
 PostgreSQL database of its own: a raw psycopg 3 connection, and Django's connection (the
-postgresql backend on psycopg 3, settings configured in-process, Django's defaults:
-client-side binding). Each transaction is BEGIN, the rows, COMMIT (``with
+postgresql backend on psycopg 3, settings configured in-process: Django's defaults, so its
+cursors bind client-side and never prepare, but for OPTIONS ``prepare_threshold`` 5,
+psycopg's own default where Django's is None, which only a server-binding psycopg cursor
+opened by hand on Django's connection uses). Each transaction is BEGIN, the rows, COMMIT (``with
 conn.transaction()``; ``with transaction.atomic()``), written either by
 ``SyncOutbox.stage()`` (one INSERT with the NOTIFY and the stream-key locks) or by hand. The
 cases are ``bench.stage``'s: one event per transaction with 1 and 3 targets, and keyed bulk,
@@ -94,13 +96,14 @@ def session(driver: str, url: str) -> Iterator[Session]:
         with psycopg.connect(url) as conn:
             yield Session(driver, conn, conn.transaction)
         return
-    from django.db import connection, transaction
+    from django.db import DatabaseError, connection, transaction
 
     configure_django(url)
     try:
         yield Session(driver, connection, transaction.atomic)
     finally:
-        connection.close()
+        with contextlib.suppress(DatabaseError):  # the server may have gone away
+            connection.close()
 
 
 @functools.cache
@@ -116,6 +119,10 @@ def configure_django(url: str) -> None:
         "USER": where.username or "",
         "HOST": where.hostname or "",
         "PORT": str(where.port or 5432),
+        # Django turns psycopg's prepared statements off (None); with psycopg's default back,
+        # a server-binding cursor opened by hand on Django's connection may prepare.
+        # Django's own cursors bind client-side and never prepare, so stage() is unaffected.
+        "OPTIONS": {"prepare_threshold": 5},
     }
     settings.configure(DATABASES={"default": database})
     django.setup()
@@ -168,6 +175,29 @@ class Run:
 
 
 def run_case(
+    driver: str,
+    url: str,
+    case: Case,
+    transactions: int,
+    hand: dict[str, HandInsert],
+    where: str,
+    repeated: list[str],
+) -> dict[str, float]:
+    """``run_once``, run again from scratch if the server went away during it (listed in
+    ``repeated``)."""
+    for attempt in range(1, RUN_ATTEMPTS + 1):
+        try:
+            return run_once(driver, url, case, transactions, hand)
+        except Exception as exc:
+            if attempt == RUN_ATTEMPTS or not server_went_away(exc):
+                raise
+            repeated.append(f"{where}: {type(exc).__name__}: {exc}".strip())
+            print(f"  {repeated[-1]}; repeating that run", flush=True)
+            wait_for_server(url)
+    raise AssertionError("unreachable")
+
+
+def run_once(
     driver: str, url: str, case: Case, transactions: int, hand: dict[str, HandInsert]
 ) -> dict[str, float]:
     """Mean seconds per transaction of stage() and of each hand insert, taking turns every
@@ -221,23 +251,51 @@ Results = dict[tuple[str, str], list[float]]
 """Seconds per transaction of each round, by (case, variant)."""
 
 
-def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Results]:
-    """Every round of every case on each driver, the drivers taking turns case by case."""
+def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, Results], list[str]]:
+    """Every round of every case on each driver, the drivers taking turns case by case; and
+    the runs that were repeated because the server went away during them."""
     results: dict[str, Results] = {driver: {} for driver in urls}
+    repeated: list[str] = []
     for round_ in range(args.repeat):
         for case in CASES:
             count = args.bulk_transactions if case.bulk else args.transactions
             for driver, url in urls.items():
+                where = f"round {round_ + 1}/{args.repeat} {driver} {case.name}"
                 started = time.perf_counter()
-                hand = HAND[(driver, case.bulk)]
-                for name, seconds in run_case(driver, url, case, count, hand).items():
-                    results[driver].setdefault((case.name, name), []).append(seconds)
-                print(
-                    f"  round {round_ + 1}/{args.repeat} {driver} {case.name}: "
-                    f"{time.perf_counter() - started:.1f} s",
-                    flush=True,
+                pair = run_case(
+                    driver, url, case, count, HAND[(driver, case.bulk)], where, repeated
                 )
-    return results
+                for name, seconds in pair.items():
+                    results[driver].setdefault((case.name, name), []).append(seconds)
+                print(f"  {where}: {time.perf_counter() - started:.1f} s", flush=True)
+    return results, repeated
+
+
+RUN_ATTEMPTS = 5
+"""Tries per run: the server is shared, and other work restarts it now and then."""
+
+
+def server_went_away(exc: BaseException) -> bool:
+    """Whether psycopg lost the server somewhere in ``exc``'s chain (Django wraps it)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, psycopg.OperationalError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def wait_for_server(url: str, seconds: float = 300) -> None:
+    """Until a connection to ``url`` succeeds again."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            psycopg.connect(url).close()
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def summarise(driver: str, case: Case, results: Results) -> dict[str, Any]:
@@ -373,14 +431,15 @@ def profile(driver: str, url: str, transactions: int) -> dict[str, Any]:
     return figures
 
 
-def ladder(driver: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
+def ladder(driver: str, url: str, args: argparse.Namespace, repeated: list[str]) -> dict[str, Any]:
     """stage() and ``steps``, one event per transaction with 1 target, in interleaved
     rounds: what each piece of stage() costs."""
     case = CASES[0]
     ladder_steps = steps(driver, Stager(make_config({"main": url}, BROKERS[case.targets])))
     rounds: dict[str, list[float]] = {}
-    for _ in range(args.repeat):
-        pair = run_case(driver, url, case, args.transactions, ladder_steps)
+    for round_ in range(args.repeat):
+        where = f"steps, round {round_ + 1}/{args.repeat} {driver}"
+        pair = run_case(driver, url, case, args.transactions, ladder_steps, where, repeated)
         for name, seconds in pair.items():
             rounds.setdefault(name, []).append(seconds * 1e6)
     rows, figures, previous = [], {}, None
@@ -466,11 +525,14 @@ def main() -> None:
                 driver: {"profile": profile(driver, url, args.transactions)}
                 for driver, url in urls.items()
             }
+            repeated: list[str] = []
             for driver, url in urls.items():
-                figures[driver]["steps"] = ladder(driver, url, args)
+                figures[driver]["steps"] = ladder(driver, url, args, repeated)
+            parameters["repeated_runs"] = repeated
             output = f"{args.output}-profile"
         else:
-            results = measure(urls, args)
+            results, repeated = measure(urls, args)
+            parameters["repeated_runs"] = repeated
             output = args.output
 
     if not args.profile:
