@@ -141,8 +141,8 @@ HAND: dict[tuple[str, bool], dict[str, HandInsert]] = {
 the rows the router's stager built."""
 
 
-def steps(driver: str, stager: Stager) -> dict[str, HandInsert]:
-    """From stage() to the hand insert of one event, one piece off at a time.
+def steps(driver: str, stager: Stager, bulk: bool) -> dict[str, HandInsert]:
+    """From stage() to the hand inserts (of the bulk case's or not), one piece off at a time.
 
     stage()'s own statement as its driver sends it (without the writer's checks and option
     handling around it); with its SQL converted to ``%(name)s`` once instead of per call;
@@ -188,7 +188,7 @@ def steps(driver: str, stager: Stager) -> dict[str, HandInsert]:
         ladder["... on a server-binding psycopg cursor, prepared"] = server_binding
     ladder["... binary arrays"] = binary
     ladder["... no locks, no NOTIFY (unnest, binary arrays)"] = plain
-    for name, insert in HAND[(driver, False)].items():
+    for name, insert in HAND[(driver, bulk)].items():
         ladder[f"hand: {name}"] = insert
     return ladder
 

@@ -32,12 +32,12 @@ transaction, the ratio of stage() to the baseline (median of the rounds' ratios,
 lowest and highest) and the speed, baseline time over stage() time (the same per round, so
 ">= 0.9x its speed" reads directly).
 
-``--profile`` measures where stage()'s time goes instead, one event per transaction with 1
-target, per driver: cProfile of ``--transactions`` transactions through stage() (the top 10
-functions by cumulative and by own time) and through the first hand insert, then
-``bench._sync_inserts.steps`` in interleaved rounds: stage()'s statement taken apart one
-piece at a time down to the hand insert, so each step's difference is what that piece
-costs. It writes ``OUTPUT-profile.json``.
+``--profile`` measures where stage()'s time goes instead, per driver: cProfile of
+``--transactions`` single-event transactions (1 target) through stage() (the top 10
+functions by cumulative and by own time) and through the first hand insert; then, on that
+case and on the keyed bulk, ``bench._sync_inserts.steps`` in interleaved rounds: stage()'s
+statement taken apart one piece at a time down to the hand inserts, so each step's
+difference is what that piece costs. It writes ``OUTPUT-profile.json``.
 """
 
 from __future__ import annotations
@@ -431,16 +431,18 @@ def profile(driver: str, url: str, transactions: int) -> dict[str, Any]:
     return figures
 
 
-def ladder(driver: str, url: str, args: argparse.Namespace, repeated: list[str]) -> dict[str, Any]:
-    """stage() and ``steps``, one event per transaction with 1 target, in interleaved
-    rounds: what each piece of stage() costs."""
-    case = CASES[0]
-    ladder_steps = steps(driver, Stager(make_config({"main": url}, BROKERS[case.targets])))
+def ladder(
+    driver: str, url: str, case: Case, args: argparse.Namespace, repeated: list[str]
+) -> dict[str, Any]:
+    """stage() and ``steps`` on one case, in interleaved rounds: what each piece of stage()
+    costs."""
+    stager = Stager(make_config({"main": url}, BROKERS[case.targets]))
+    count = args.bulk_transactions if case.bulk else args.transactions
     rounds: dict[str, list[float]] = {}
     for round_ in range(args.repeat):
-        where = f"steps, round {round_ + 1}/{args.repeat} {driver}"
-        pair = run_case(driver, url, case, args.transactions, ladder_steps, where, repeated)
-        for name, seconds in pair.items():
+        where = f"steps, round {round_ + 1}/{args.repeat} {driver} {case.name}"
+        hand = steps(driver, stager, case.bulk)
+        for name, seconds in run_case(driver, url, case, count, hand, where, repeated).items():
             rounds.setdefault(name, []).append(seconds * 1e6)
     rows, figures, previous = [], {}, None
     for name, us in rounds.items():
@@ -452,7 +454,7 @@ def ladder(driver: str, url: str, args: argparse.Namespace, repeated: list[str])
             previous = middle
     print_table(
         f"{driver}, {label(case)}: stage() taken apart, median of {args.repeat} rounds x "
-        f"{args.transactions:,} transactions, taking turns",
+        f"{count:,} transactions, taking turns",
         ["variant", "us/tx", "rounds", "saved by the step"],
         rows,
     )
@@ -527,7 +529,10 @@ def main() -> None:
             }
             repeated: list[str] = []
             for driver, url in urls.items():
-                figures[driver]["steps"] = ladder(driver, url, args, repeated)
+                figures[driver]["steps"] = {
+                    case.name: ladder(driver, url, case, args, repeated)
+                    for case in (CASES[0], CASES[-1])
+                }
             parameters["repeated_runs"] = repeated
             output = f"{args.output}-profile"
         else:
