@@ -84,8 +84,13 @@ class Writer:
     ) -> list[Row]:
         """The rows of one ``stage()`` call, with the context's correlation id and
         traceparent where the call gives none (``StagingError`` if any event cannot go)."""
-        options["correlation_id"] = options.get("correlation_id") or current_correlation_id()
-        options["traceparent"] = options.get("traceparent") or current_traceparent()
+        # Set only when there is one: options left empty skip build_rows' type check.
+        correlation = options.get("correlation_id") or current_correlation_id()
+        if correlation is not None:
+            options["correlation_id"] = correlation
+        traceparent = options.get("traceparent") or current_traceparent()
+        if traceparent is not None:
+            options["traceparent"] = traceparent
         return self._stager.build_rows(
             database, events, stream_key=stream_key, stream_keys=stream_keys, **options
         )
