@@ -25,29 +25,21 @@ def database(url: str) -> dict[str, Any]:
     if scheme == "sqlite":
         path = Path(unquote(parts.path[1:] if parts.path.startswith("/") else parts.path))
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": BASE_DIR / path}
+    server = {
+        "NAME": unquote(parts.path.lstrip("/")),
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
+    }
     if scheme in ("postgres", "postgresql"):
-        return {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": unquote(parts.path.lstrip("/")),
-            "USER": unquote(parts.username or ""),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
-        }
+        return {"ENGINE": "django.db.backends.postgresql", **server}
     if scheme in ("mysql", "mariadb"):
         # PyMySQL stands in for mysqlclient (no compiler needed); either works with Django.
         import pymysql
 
         pymysql.install_as_MySQLdb()
-        return {
-            "ENGINE": "django.db.backends.mysql",
-            "NAME": unquote(parts.path.lstrip("/")),
-            "USER": unquote(parts.username or ""),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
-            "OPTIONS": {"charset": "utf8mb4"},
-        }
+        return {"ENGINE": "django.db.backends.mysql", **server, "OPTIONS": {"charset": "utf8mb4"}}
     raise ImproperlyConfigured(
         f"DATABASE_URL: use sqlite:///, postgresql:// or mysql://, not {scheme}://"
     )
