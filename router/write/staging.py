@@ -78,6 +78,29 @@ WITH inserted AS (
 SELECT pg_notify('router_outbox', :notify)
 """
 
+# A few rows on at most one stream key (one event's rows, say): one SELECT per row, after the
+# stream's lock. Planning and running unnest over six arrays cost more than the insert itself
+# at this size (a single-event stage() on psycopg: 428 us against the unnest form's 472, an
+# INSERT ... VALUES by hand taking 390). The lock is the CTE every row is selected FROM: it is
+# taken before the first row reaches the INSERT, i.e. before any seq is drawn, as above.
+_PG_SMALL_ROWS = 16
+_PG_LOCKED = (
+    f"locked AS (SELECT pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, hashtext(:k)) AS held), "
+)
+_PG_ROW = "SELECT CAST(:m{i} AS uuid), :t{i}, :d{i}, :e{i}, :s{i}, CAST(:v{i} AS json)"
+
+
+def _pg_small_insert(count: int, locked: bool) -> str:
+    """The statement for ``count`` rows, after the lock of their one stream key if any."""
+    source = " FROM locked" if locked else ""
+    rows = " UNION ALL ".join(_PG_ROW.format(i=i) + source for i in range(count))
+    return (
+        f"WITH {_PG_LOCKED if locked else ''}inserted AS ("
+        f"INSERT INTO router_outbox ({_COLUMNS}) {rows} RETURNING 1) "
+        "SELECT pg_notify('router_outbox', :notify)"
+    )
+
+
 # Per-stream commit order on MySQL and MariaDB, which have no transaction-scoped advisory lock.
 # GET_LOCK() would be one, but it belongs to the session: it outlives COMMIT and ROLLBACK, so
 # stage() (which never sees the caller's commit) could not release it, and a pooled session
@@ -151,6 +174,7 @@ class Stager:
         self.config = config
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
+        self._pg_small_inserts: dict[tuple[int, bool], str] = {}
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
         """Brokers that carry extensions as CloudEvents attributes."""
@@ -220,6 +244,9 @@ class Stager:
         """The statements that insert ``rows`` (in order) on ``dialect``; ``StagingError``
         before any of them runs if one row cannot go in (a MySQL stream key too long)."""
         if dialect == "postgresql":
+            keys = _stream_keys(rows)
+            if len(rows) <= _PG_SMALL_ROWS and len(keys) <= 1:
+                return [self._pg_small(rows, keys)]
             ids, targets, destinations, types, streams, envelopes = _columns(rows)
             params = {
                 "ids": ids,
@@ -243,6 +270,27 @@ class Stager:
                 await conn.execute(clause(statement.sql), statement.params)
             else:
                 await conn.exec_driver_sql(statement.sql, statement.params)
+
+    def _pg_small(self, rows: Sequence[Row], keys: Sequence[str]) -> Statement:
+        params: dict[str, Any] = {"notify": _notify_payload(rows)}
+        if keys:
+            params["k"] = keys[0]
+        for i, r in enumerate(rows):
+            params.update(
+                {
+                    f"m{i}": r.message_id,
+                    f"t{i}": r.target,
+                    f"d{i}": r.destination,
+                    f"e{i}": r.event_type,
+                    f"s{i}": r.stream_key,
+                    f"v{i}": r.envelope,
+                }
+            )
+        shape = (len(rows), bool(keys))
+        sql = self._pg_small_inserts.get(shape)
+        if sql is None:
+            sql = self._pg_small_inserts[shape] = _pg_small_insert(*shape)
+        return Statement(sql, params)
 
     def _sqlite_statements(self, rows: Sequence[Row]) -> list[Statement]:
         stamp = sqlite_time(datetime.now(UTC))
