@@ -142,7 +142,9 @@ class Delivery:
         limit = self.settings.connect_timeout * 2 + 1
         async with asyncio.timeout(limit):
             await self.broker.connect()
+            pinged = time.monotonic()
             await self.broker.ping()
+        self._answer.observe(time.monotonic() - pinged)
 
     async def disconnect(self) -> None:
         """Drop the connection; the next publish connects again."""
@@ -243,9 +245,22 @@ class Delivery:
                 if task is not None and not task.done():
                     task.cancel()
                     task.add_done_callback(_retrieve)
-        if not any(r.unreachable for r in results):
+        if any(r.unreachable for r in results):
+            return results
+        if answer.known:
             answer.observe(time.monotonic() - started)
+        else:  # the first publish on this connection: time a round trip instead
+            await self._time_ping()
         return results
+
+    async def _time_ping(self) -> None:
+        """Measure one ping on the current connection (``router.relay.silence``)."""
+        pinged = time.monotonic()
+        try:
+            await asyncio.wait_for(self.broker.ping(), self.settings.connect_timeout)
+        except Exception:  # the next publish will tell
+            return
+        self._answer.observe(time.monotonic() - pinged)
 
     def _cut_off(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
         """This host could not use the broker: no verdict on any message. The connection is

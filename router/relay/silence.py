@@ -25,14 +25,10 @@ class AnswerTime:
 
     @property
     def known(self) -> bool:
-        """True once an answer came on the current connection: the first publish on a
-        connection includes the connect (and, on some brokers, a token and a link per
-        destination), so it is neither watched nor timed."""
-        return not self._fresh
-
-    def reconnected(self) -> None:
-        """The connection is new: its first answer is not timed."""
-        self._fresh = True
+        """True once an answer time was measured on the current connection: the first
+        publish on a connection includes the connect (and, on some brokers, a token and a
+        link per destination), so it is not watched; a ping after it gives the first time."""
+        return self.smoothed is not None and not self._fresh
 
     @property
     def limit(self) -> float:
@@ -41,11 +37,13 @@ class AnswerTime:
             return self.floor
         return min(self.ceiling, max(self.floor, self.smoothed + 4 * self.variation))
 
+    def reconnected(self) -> None:
+        """The connection is new: nothing is watched until it has answered once."""
+        self._fresh = True
+
     def observe(self, seconds: float) -> None:
-        """One answer took ``seconds`` (the first on a new connection is not counted)."""
-        if self._fresh:
-            self._fresh = False
-            return
+        """One answer on the current connection took ``seconds``."""
+        self._fresh = False
         if self.smoothed is None:
             self.smoothed, self.variation = seconds, seconds / 2
             return
