@@ -79,6 +79,10 @@ _ANSWER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# Seconds between nats-py's keepalive pings (see connect()).
+_PING_INTERVAL = 10
+
+
 class NatsBroker:
     """Publishes to one JetStream stream; see ``brokers._protocol`` for the contract."""
 
@@ -128,6 +132,11 @@ class NatsBroker:
                     error_cb=remember,
                     closed_cb=on_closed,
                     name=f"outbox-router:{self.name}",
+                    # nats-py pings every 2 minutes and gives up after 2 missed pongs: an idle
+                    # connection gone silent would be trusted for 4 minutes. 10 s x 2 here; a
+                    # publish finds a silent path sooner anyway (silence_timeout).
+                    ping_interval=_PING_INTERVAL,
+                    max_outstanding_pings=2,
                 ),
                 self.settings.connect_timeout + 1,
             )

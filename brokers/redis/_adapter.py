@@ -47,6 +47,8 @@ _FASTSTREAM_FIELD = "__data__"  # where FastStream's stream subscribers look for
 _Fields = dict[FieldT, EncodableT]  # what XADD takes
 _Frame = Callable[[WireMessage], Awaitable[_Fields]]
 
+# Seconds a pooled connection may sit idle before it is PINGed on its next use.
+_HEALTH_CHECK_INTERVAL = 10
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
@@ -96,6 +98,10 @@ class RedisBroker:
             socket_timeout=self.settings.publish_timeout,
             socket_connect_timeout=self.settings.connect_timeout,
             retry_on_error=[],
+            # A pooled connection idle this long is PINGed before use, and TCP keepalive is
+            # on: a connection that went silent while idle is not trusted with a pipeline.
+            health_check_interval=_HEALTH_CHECK_INTERVAL,
+            socket_keepalive=True,
         )
         client = Redis.from_pool(pool)
         try:
