@@ -37,7 +37,7 @@ from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError, DatabaseError
 from router.config import OutboxSettings
 from router.relay.circuit import Circuit
-from router.relay.delivery import Delivery
+from router.relay.delivery import Delivery, Render
 from router.relay.lease import Lease
 from router.relay.metrics import Metrics
 from router.relay.ratelimit import TokenBucket
@@ -76,7 +76,7 @@ class Processor:
         worker_id: str,
         rand: Callable[[], float] = random.random,
         metrics: Metrics | None = None,
-        transform: Callable[[str], str] | None = None,
+        render: Render | None = None,
     ) -> None:
         self.database = database
         self.target = target
@@ -99,7 +99,7 @@ class Processor:
             rand=rand,
             labels=self._log,
             metrics=metrics,
-            transform=transform,
+            render=render,
             stopping=lambda: self._stopping,
         )
         self._recorded_circuit = "closed"

@@ -28,7 +28,7 @@ from router.relay.processor import Processor
 from router.relay.store import OutboxStore, open_store
 from router.serve.embedded import embedded_brokers
 from router.write.catalog import check_partners, load_catalog
-from router.write.pinning import Pinning
+from router.write.pinning import Received
 
 if TYPE_CHECKING:
     # The console (Starlette, uvicorn) and the operator queries (SQLAlchemy) are imported when
@@ -145,7 +145,7 @@ class Runner:
                         outbox=config.outbox,
                         worker_id=self.worker_id,
                         metrics=self.metrics,
-                        transform=Pinning(settings.versions) if settings.versions else None,
+                        render=Received(settings),
                     )
                 )
 

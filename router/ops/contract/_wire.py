@@ -1,11 +1,11 @@
 """What each partner receives of each event version: found by staging and rendering samples.
 
 Which partners get an event and where is what staging resolves (``Stager.build_rows``:
-``BrokerSettings.wants`` and ``destination_for``); which version a partner gets is what the
-processor makes of the row (``Pinning`` for a broker's ``versions:``); which envelope members
-and headers it gets is what ``BrokerSettings.render`` sends, read off two samples: one with
-every metadata field set (what may be sent), one with none (what is always sent). Nothing
-here restates those rules, so the contract cannot drift from the wire. Staged headers and
+``BrokerSettings.wants`` and ``destination_for``); which version a partner gets, and which
+envelope members and headers, is what the processor publishes (``router.write.pinning.Received``:
+downcast for a broker's ``versions:``, then rendered), read off two samples: one with every
+metadata field set (what may be sent), one with none (what is always sent). Nothing here
+restates those rules, so the contract cannot drift from the wire. Staged headers and
 extensions are allowed by name globs (``expose.headers``, ``expose.extensions``) and are
 described by those globs.
 """
@@ -20,6 +20,7 @@ from typing import cast
 from brokers import BrokerSettings
 from envelopes import (
     ConfigError,
+    DowncastError,
     Metadata,
     StageOptions,
     StagingError,
@@ -39,7 +40,7 @@ from router.ops.contract._schema import Schema, payload_schema, project
 from router.ops.preview import example_of
 from router.write.catalog import EventCatalog, check_partners
 from router.write.events import Event, EventSpec
-from router.write.pinning import Pinning, check_pin
+from router.write.pinning import Received, check_pin
 from router.write.staging import Row, Stager
 
 __all__ = ["Member", "PartnerMessage", "partner_messages"]
@@ -158,17 +159,12 @@ def _sample_event(event_class: type[Event]) -> Event:
 
 
 def _render(settings: BrokerSettings, stored: str) -> WireMessage:
-    """As the processor publishes a row to this broker: downcast to a pinned version
-    (``router.serve.runner`` gives a pinned broker's processor this transform), then
-    rendered."""
-    if settings.versions:
-        try:
-            stored = Pinning(settings.versions)(stored)
-        except Exception as exc:  # the user's downcaster: any error is theirs to see
-            raise ConfigError(
-                f"cannot downcast an example event for a pinned partner: {exc}"
-            ) from exc
-    return settings.render(stored, sequence=1)
+    """As the processor publishes a row to this broker (``Received``: downcast to a pinned
+    version, then rendered)."""
+    try:
+        return Received(settings)(stored, sequence=1)
+    except DowncastError as exc:  # the user's downcaster: any error is theirs to see
+        raise ConfigError(f"cannot downcast an example event for a pinned partner: {exc}") from exc
 
 
 def _message(
