@@ -116,3 +116,64 @@ def test_check_names_who_runs_the_embedded_server(tmp_path: Path) -> None:
     assert f"(embedded server of a running router on 127.0.0.1:{port} (pid {pid}))" in (
         beside.stdout
     )
+
+
+EVENTS = """
+from router import Event
+
+class Placed(Event, type="placed", published=True):
+    order_id: str
+
+class Shipped(Event, type="shipped", published=True):
+    order_id: str
+"""
+
+
+async def test_check_fails_a_destination_no_subject_of_the_stream_captures(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    name, subject = nats_streams.stream("uncaptured")
+    write_config(tmp_path, pg_url, (name, subject))
+    config = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(
+        config.replace(f"{subject}.{{event_type}}", "orders.{event_type}")
+    )
+
+    result = await asyncio.to_thread(router, "check", cwd=tmp_path)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broker_line(result.stdout).endswith(
+        f"FAILED  nats nats://127.0.0.1:4222  reachable; stream '{name}' does not exist: serve "
+        "creates it (or run router check --create); destination 'orders.{event_type}': no "
+        f"subject it makes is captured by stream '{name}' (subjects ['{subject}.>']); stage() "
+        "refuses every event sent there"
+    )
+
+
+async def test_check_fails_an_event_whose_subject_the_stream_does_not_capture(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    name, subject = nats_streams.stream("oneevent")
+    (tmp_path / "check_events.py").write_text(EVENTS)
+    broker = {
+        "type": "nats",
+        "url": NATS_URL,
+        "internal": True,
+        "destination": subject + ".{event_type}",
+        "stream": {"name": name, "subjects": [f"{subject}.placed"], "storage": "memory"},
+    }
+    config = {
+        "events": ["check_events"],
+        "databases": {"main": pg_url},
+        "brokers": {"events": broker},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+
+    result = await asyncio.to_thread(router, "check", cwd=tmp_path)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broker_line(result.stdout).endswith(
+        f"destination '{subject}.{{event_type}}' for shipped v1: subject '{subject}.shipped' is "
+        f"not captured by stream '{name}' (subjects ['{subject}.placed']); stage() refuses it"
+    )
+    assert f"{subject}.placed'" not in broker_line(result.stdout).split("for shipped")[0]
