@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError
+from router.ops.contract._bindings import location
 from router.ops.contract._wire import PartnerMessage
 
 __all__ = ["LOCK_FILE", "LOCK_FORMAT", "lock_document", "lock_text", "read_lock"]
@@ -18,14 +19,20 @@ LOCK_FORMAT = "outbox-router partner contract lock, 1"
 
 
 def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str, Any]:
-    """Per partner its broker kind and envelope, then per event type and version: the
+    """Per partner its broker kind, envelope and binding (the exchange, stream... a consumer
+    is bound to), then per event type and version: the
     destination, content type, envelope members, header names (with the values fixed per
     event version, such as source) and payload schema."""
     partners: dict[str, Any] = {}
     for message in messages:
         partner = partners.setdefault(
             message.partner,
-            {"kind": message.settings.type, "envelope": message.profile, "events": {}},
+            {
+                "kind": message.settings.type,
+                "envelope": message.profile,
+                "binding": location(message.settings),
+                "events": {},
+            },
         )
         versions = partner["events"].setdefault(message.event_type, {})
         versions[str(message.version)] = {

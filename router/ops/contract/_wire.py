@@ -197,7 +197,7 @@ def _message(
         Member(header, header in bare.headers, header_schema(header, settings, fixed))
         for header in wide.headers
     )
-    kept = settings.exposure.payload.get(spec.type)
+    kept = settings.exposure.kept(spec.type, spec.version)
     return PartnerMessage(
         partner=name,
         settings=settings,
