@@ -101,6 +101,11 @@ class WireMessage:
     headers: dict[str, str] = field(default_factory=dict)
     stream_key: str | None = None
     correlation_id: str | None = None
+    time: str | None = None
+    """The event's time (``format_time``): brokers with a message timestamp carry it."""
+    priority: int | None = None
+    """The staged priority, where the rendered message carries it: brokers with a native
+    priority carry it there too."""
 
 
 def format_time(moment: datetime) -> str:
@@ -216,7 +221,14 @@ def render(
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
-    return _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+    if (
+        profile != "cloudevents"
+        and "priority" not in omitted
+        and (profile == "internal" or "priority" in exposure.fields)
+    ):
+        wire.priority = envelope.get("priority")  # the body carries it, so may the broker
+    return wire
 
 
 def _is_compact(envelope: dict[str, Any]) -> bool:
@@ -252,6 +264,7 @@ def _wire(
         headers=headers,
         stream_key=envelope.get("stream"),
         correlation_id=envelope.get("correlation_id"),
+        time=envelope.get("time"),
     )
 
 
