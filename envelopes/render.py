@@ -176,7 +176,9 @@ def render(
     With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
     mode: the body is the data alone and every other attribute becomes a header named with
     the broker binding's prefix (``ce_`` for Kafka, ``cloudEvents:`` for AMQP, ``ce-`` for
-    NATS); without a prefix it goes in structured mode, the whole event as the body.
+    NATS), but for ``datacontenttype``, which the bindings map to the message's content type
+    (``content_type``, the ``content-type`` header); without a prefix it goes in structured
+    mode, the whole event as the body.
     """
     try:
         envelope = orjson.loads(stored)
@@ -211,6 +213,9 @@ def render(
         exposure.restrict(envelope)
         event = _cloudevent(envelope, omitted)
         body, content_type = orjson.dumps(event.pop("data")), JSON
+        # The bindings (Kafka, AMQP, NATS) map datacontenttype to the message's own content
+        # type, which the content-type header and property carry: no prefixed copy of it.
+        del event["datacontenttype"]
         headers = _headers(envelope, content_type, omitted)
         headers.update(
             {cloudevents_prefix + name: _attribute(value) for name, value in event.items()}
