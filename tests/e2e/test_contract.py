@@ -229,6 +229,24 @@ def test_a_new_optional_field_passes_the_check_and_is_listed(tmp_path: Path) -> 
     ]
 
 
+def test_a_new_required_field_fails_the_check_with_one_line(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    events = (folder / "shop_events.py").read_text()
+    (folder / "shop_events.py").write_text(
+        events.replace("    total: Decimal", "    coupon: str\n    total: Decimal")
+    )
+
+    result = router("contract", "check", cwd=folder)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)",
+        "breaking  partners  order_placed v1  payload.coupon: new required field: messages "
+        "already sent at this version lack it (make it optional, or add it in a new version)",
+    ]
+
+
 def test_check_without_a_lock_says_how_to_make_one(tmp_path: Path) -> None:
     folder = shop(tmp_path)
 
