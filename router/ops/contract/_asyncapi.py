@@ -128,7 +128,30 @@ def _message(message: PartnerMessage, schemas: dict[str, Schema]) -> dict[str, A
     document["payload"] = _body(message, payload)
     if any(h.name == "correlation-id" for h in message.headers):
         document["correlationId"] = {"location": "$message.header#/correlation-id"}
+    bindings = _bindings(message)
+    if bindings:
+        document["bindings"] = bindings
+    if message.properties:
+        document["x-properties"] = {
+            "type": "object",
+            "description": "The broker's own message properties besides the headers, each "
+            "derived from the stored event (the same on every publish of it).",
+            "properties": {p.name: p.schema for p in message.properties},
+            "required": [p.name for p in message.properties if p.required],
+        }
     return document
+
+
+def _bindings(message: PartnerMessage) -> dict[str, Any]:
+    """AsyncAPI's message bindings where one names a native property: the AMQP type, the
+    Kafka record key."""
+    properties = {p.name: p for p in message.properties}
+    kind = message.settings.type
+    if kind == "rabbitmq" and "type" in properties:
+        return {"amqp": {"messageType": message.event_type, "bindingVersion": "0.3.0"}}
+    if kind == "kafka" and "key" in properties:
+        return {"kafka": {"key": properties["key"].schema, "bindingVersion": "0.5.0"}}
+    return {}
 
 
 def _body(message: PartnerMessage, payload: Schema) -> Schema:
