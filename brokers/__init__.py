@@ -3,6 +3,7 @@
 from brokers._expose import Expose
 from brokers._factory import create_broker
 from brokers._lazy import MissingClient
+from brokers._native import NativeProperties
 from brokers._protocol import Broker, OutgoingMessage, PublishResult
 from brokers._settings import (
     BrokerSettings,
@@ -29,6 +30,7 @@ __all__ = [
     "MemoryBroker",
     "MemorySettings",
     "MissingClient",
+    "NativeProperties",
     "OnBacklog",
     "OutgoingMessage",
     "PublishResult",

@@ -23,6 +23,7 @@ from pydantic import (
 
 from brokers._expose import Expose
 from brokers._lazy import install_hint, missing_modules
+from brokers._native import NativeProperties
 from envelopes import (
     INTERNAL_ONLY_FIELDS,
     PARTNER_FIELDS,
@@ -315,6 +316,20 @@ class BrokerSettings(BaseModel):
             cloudevents_prefix=self.binary_prefix,
             exposure=self.exposure,
         )
+
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """Every header ``wire`` carries on this broker: the rendered transport headers and
+        those the adapter adds (``Nats-Msg-Id`` on NATS, say). A new dict, made from the
+        rendered message alone: the adapter publishes exactly these."""
+        return dict(wire.headers)
+
+    def native_properties(self, wire: WireMessage) -> NativeProperties:
+        """The broker's own message properties ``wire`` carries besides its headers (AMQP
+        properties, the Kafka record's key and timestamp, ...), named as the broker's
+        ordinary client names them. A function of the rendered message and these settings
+        alone (no publish time, no generated id, no library name), so the same stored row
+        published again carries the same properties; the adapter publishes exactly these."""
+        return {}
 
     @property
     def profile(self) -> Profile:

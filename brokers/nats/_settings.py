@@ -9,8 +9,11 @@ from typing import ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from brokers._settings import BrokerSettings, EmbeddedServer, redact_url
+from envelopes import WireMessage
 
-__all__ = ["NatsEmbedded", "NatsSettings", "NatsStream", "subject_matches"]
+__all__ = ["MSG_ID_HEADER", "NatsEmbedded", "NatsSettings", "NatsStream", "subject_matches"]
+
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's duplicate-window key
 
 
 class NatsStream(BaseModel):
@@ -97,6 +100,11 @@ class NatsSettings(BrokerSettings):
         from brokers.nats._embedded import EmbeddedNats
 
         return EmbeddedNats(self.servers()[0], resolve(self.embedded.store_dir))
+
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """The rendered headers and ``Nats-Msg-Id`` = the message id (JetStream's
+        deduplication key). NATS messages have no properties besides headers."""
+        return {**wire.headers, MSG_ID_HEADER: wire.message_id}
 
     def servers(self) -> list[str]:
         """The configured server URLs."""

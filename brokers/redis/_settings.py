@@ -8,8 +8,12 @@ from pydantic import Field, SecretStr, model_validator
 
 from brokers._lazy import install_hint, missing_modules
 from brokers._settings import BrokerSettings, redact_url
+from envelopes import WireMessage
 
-__all__ = ["RedisSettings"]
+__all__ = ["BODY_FIELD", "FASTSTREAM_CORRELATION", "RedisSettings"]
+
+BODY_FIELD = "body"  # the plain entry's field holding the rendered body
+FASTSTREAM_CORRELATION = "correlation_id"  # the header FastStream's frame adds
 
 
 class RedisSettings(BrokerSettings):
@@ -50,6 +54,15 @@ class RedisSettings(BrokerSettings):
             modules = ("faststream", *modules)
         missing = missing_modules(modules)
         return install_hint(self.type, self.extra, missing[0]) if missing else None
+
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """``plain``: the entry's fields besides ``body``: every rendered header but one
+        named ``body`` (the body wins). ``faststream``: the headers in FastStream's frame,
+        with its ``correlation_id`` (the staged one, else the message id)."""
+        if self.format == "faststream":
+            correlation = wire.correlation_id or wire.message_id
+            return {**wire.headers, FASTSTREAM_CORRELATION: correlation}
+        return {k: v for k, v in wire.headers.items() if k != BODY_FIELD}
 
     def check_destination(self, destination: str) -> None:
         """Any non-empty key of reasonable length."""

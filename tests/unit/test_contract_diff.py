@@ -204,15 +204,26 @@ def test_additive_changes_are_listed_and_do_not_break() -> None:
     class PlacedV2(Event, type="order_placed", version=2, published=True):
         order_id: str
 
-    grown = lock(placed(gift=(bool | None, None), carrier=str), PlacedV2, Shipped)
+    grown = lock(placed(gift=(bool | None, None), carrier=(str | None, None)), PlacedV2, Shipped)
 
     changes = compare(BEFORE, grown)
 
     assert lines(changes) == [
         "additive  billing  order_placed v1  payload.gift: new optional field",
-        "additive  billing  order_placed v1  payload.carrier: new field (in every message)",
+        "additive  billing  order_placed v1  payload.carrier: new optional field",
         "additive  billing  order_placed v2  new version",
         "additive  billing  order_shipped v1  new event type",
+    ]
+
+
+def test_a_new_required_field_at_the_same_version_is_breaking() -> None:
+    # Messages already sent at v1 (and stored rows replayed) lack it: a partner validating
+    # with the new schema rejects them. Only optional fields may be added.
+    grown = lock(placed(carrier=str))
+
+    assert lines(compare(BEFORE, grown)) == [
+        "breaking  billing  order_placed v1  payload.carrier: new required field: messages "
+        "already sent at this version lack it (make it optional, or add it in a new version)"
     ]
 
 

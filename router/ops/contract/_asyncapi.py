@@ -136,6 +136,14 @@ def _message(message: PartnerMessage, schemas: dict[str, Schema]) -> dict[str, A
     if any(h.name == "correlation-id" for h in message.headers):
         document["correlationId"] = {"location": "$message.header#/correlation-id"}
     document.update(_bindings(message_bindings(message.settings, message.event_type)))
+    if message.properties:
+        document["x-properties"] = {
+            "type": "object",
+            "description": "The broker's own message properties besides the headers, each "
+            "derived from the stored event (the same on every publish of it).",
+            "properties": {p.name: p.schema for p in message.properties},
+            "required": [p.name for p in message.properties if p.required],
+        }
     return document
 
 

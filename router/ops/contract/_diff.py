@@ -10,16 +10,18 @@ there, of its type, with its values, in every message that had it. So these are 
 - an enum value removed or added (a strict reader rejects an unknown one), a format,
   pattern or bound changed;
 - optional made required, or required made optional (no longer in every message);
+- a new required field or envelope member: the messages already sent at this version (and
+  stored rows replayed) lack it, so a partner validating with the new schema rejects them;
 - a destination, content type, broker kind or envelope profile changed; a staged header or
   extension name pattern no longer allowed;
 - a binding changed: the exchange (name, type, durability) or virtual host, the JetStream
   stream, the Redis database, the Service Bus entity kind or sessions: a partner's queue,
   consumer or receiver is bound to it by name, and would receive nothing more.
 
-Additive (listed, not breaking): a new partner, event type, version, field, envelope member,
-header, or allowed header or extension pattern. A new version of an event type is a new
-contract beside the old one, never a change of it; titles, descriptions and examples are
-documentation, not contract.
+Additive (listed, not breaking): a new partner, event type, version, optional field or
+envelope member, header, or allowed header or extension pattern. A new version of an event
+type is a new contract beside the old one, never a change of it; titles, descriptions and
+examples are documentation, not contract.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Which partners get an event and where is what staging resolves (``Stager.build_rows``:
 ``BrokerSettings.wants`` and ``destination_for``); which version a partner gets, and which
 envelope members and headers, is what the processor publishes (``router.write.pinning.Received``:
-downcast for a broker's ``versions:``, then rendered), read off two samples: one with every
-metadata field set (what may be sent), one with none (what is always sent). Nothing here
+downcast for a broker's ``versions:``, then rendered), with the headers and native properties
+the adapter adds (``native_headers``, ``native_properties``), read off two samples: one with
+every metadata field set (what may be sent), one with none (what is always sent). Nothing here
 restates those rules, so the contract cannot drift from the wire. Staged headers and
 extensions are allowed by name globs (``expose.headers``, ``expose.extensions``) and are
 described by those globs.
@@ -35,6 +36,7 @@ from router.ops.contract._members import (
     fixed_values,
     header_schema,
     named_object,
+    property_schema,
 )
 from router.ops.contract._schema import Schema, payload_schema, project
 from router.ops.preview import example_of
@@ -69,7 +71,8 @@ class PartnerMessage:
     envelope: tuple[Member, ...]  # body members besides the payload (none in binary mode)
     payload_member: str | None  # the body member holding the payload; None: it is the body
     payload: Schema  # the event's JSON schema after the partner's projection, with $defs
-    headers: tuple[Member, ...]  # the transport headers the router sets
+    headers: tuple[Member, ...]  # every header on the wire: transport headers, adapter's own
+    properties: tuple[Member, ...]  # the broker's own message properties (AMQP, Kafka, ...)
     staged_headers: tuple[str, ...]  # globs: the staged headers sent as transport headers
     extensions: tuple[str, ...]  # globs: the extensions sent
 
@@ -193,9 +196,15 @@ def _message(
             if key != payload_member
         )
         envelope += _allow_listed_members(settings.profile, staged, extensions)
+    on_wire, always = settings.native_headers(wide), settings.native_headers(bare)
     headers = tuple(
-        Member(header, header in bare.headers, header_schema(header, settings, fixed))
-        for header in wide.headers
+        Member(header, header in always, header_schema(header, settings, fixed))
+        for header in on_wire
+    )
+    bare_properties = settings.native_properties(bare)
+    properties = tuple(
+        Member(name, name in bare_properties, property_schema(settings.type, name, value, fixed))
+        for name, value in settings.native_properties(wide).items()
     )
     kept = settings.exposure.kept(spec.type, spec.version)
     return PartnerMessage(
@@ -208,6 +217,7 @@ def _message(
         payload_member=payload_member,
         payload=project(payload_schema(event_class), kept),
         headers=headers,
+        properties=properties,
         staged_headers=tuple(staged),
         extensions=tuple(extensions),
     )
