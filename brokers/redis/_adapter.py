@@ -34,14 +34,13 @@ from brokers._describe import describe, refused
 from brokers._lazy import MissingClient, install_hint
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.ordering import NOT_SENT, waves
-from brokers.redis._settings import RedisSettings
+from brokers.redis._settings import BODY_FIELD, RedisSettings
 from envelopes import BrokerUnavailable, WireMessage
 
 __all__ = ["RedisBroker"]
 
 log = logging.getLogger(__name__)
 
-_BODY_FIELD = "body"
 _FASTSTREAM_FIELD = "__data__"  # where FastStream's stream subscribers look for the frame
 
 _Fields = dict[FieldT, EncodableT]  # what XADD takes
@@ -201,9 +200,9 @@ def _receipt(stream: str, entry_id: bytes | str) -> str:
 
 def _plain_fields(wire: WireMessage) -> _Fields:
     """The ``plain`` entry: ``body``, then each header but one named ``body`` (the body wins)."""
-    fields: _Fields = {_BODY_FIELD: wire.body}
+    fields: _Fields = {BODY_FIELD: wire.body}
     for name, value in wire.headers.items():
-        if name != _BODY_FIELD:
+        if name != BODY_FIELD:
             fields[name] = value
     return fields
 

@@ -9,7 +9,10 @@ from pydantic import Field, SecretStr, model_validator
 from brokers._lazy import install_hint, missing_modules
 from brokers._settings import BrokerSettings, redact_url
 
-__all__ = ["RedisSettings"]
+__all__ = ["BODY_FIELD", "RedisSettings"]
+
+BODY_FIELD = "body"
+"""The field of a plain entry that holds the body."""
 
 
 class RedisSettings(BrokerSettings):
@@ -55,6 +58,14 @@ class RedisSettings(BrokerSettings):
         """Any non-empty key of reasonable length."""
         if not destination or len(destination) > 1024:
             raise ValueError("a stream name must be 1 to 1024 characters")
+
+    def check_header_name(self, name: str) -> None:
+        """Any field name, but ``body`` in the plain format: that field is the body."""
+        if self.format == "plain" and name == BODY_FIELD:
+            raise ValueError(
+                f"a plain Redis entry's {BODY_FIELD!r} field is the body, so no header may "
+                "have that name"
+            )
 
     def public_url(self) -> str:
         """The URL without credentials."""
