@@ -40,6 +40,9 @@ class ServiceBusSettings(BrokerSettings):
             raise ValueError("a Service Bus connection string starts with Endpoint=sb://...")
         return value
 
+    def check_header_name(self, name: str) -> None:
+        """Any name: an application property key is any string."""
+
     def check_destination(self, destination: str) -> None:
         """A queue or topic name (letters, digits, '.', '_', '-', '/'; at most 260)."""
         if not _ENTITY.match(destination):

@@ -176,6 +176,7 @@ class Stager:
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
         self._pg_small_inserts: dict[tuple[int, bool], str] = {}
+        self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
         """Brokers that carry extensions as CloudEvents attributes."""
@@ -231,7 +232,7 @@ class Stager:
                 except EnvelopeError as exc:
                     raise StagingError(f"event {spec.type!r}: {exc}") from None
             if headers:
-                self._check_headers(database, headers, routes, headers_checked)
+                self._check_headers(headers, routes, headers_checked)
             message_id = str(uuid7())
             envelope = self._envelope(event, spec, message_id, key, now, options)
             if len(envelope) > limit:
@@ -246,16 +247,18 @@ class Stager:
         return rows
 
     def _check_headers(
-        self, database: str, headers: Mapping[str, str], routes: list[Route], done: set[str]
+        self, headers: Mapping[str, str], routes: list[Route], done: set[str]
     ) -> None:
         """Refuse a staged header a target broker would receive but cannot carry; ``done``
         holds the targets checked already in this call."""
-        brokers = self.config.brokers_of(database)
         for route in routes:
             if route.target in done:
                 continue
             done.add(route.target)
-            broker = brokers[route.target]
+            key = (route.target, tuple(headers))
+            if key in self._headers_carried:
+                continue
+            broker = self.config.brokers[route.target]
             refused = broker.refused_header(headers)
             if refused is not None:
                 name, reason = refused
@@ -263,6 +266,10 @@ class Stager:
                     f"header {name!r} cannot go to broker {route.target!r} ({broker.type}): "
                     f"{reason}"
                 )
+            # The header names an application stages are few: remember those that pass.
+            if len(self._headers_carried) >= 1024:
+                self._headers_carried.clear()
+            self._headers_carried.add(key)
 
     async def insert_postgres_raw(self, conn: Any, rows: Sequence[Row]) -> None:
         """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
