@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -356,6 +356,22 @@ class BrokerSettings(BaseModel):
         """Raise ValueError when ``destination`` is not valid for this broker kind."""
         if not destination:
             raise ValueError("destination is empty")
+
+    def refused_header(self, headers: Mapping[str, str]) -> tuple[str, str] | None:
+        """The first staged header this broker would receive (what ``expose`` and ``omit``
+        leave of ``headers``) but cannot carry, and why; None when it carries them all."""
+        if not headers or "headers" in self._omitted:
+            return None
+        for name in self.exposure.staged_headers(headers):
+            try:
+                self.check_header_name(name)
+            except ValueError as exc:
+                return name, str(exc)
+        return None
+
+    def check_header_name(self, name: str) -> None:
+        """Raise ValueError when this broker kind cannot carry a header called ``name``
+        (Kafka and Service Bus carry any string)."""
 
     def public_url(self) -> str:
         """The broker's address with credentials removed, for logs and status output."""

@@ -107,6 +107,11 @@ class Exposure:
         object.__setattr__(self, "_headers", _Names(self.headers))
         object.__setattr__(self, "_extensions", _Names(self.extensions))
 
+    def staged_headers(self, headers: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The staged headers this partner receives, of ``headers`` (all of them when
+        nothing is restricted)."""
+        return headers if self.everything else self._headers.keep(headers)
+
     def restrict(self, envelope: dict[str, Any]) -> None:
         """Cut a parsed stored envelope down, in place, to the staged headers, extensions and
         payload fields this partner may receive (``body_fields`` picks the fields)."""

@@ -10,7 +10,10 @@ from brokers._native import NativeProperties, event_seconds
 from brokers._settings import BrokerSettings, redact_url
 from envelopes import WireMessage
 
-__all__ = ["RabbitExchange", "RabbitSettings"]
+__all__ = ["MAX_HEADER_NAME_BYTES", "RabbitExchange", "RabbitSettings"]
+
+MAX_HEADER_NAME_BYTES = 128
+"""The longest header name RabbitMQ's client carries whole (pamqp truncates longer ones)."""
 
 
 class RabbitExchange(BaseModel):
@@ -71,6 +74,14 @@ class RabbitSettings(BrokerSettings):
         """A routing key of at most 255 bytes."""
         if len(destination.encode()) > 255:
             raise ValueError(f"routing key {destination[:40]!r}... is longer than 255 bytes")
+
+    def check_header_name(self, name: str) -> None:
+        """At most 128 bytes: the AMQP client (pamqp) cuts a longer field name there, with
+        only a log line, so the consumer would see another name. Any characters."""
+        if len(name.encode()) > MAX_HEADER_NAME_BYTES:
+            raise ValueError(
+                f"a RabbitMQ header name is at most {MAX_HEADER_NAME_BYTES} bytes (UTF-8)"
+            )
 
     def creates(self) -> str | None:
         """The exchange, when ``exchange.declare`` is on."""

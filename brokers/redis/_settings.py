@@ -12,7 +12,8 @@ from envelopes import WireMessage
 
 __all__ = ["BODY_FIELD", "FASTSTREAM_CORRELATION", "RedisSettings"]
 
-BODY_FIELD = "body"  # the plain entry's field holding the rendered body
+BODY_FIELD = "body"
+"""The field of a plain entry that holds the body."""
 FASTSTREAM_CORRELATION = "correlation_id"  # the header FastStream's frame adds
 
 
@@ -68,6 +69,14 @@ class RedisSettings(BrokerSettings):
         """Any non-empty key of reasonable length."""
         if not destination or len(destination) > 1024:
             raise ValueError("a stream name must be 1 to 1024 characters")
+
+    def check_header_name(self, name: str) -> None:
+        """Any field name, but ``body`` in the plain format: that field is the body."""
+        if self.format == "plain" and name == BODY_FIELD:
+            raise ValueError(
+                f"a plain Redis entry's {BODY_FIELD!r} field is the body, so no header may "
+                "have that name"
+            )
 
     def public_url(self) -> str:
         """The URL without credentials."""

@@ -56,6 +56,9 @@ class ServiceBusSettings(BrokerSettings):
             properties["session_id"] = wire.stream_key
         return properties
 
+    def check_header_name(self, name: str) -> None:
+        """Any name: an application property key is any string."""
+
     def check_destination(self, destination: str) -> None:
         """A queue or topic name (letters, digits, '.', '_', '-', '/'; at most 260)."""
         if not _ENTITY.match(destination):
