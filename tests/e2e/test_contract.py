@@ -245,3 +245,31 @@ def test_contract_help_says_internal_brokers_are_not_in_it() -> None:
 
     assert result.returncode == 0
     assert "Internal brokers are not in it" in " ".join(result.stdout.split())
+
+
+def test_an_unwritable_out_or_lock_file_is_one_line(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    (folder / "adir").mkdir()
+
+    missing = router("contract", "export", "--out", "nowhere/asyncapi.yaml", cwd=folder)
+    onto_dir = router("contract", "export", "--out", "adir", cwd=folder)
+    lock_missing = router("contract", "lock", "--file", "nowhere/lock.json", cwd=folder)
+    check_dir = router("contract", "check", "--file", "adir", cwd=folder)
+
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        2,
+        "",
+        "router: cannot write nowhere/asyncapi.yaml: its folder nowhere does not exist\n",
+    )
+    assert (onto_dir.returncode, onto_dir.stderr) == (
+        2,
+        "router: cannot write adir: it is a directory\n",
+    )
+    assert (lock_missing.returncode, lock_missing.stderr) == (
+        2,
+        "router: cannot write nowhere/lock.json: its folder nowhere does not exist\n",
+    )
+    assert (check_dir.returncode, check_dir.stderr) == (
+        2,
+        "router: cannot read adir: it is a directory\n",
+    )
