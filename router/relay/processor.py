@@ -142,7 +142,11 @@ class Processor:
             while not self._stopping:
                 self._wake.clear()
                 try:
-                    timeout = await (self._probe() if self.circuit.is_open else self._pump())
+                    if self.circuit.is_open:  # only the broker is asked
+                        timeout = await self._probe()
+                    else:
+                        timeout = await self._pump()
+                        self.store.outage.recovered()
                     pause = _PAUSE_MIN
                 except asyncio.CancelledError:
                     if not self._connect_stopped():
@@ -499,7 +503,8 @@ class Processor:
 
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):
-            log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
+            # One line when the outage starts (and one when it ends), not one per retry.
+            self.store.outage.failed(str(exc), target=self.target, retry_in=pause)
         else:
             log.exception("processor.error", extra={**self._log, "retry_in": pause})
 
