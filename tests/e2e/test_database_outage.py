@@ -57,7 +57,7 @@ async def test_a_dropped_database_is_logged_once_and_its_return_once(
         code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
     log = serving.log.read_text()
     assert code == 0, log
-    assert "Traceback" not in log
+    assert "Traceback" not in log, log
     [down] = [line for line in log.splitlines() if " db.unavailable " in line]
     assert "WARNING db.unavailable database=main error=" in down
     # The reason the first failure gave: the server ended the session, or no such database.

@@ -127,7 +127,11 @@ class PostgresStore:
             await run.end()  # cancelled (stop) or failed: nothing of it is kept
             _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:  # nothing due, or busy (a NULL seq)
-            await run.commit()
+            try:
+                await run.commit()
+            except BaseException as exc:  # the session ended under it (database dropped...)
+                await run.end()
+                _raise_as_database_error(self.name, exc)
             return Claim(token, [], busy=bool(records))
         return self._held_claim(run, token, records)
 
