@@ -12,6 +12,7 @@ from brokers._settings import (
     EventRoute,
     OnBacklog,
     RateLimit,
+    ServerInUse,
     redact_url,
 )
 from brokers.memory import MemoryBroker, MemorySettings
@@ -35,6 +36,7 @@ __all__ = [
     "OutgoingMessage",
     "PublishResult",
     "RateLimit",
+    "ServerInUse",
     "create_broker",
     "publish_in_order",
     "redact_url",

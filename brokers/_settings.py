@@ -27,6 +27,7 @@ from brokers._native import NativeProperties
 from envelopes import (
     INTERNAL_ONLY_FIELDS,
     PARTNER_FIELDS,
+    ConfigError,
     Exposure,
     Profile,
     WireMessage,
@@ -38,12 +39,20 @@ __all__ = [
     "EmbeddedServer",
     "EventFilter",
     "EventRoute",
+    "ServerInUse",
     "redact_url",
 ]
 
 PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
 # What a broker may leave out: any metadata partners may see, and the staged headers.
 _OMITTABLE = PARTNER_FIELDS | {"headers"}
+
+
+class ServerInUse(ConfigError):
+    """Another running router already runs this embedded server (same store and port).
+
+    A ``ConfigError``: two routers were given one store; the second must not take it over.
+    """
 
 
 class EmbeddedServer(Protocol):

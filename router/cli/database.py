@@ -43,7 +43,10 @@ async def init_db(config: RouterConfig, args: argparse.Namespace, redactor: Reda
     names = args.database or list(config.databases)
     unknown = sorted(set(names) - set(config.databases))
     if unknown:
-        print(f"router: unknown database(s) {unknown}", file=sys.stderr)
+        print(
+            f"router: unknown database {unknown[0]!r}; configured: {sorted(config.databases)}",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     failed = False
     for name in names:

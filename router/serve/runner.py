@@ -278,7 +278,7 @@ async def check_schemas(stores: Mapping[str, OutboxStore], timeout: float = 5.0)
             raise result
         if isinstance(result, DatabaseError | TimeoutError):
             error = str(result) or f"no answer within {timeout:g} s"
-            log.warning("database.unreachable", extra={"database": name, "error": error})
+            stores[name].outage.failed(error)  # db.recovered follows when it answers
         elif isinstance(result, BaseException):
             raise result
 

@@ -393,3 +393,31 @@ def test_renaming_or_retyping_the_exchange_fails_the_check(tmp_path: Path) -> No
             "changed: topic -> fanout; a partner bound to the old one receives nothing more",
         ),
     ]
+
+
+def test_an_unwritable_out_or_lock_file_is_one_line(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    (folder / "adir").mkdir()
+
+    missing = router("contract", "export", "--out", "nowhere/asyncapi.yaml", cwd=folder)
+    onto_dir = router("contract", "export", "--out", "adir", cwd=folder)
+    lock_missing = router("contract", "lock", "--file", "nowhere/lock.json", cwd=folder)
+    check_dir = router("contract", "check", "--file", "adir", cwd=folder)
+
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        2,
+        "",
+        "router: cannot write nowhere/asyncapi.yaml: its folder nowhere does not exist\n",
+    )
+    assert (onto_dir.returncode, onto_dir.stderr) == (
+        2,
+        "router: cannot write adir: it is a directory\n",
+    )
+    assert (lock_missing.returncode, lock_missing.stderr) == (
+        2,
+        "router: cannot write nowhere/lock.json: its folder nowhere does not exist\n",
+    )
+    assert (check_dir.returncode, check_dir.stderr) == (
+        2,
+        "router: cannot read adir: it is a directory\n",
+    )
