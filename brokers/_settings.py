@@ -416,9 +416,11 @@ def redact_url(url: str) -> str:
         return "<unparseable url>"
     if not parts.netloc:
         return url.partition("?")[0]
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
+    host = parts.netloc.rpartition("@")[2]
+    if "," not in host:  # several (postgresql://u:p@h1:5432,h2:5432/db) are shown as given
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
     if parts.username or parts.password:
         host = f"***@{host}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))

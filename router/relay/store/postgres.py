@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
 
+# The LISTEN connection's longest pause between tries while the database is away. Its return
+# wakes every processor of the database, whose own pauses grow to 30 s: so after an outage of
+# any length (a failover: the replica promoted), delivery resumes within this of the server
+# accepting writes again. One connection attempt per 2 s and worker costs nothing.
+LISTEN_RETRY_MAX = 2.0
+
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
 CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
@@ -256,7 +262,7 @@ class PostgresStore:
             except DB_ERRORS as exc:
                 self.outage.failed(describe_error(exc), retry_in=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, LISTEN_RETRY_MAX)
                 continue
             delay = 0.5
             self.outage.recovered()
