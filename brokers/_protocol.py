@@ -12,6 +12,9 @@ An adapter turns rendered messages into broker writes. The processor relies on t
   messages sharing a stream key must be written in batch order. A failure of one message never
   fails the others. If the broker cannot be reached at all, ``publish`` raises
   ``BrokerUnavailable`` instead, and nothing in the batch counts as sent.
+- A message the broker did not judge (never sent because the connection broke, or no ack
+  within the timeout) is ``PublishResult.cut_off``: a fault of the path, not of the message.
+  Only the broker's own refusal is ``PublishResult.failed``.
 - Every message carries ``wire.message_id`` as the broker's native dedup id where one exists.
 - An acknowledged result carries the broker's *receipt* where the broker gives one: a small
   JSON object naming where the message landed (JetStream stream and sequence, Kafka partition
@@ -48,6 +51,9 @@ class PublishResult:
     retryable: bool = True
     receipt: str | None = None
     """The broker's receipt as a JSON object's text, when it gave one."""
+    unreachable: bool = False
+    """The broker was not reached, or gave no answer in time: a fault of this host's path to
+    it, not a verdict on the message (see ``cut_off``)."""
 
     @classmethod
     def acked(cls, receipt: str | None = None) -> PublishResult:
@@ -58,6 +64,12 @@ class PublishResult:
     def failed(cls, error: str, *, retryable: bool) -> PublishResult:
         """The broker did not take the message; ``retryable`` says if trying again can help."""
         return cls(ok=False, error=error, retryable=retryable)
+
+    @classmethod
+    def cut_off(cls, error: str) -> PublishResult:
+        """No verdict on the message: it was not sent (the connection is gone) or its ack never
+        came (the path went silent). The processor gives it back untried, for another host."""
+        return cls(ok=False, error=error, retryable=True, unreachable=True)
 
 
 _ACKED = PublishResult(ok=True)

@@ -220,6 +220,16 @@ class BrokerSettings(BaseModel):
     publish_timeout: float = Field(
         10.0, gt=0, description="Seconds to wait for one batch's acknowledgements."
     )
+    silence_timeout: float = Field(
+        0.25,
+        gt=0,
+        description="Least time a publish may go unanswered before the connection is asked "
+        "for a round trip (a ping), which must answer within as long again; the limit follows "
+        "the broker's usual answer time above this. No answer: this host has lost its path to "
+        "the broker, so it gives the batch back untried for other hosts and claims nothing "
+        "until a probe gets through. A broker that answers the ping but acknowledges slowly "
+        "gets the whole publish_timeout.",
+    )
 
     @property
     def publish_limit(self) -> float:

@@ -52,7 +52,7 @@ async def publish_in_order(
                 receipt = await send(batch[index])
             except BrokerUnavailable as exc:
                 unavailable.append(exc)
-                results[index] = PublishResult.failed(str(exc), retryable=True)
+                results[index] = PublishResult.cut_off(str(exc))
                 return False
             except Exception as exc:  # the adapter's classify decides what it means
                 results[index] = classify(exc)

@@ -97,15 +97,21 @@ class RetentionSettings(BaseModel):
 
 
 class CircuitSettings(BaseModel):
-    """When a target stops claiming because its broker is unreachable, and how it probes."""
+    """How a host that cannot reach a target's broker probes it before claiming again."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     open_after: float = Field(
-        30.0, ge=0, description="Seconds of continuous unreachability before the circuit opens."
+        0.0,
+        ge=0,
+        description="Deprecated, and ignored: a host's circuit now opens at the first publish "
+        "its broker does not answer (its rows go back untried, for other hosts).",
     )
     probe_max_delay: float = Field(
-        60.0, gt=0, description="Longest wait between two probes of an open circuit, in seconds."
+        3.0,
+        gt=0,
+        description="Longest wait between two probes of an open circuit, in seconds: a host "
+        "whose path to the broker heals claims again within about this long.",
     )
 
 

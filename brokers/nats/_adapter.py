@@ -153,7 +153,7 @@ class NatsBroker:
         results: list[PublishResult] = []
         for start in range(0, len(batch), step):
             if self._client is not client:  # lost in an earlier window: not on another one
-                lost = PublishResult.failed("NATS connection lost before sending", retryable=True)
+                lost = PublishResult.cut_off("NATS connection lost before sending")
                 results.extend(lost for _ in batch[start:])
                 break
             try:
@@ -161,9 +161,7 @@ class NatsBroker:
             except BrokerUnavailable as exc:
                 if not any(r.ok for r in results):
                     raise
-                results.extend(
-                    PublishResult.failed(str(exc), retryable=True) for _ in batch[start:]
-                )
+                results.extend(PublishResult.cut_off(str(exc)) for _ in batch[start:])
                 break
         return results
 
@@ -280,7 +278,7 @@ class NatsBroker:
         if lost:
             await self.close()
         reason = "NATS connection lost before the ack" if lost else "no ack within publish_timeout"
-        unanswered = PublishResult.failed(reason, retryable=True)
+        unanswered = PublishResult.cut_off(reason)
         results = [unanswered if r is None else r for r in answers.results]
         if lost and not any(r.ok for r in results):
             raise BrokerUnavailable(f"{self.name}: {reason}")

@@ -14,11 +14,13 @@ stored row would not be the message first sent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import aio_pika
 import aio_pika.abc
@@ -38,6 +40,8 @@ __all__ = ["RabbitBroker"]
 
 log = logging.getLogger(__name__)
 
+# Seconds between AMQP heartbeats, unless the URL sets its own (?heartbeat=N).
+_HEARTBEAT = 10
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     aiormq.exceptions.AMQPConnectionError,
     aiormq.exceptions.ChannelInvalidStateError,
@@ -45,6 +49,7 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
+_NO_ANSWER: tuple[type[BaseException], ...] = (TimeoutError, *_UNAVAILABLE)
 
 
 class RabbitBroker(FastStreamAdapter):
@@ -55,6 +60,7 @@ class RabbitBroker(FastStreamAdapter):
 
     def __init__(self, name: str, settings: RabbitSettings) -> None:
         super().__init__(name, settings)
+        self._amqp: _ClosedOnFailedConnect | None = None
         self._exchange = RabbitExchange(
             settings.exchange.name,
             type=ExchangeType(settings.exchange.type),
@@ -76,8 +82,33 @@ class RabbitBroker(FastStreamAdapter):
         # keep them elsewhere, tests/e2e/test_shutdown.py's hanging connect fails.
         kwargs = getattr(broker, "_connection_kwargs", None)
         if isinstance(kwargs, dict):
-            kwargs["connection_class"] = _ClosedOnFailedConnect
+            kwargs["connection_class"] = self._connection
+            # aio-pika's default heartbeat is the server's (60 s): a connection to a broker
+            # that went silent while idle is found within about two heartbeats instead.
+            if "heartbeat" not in urlsplit(self.settings.url.get_secret_value()).query:
+                kwargs["heartbeat"] = _HEARTBEAT
         return broker
+
+    def _connection(self, *args: Any, **kwargs: Any) -> _ClosedOnFailedConnect:
+        """aio-pika's connection class, as a factory that keeps the connection for ping()."""
+        self._amqp = _ClosedOnFailedConnect(*args, **kwargs)
+        return self._amqp
+
+    async def ping(self) -> None:
+        """A round trip on the connection: a channel opened and closed. (FastStream's ping
+        only reads the connection's flag, which stays up on a connection gone silent.)"""
+        await self._connected()
+        connection = self._amqp
+        if connection is None:
+            raise BrokerUnavailable(f"{self.name}: RabbitMQ does not answer")
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout):
+                channel = await connection.channel(publisher_confirms=False)
+                await channel.close()
+        except _NO_ANSWER as exc:
+            raise BrokerUnavailable(
+                f"{self.name}: RabbitMQ does not answer: {describe(exc)}"
+            ) from exc
 
     async def _prepare(self, broker: Any) -> None:
         await broker.declare_exchange(self._exchange)
@@ -170,7 +201,7 @@ def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
         return PublishResult.failed(f"access refused: {describe(exc)}", retryable=False)
     if isinstance(exc, TimeoutError):
-        return PublishResult.failed("no confirm within publish_timeout", retryable=True)
+        return PublishResult.cut_off("no confirm within publish_timeout")
     return PublishResult.failed(f"RabbitMQ error: {describe(exc)}", retryable=True)
 
 

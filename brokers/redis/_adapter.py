@@ -155,7 +155,7 @@ class RedisBroker:
                     await self.close()
                     if not any(r is not None and r.ok for r in results):
                         raise
-                    return _fill(results, PublishResult.failed(str(exc), retryable=True))
+                    return _fill(results, PublishResult.cut_off(str(exc)))
                 for i in chunk:
                     result, key = results[i], batch[i].wire.stream_key
                     if result is not None and not result.ok and result.retryable and key:
@@ -235,7 +235,7 @@ def _fill(results: list[PublishResult | None], missing: PublishResult) -> list[P
 
 def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, _UNAVAILABLE):
-        return PublishResult.failed(f"Redis unreachable: {describe(exc)}", retryable=True)
+        return PublishResult.cut_off(f"Redis unreachable: {describe(exc)}")
     if isinstance(exc, _TRANSIENT) or str(exc).startswith(_TRANSIENT_PREFIXES):
         return PublishResult.failed(f"Redis is busy: {describe(exc)}", retryable=True)
     if isinstance(exc, redis.exceptions.ResponseError):

@@ -139,14 +139,14 @@ class ServiceBusBroker:
                 raise BrokerUnavailable(
                     f"{self.name}: Service Bus unreachable: {describe(exc)}"
                 ) from exc
-            outcome = PublishResult.failed(
-                f"Service Bus unreachable: {describe(exc)}", retryable=True
-            )
+            outcome = PublishResult.cut_off(f"Service Bus unreachable: {describe(exc)}")
+        except TimeoutError:
+            outcome = PublishResult.cut_off("no answer within publish_timeout")
         except _PERMANENT as exc:
             outcome = PublishResult.failed(
                 f"rejected by Service Bus: {describe(exc)}", retryable=False
             )
-        except (ServiceBusError, TimeoutError) as exc:
+        except ServiceBusError as exc:
             outcome = PublishResult.failed(f"Service Bus error: {describe(exc)}", retryable=True)
         else:
             outcome = PublishResult.acked()
@@ -187,18 +187,21 @@ class ServiceBusBroker:
         )
 
     async def ping(self) -> None:
-        """Open a sender link (connection, token, attach) to check the namespace answers.
+        """Attach a new sender link (a round trip on the connection) and detach it, beside
+        any publish in flight: a cached link answers ``create_message_batch`` from memory,
+        which proves nothing about a connection gone silent.
 
         An entity that does not exist still proves the namespace answered; refused
         credentials do not.
         """
-        async with self._sending:
-            await self._ping()
-
-    async def _ping(self) -> None:
         await self.connect()
+        assert self._client is not None
+        entity = _probe_entity(self.settings)
+        if self.settings.entity == "topic":
+            probe = self._client.get_topic_sender(entity)
+        else:
+            probe = self._client.get_queue_sender(entity)
         try:
-            probe = await self._sender(_probe_entity(self.settings))
             await asyncio.wait_for(probe.create_message_batch(), self.settings.connect_timeout)
         except (MessagingEntityNotFoundError, MessagingEntityDisabledError):
             return
@@ -208,10 +211,13 @@ class ServiceBusBroker:
                 f"{self.name}: Service Bus refused the credentials: {describe(exc)}"
             ) from exc
         except (*_UNAVAILABLE, ServiceBusError, TimeoutError) as exc:
-            await self.close()
             raise BrokerUnavailable(
                 f"{self.name}: Service Bus does not answer: {describe(exc)}"
             ) from exc
+        finally:
+            # Detached in the background: on a silent connection the detach waits too.
+            closing = asyncio.ensure_future(probe.close())
+            closing.add_done_callback(_quiet)
 
     async def close(self) -> None:
         """Close senders and the client."""
@@ -223,6 +229,12 @@ class ServiceBusBroker:
         if client is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
+
+
+def _quiet(task: asyncio.Future[None]) -> None:
+    """Read a background close's outcome, so that asyncio does not report it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _properties(headers: dict[str, str]) -> dict[str | bytes, Any]:

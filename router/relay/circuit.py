@@ -1,9 +1,19 @@
-"""A per-target circuit breaker: stop claiming while a broker is unreachable, probe, resume.
+"""A per-target circuit breaker, one per host: stop claiming while this host cannot reach the
+broker, probe, resume.
 
-Short blips are ridden out by each row's own retries. When a broker stays unreachable for
-``open_after`` seconds, the circuit opens: the processor claims nothing, so no row spends an
-attempt on an outage, and it probes the broker (connect + ping) at growing intervals instead.
-The first probe that succeeds closes the circuit and delivery resumes where it stopped.
+A publish that is not answered (no ack in time, a lost or refused connection) says that this
+host's path to the broker is broken, not that the message is bad: the circuit opens at once,
+the batch goes back untried, and the processor claims nothing for the target until a probe (a
+fresh connection and a round trip) gets through. Other hosts, whose paths work, take the rows
+meanwhile; on a single host, no row spends an attempt on the outage.
+
+A probe that gets through puts the circuit *on trial*: it claims again, and the first publish
+decides. Answered: the circuit is closed for good. Unanswered again: the path looks fine but
+the publish is not (a message the broker drops the connection over, say), so that failure
+counts as an attempt, with back-off, and the circuit opens again. A message that fails on
+every host in turn therefore still backs off and is abandoned after ``max_attempts``, instead
+of going from host to host for ever.
+
 ``reason`` keeps the latest failure (the broker's own words: "cannot connect", "stream 'X' does
 not exist ...") while the target is failing or open.
 """
@@ -25,6 +35,9 @@ log = logging.getLogger(__name__)
 
 State = Literal["closed", "open"]
 
+# Seconds from a circuit's opening to its first probe.
+_FIRST_PROBE = 0.25
+
 
 class Circuit:
     """The breaker of one target; the processor reports outcomes and asks when to probe."""
@@ -39,8 +52,12 @@ class Circuit:
         labels: dict[str, str] | None = None,
     ) -> None:
         self.settings = settings
-        # Probes back off like row retries do, but up to their own ceiling.
-        self._probe_schedule = retry.model_copy(update={"max_delay": settings.probe_max_delay})
+        # Probes back off like row retries do, but from a quarter of a second (a probe is one
+        # connection and a round trip; the rows wait for it) up to their own ceiling.
+        first = min(_FIRST_PROBE, settings.probe_max_delay)
+        self._probe_schedule = retry.model_copy(
+            update={"base_delay": first, "max_delay": settings.probe_max_delay}
+        )
         self._clock = clock
         self._rand = rand
         self._labels = labels or {}
@@ -49,34 +66,53 @@ class Circuit:
         self.unreachable_since: float | None = None
         self.probes = 0
         self.next_probe_at: float | None = None
+        # Closed by a probe, and no publish answered since (see the module docstring).
+        self.trial = False
 
     @property
     def is_open(self) -> bool:
         """True while the target is not being claimed."""
         return self.state == "open"
 
-    def unreachable(self, error: str) -> None:
-        """The broker could not be reached; open once that has lasted ``open_after``."""
+    def cut_off(self, error: str) -> None:
+        """A publish went unanswered: open now (again, when on trial) and probe."""
         now = self._clock()
         self.reason = error
         if self.unreachable_since is None:
             self.unreachable_since = now
-        if self.state == "closed" and now - self.unreachable_since >= self.settings.open_after:
-            self.state = "open"
-            self.probes = 0
-            self._schedule_probe(now)
-            log.warning(
-                "circuit.opened",
+        self.trial = False
+        if self.state == "open":
+            return
+        self.state = "open"
+        self.probes = 0
+        self._schedule_probe(now)
+        log.warning(
+            "circuit.opened",
+            extra={
+                **self._labels,
+                "error": error,
+                "unreachable_for": round(now - self.unreachable_since, 3),
+            },
+        )
+
+    def probed(self) -> None:
+        """A probe got through: claim again, on trial until a publish is answered."""
+        if self.state == "open":
+            log.info(
+                "circuit.trial",
                 extra={
                     **self._labels,
-                    "error": error,
-                    "unreachable_for": round(now - self.unreachable_since, 3),
+                    "probes": self.probes,
+                    "outage": round(self._clock() - (self.unreachable_since or 0), 3),
                 },
             )
+        self.state = "closed"
+        self.trial = True
+        self.next_probe_at = None
 
     def reachable(self) -> None:
-        """The broker answered: close the circuit (if open) and forget the outage."""
-        if self.state == "open":
+        """A publish was answered: the circuit is closed and the outage forgotten."""
+        if self.trial or self.state == "open":
             log.info(
                 "circuit.closed",
                 extra={
@@ -86,6 +122,7 @@ class Circuit:
                 },
             )
         self.state = "closed"
+        self.trial = False
         self.reason = None
         self.unreachable_since = None
         self.next_probe_at = None

@@ -177,7 +177,10 @@ class Processor:
         return total
 
     async def run_once(self) -> int:
-        """One cycle, without overlap: claim, publish, mark. Returns the rows handled."""
+        """One cycle, without overlap: claim, publish, mark. Returns the rows handled (none
+        while the circuit is open and its probe fails or is not due)."""
+        if self.circuit.is_open and (self.circuit.probe_in() > 0 or await self._probe()):
+            return 0
         limit = self._claim_limit()
         if limit == 0:
             await asyncio.sleep(self._token_wait())
@@ -262,7 +265,7 @@ class Processor:
                 if marks is None:  # a connect cancelled by stop(): _shutdown gives it back
                     break
                 marking = asyncio.create_task(self._finish(claim, marks, deadline, marking))
-                if following is None:
+                if following is None or self.circuit.is_open:  # cut off: give the next back
                     break
                 claim, end = await following
                 following = None
@@ -414,7 +417,7 @@ class Processor:
             self.circuit.probe_failed(str(exc) or "no answer within the timeout")
             await self.delivery.disconnect()
             return self.circuit.probe_in()
-        self.circuit.reachable()
+        self.circuit.probed()
         return None
 
     async def _idle_timeout(self, handled: int, limit: int) -> float | None:

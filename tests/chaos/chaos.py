@@ -223,7 +223,7 @@ class Chaos:
                 "poll_interval": 2,
                 "shutdown_grace_seconds": 3,
                 "retry": {"base_delay": 0.2, "max_delay": 2, "max_attempts": 1000},
-                "circuit": {"open_after": 2, "probe_max_delay": 1},
+                "circuit": {"probe_max_delay": 1},
             },
             "http": {"enabled": False},
         }

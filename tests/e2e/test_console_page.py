@@ -130,7 +130,7 @@ def serve(database: Database, brokers: dict[str, Any], port: int) -> Serving:
                 "service": "shop",
                 "databases": {"main": database.url},
                 "brokers": brokers,
-                "outbox": {"retry": RETRY, "circuit": {"open_after": 0}},
+                "outbox": {"retry": RETRY, "circuit": {"probe_max_delay": 3}},
                 "http": {"bind": f"127.0.0.1:{port}", "token": "${ROUTER_HTTP_TOKEN}"},
             }
         )

@@ -88,7 +88,7 @@ async def serve_with_partner_down(
                 "brokers": brokers,
                 "outbox": {
                     "retry": {"base_delay": 60, "max_delay": 60},
-                    "circuit": {"open_after": 0},
+                    "circuit": {"probe_max_delay": 3},
                 },
                 "http": {"bind": f"127.0.0.1:{port}", "token": "${ROUTER_HTTP_TOKEN}", **http},
             }

@@ -29,8 +29,11 @@ def tansu_binary() -> Path:
 class TansuPeer:
     """One tansu process listening on 127.0.0.1:port."""
 
-    def __init__(self, port: int = 19092) -> None:
+    def __init__(self, port: int = 19092, advertised_port: int | None = None) -> None:
+        """``advertised_port``: the port clients are told to use after bootstrap (a proxy's),
+        when not ``port`` itself."""
         self.port = port
+        self.advertised_port = advertised_port or port
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,7 +51,7 @@ class TansuPeer:
                 "--listener-url",
                 url,
                 "--advertised-listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.advertised_port}",
                 "--storage-engine",
                 "memory://tansu/",
             ],

@@ -20,44 +20,42 @@ class Clock:
         return self.now
 
 
-def test_the_circuit_opens_only_after_being_unreachable_for_open_after_seconds() -> None:
+def test_the_circuit_opens_at_the_first_unanswered_publish_and_probes_soon() -> None:
     clock = Clock()
-    circuit = Circuit(
-        CircuitSettings(open_after=5, probe_max_delay=8), RETRY, clock=clock, rand=lambda: 0.5
-    )
-    circuit.unreachable("down")
-    clock.now += 4
-    circuit.unreachable("down")
-    assert not circuit.is_open
-    clock.now += 1
-    circuit.unreachable("down")
+    circuit = Circuit(CircuitSettings(probe_max_delay=8), RETRY, clock=clock, rand=lambda: 0.5)
+    circuit.cut_off("no ack within publish_timeout")
     assert circuit.is_open
-    assert circuit.probe_in() == pytest.approx(1.0)
+    assert circuit.reason == "no ack within publish_timeout"
+    assert circuit.probe_in() == pytest.approx(0.25)
 
 
-def test_probes_back_off_up_to_their_ceiling_and_success_closes_the_circuit() -> None:
+def test_probes_back_off_up_to_their_ceiling_and_success_puts_the_circuit_on_trial() -> None:
     clock = Clock()
-    circuit = Circuit(
-        CircuitSettings(open_after=0, probe_max_delay=3), RETRY, clock=clock, rand=lambda: 0.5
-    )
-    circuit.unreachable("down")
+    circuit = Circuit(CircuitSettings(probe_max_delay=3), RETRY, clock=clock, rand=lambda: 0.5)
+    circuit.cut_off("down")
     waits = [circuit.probe_in()]
-    for _ in range(4):
+    for _ in range(5):
         clock.now += circuit.probe_in()
         circuit.probe_failed("still down")
         waits.append(circuit.probe_in())
-    assert waits == [pytest.approx(w) for w in (1.0, 2.0, 3.0, 3.0, 3.0)]
-    circuit.reachable()
+    assert waits == [pytest.approx(w) for w in (0.25, 0.5, 1.0, 2.0, 3.0, 3.0)]
+    circuit.probed()
     assert not circuit.is_open
+    assert circuit.trial
+    assert circuit.reason == "still down"  # nothing answered yet but the probe
+    circuit.reachable()
+    assert not circuit.trial
+    assert circuit.reason is None
     assert circuit.unreachable_since is None
 
 
-def test_a_success_between_failures_resets_the_outage_clock() -> None:
+def test_a_publish_unanswered_on_trial_opens_the_circuit_again() -> None:
     clock = Clock()
-    circuit = Circuit(CircuitSettings(open_after=5), RETRY, clock=clock)
-    circuit.unreachable("down")
-    clock.now += 4
-    circuit.reachable()
-    clock.now += 2
-    circuit.unreachable("down")
-    assert not circuit.is_open
+    circuit = Circuit(CircuitSettings(), RETRY, clock=clock, rand=lambda: 0.5)
+    circuit.cut_off("silent")
+    clock.now += circuit.probe_in()
+    circuit.probed()
+    circuit.cut_off("silent again")
+    assert circuit.is_open
+    assert not circuit.trial
+    assert circuit.probe_in() == pytest.approx(0.25)  # its probes start over

@@ -66,6 +66,15 @@ SET circuit = EXCLUDED.circuit, circuit_since = EXCLUDED.circuit_since,
 # The heartbeat of a batch still being published, in its transaction (see ``extend``).
 EXTEND = "SELECT set_config('idle_in_transaction_session_timeout', $1, true)"
 
+# A batch's transaction holds its target (router_claim()): a worker that goes silent with one
+# open (its host cut off from the database, or frozen) must lose it soon, or every host waits.
+# The server ends a session idle in its transaction for _HOLD seconds, and a live worker's run
+# says it is there every _BEAT seconds, whatever it waits for (acks from a slow broker, say).
+# Only an event loop stalled for _HOLD - _BEAT seconds loses a batch it was still sending; its
+# rows are then sent again by whoever claims them next (at-least-once).
+_HOLD = 2.0
+_BEAT = 0.5
+
 # Pending rows are not asked about: the claim that ran just before took every pending row it
 # could, so one it left waits behind a failed row of its stream, and becomes claimable when
 # that row's retry falls due, which this does return. Counting it as due now had an idle
@@ -123,11 +132,11 @@ class PostgresStore:
             conn = await pool.acquire()
         except DB_ERRORS as exc:
             raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
-        run = _Run(pool, conn)
+        run = _Run(pool, conn, hold=min(lease_seconds, _HOLD))
         try:
             await conn.execute("BEGIN")
             records = await conn.fetch(
-                CLAIM, target, limit, worker, lease_seconds, self._async_commit, 0
+                CLAIM, target, limit, worker, min(lease_seconds, _HOLD), self._async_commit, 0
             )
         except BaseException as exc:
             await run.end()  # cancelled (stop) or failed: nothing of it is kept
@@ -151,7 +160,13 @@ class PostgresStore:
         try:
             async with run.lock:
                 records = await run.conn.fetch(
-                    CLAIM, target, limit, worker, lease_seconds, self._async_commit, last
+                    CLAIM,
+                    target,
+                    limit,
+                    worker,
+                    min(lease_seconds, _HOLD),
+                    self._async_commit,
+                    last,
                 )
         except BaseException as exc:
             run.broken = True  # the transaction cannot be trusted: its batches are lost
@@ -165,6 +180,7 @@ class PostgresStore:
         rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
         run.batches[token] = len(rows)
         self._held[token] = run
+        run.beat()
         return Claim(token, rows)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
@@ -226,7 +242,9 @@ class PostgresStore:
             return 0
         try:
             async with run.lock:
-                await run.conn.execute(EXTEND, str(math.ceil(lease_seconds * 1000)))
+                # The session, not a time, holds the rows: the run's heartbeat keeps it; this
+                # says once more that it is there.
+                await run.conn.execute(EXTEND, str(math.ceil(run.hold * 1000)))
         except DB_ERRORS as exc:
             run.broken = True
             raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
@@ -343,12 +361,33 @@ class _Run:
     (by token: their row counts), and a lock, so that a claim and a mark never share the
     connection at once."""
 
-    def __init__(self, pool: asyncpg.Pool, conn: Any) -> None:
+    def __init__(self, pool: asyncpg.Pool, conn: Any, *, hold: float) -> None:
         self.pool = pool
         self.conn = conn
+        self.hold = hold  # the server ends the session after this long idle (seconds)
         self.batches: dict[int, int] = {}
         self.lock = asyncio.Lock()
         self.broken = False  # a statement failed: roll back, whatever was written
+        self._beating: asyncio.Task[None] | None = None
+
+    def beat(self) -> None:
+        """Start the heartbeat (once): a statement every _BEAT seconds while the
+        connection is not in use, so the session is never idle for ``hold``."""
+        if self._beating is None:
+            self._beating = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        limit = str(math.ceil(self.hold * 1000))
+        interval = min(_BEAT, self.hold / 4)
+        while not self.broken:
+            await asyncio.sleep(interval)
+            if self.lock.locked():  # a claim or mark is a sign of life already
+                continue
+            try:
+                async with self.lock:
+                    await self.conn.execute(EXTEND, limit)
+            except Exception:  # the session is gone, or going: its batches are lost
+                self.broken = True
 
     async def commit(self) -> None:
         """Commit, and back to the pool."""
@@ -359,6 +398,8 @@ class _Run:
         """Back to the pool. A transaction still open (failed, cancelled, released) is not
         rolled back over a connection in an unknown state: the connection is closed, which
         ends it, and the pool opens another."""
+        if self._beating is not None and self._beating is not asyncio.current_task():
+            self._beating.cancel()
         # A connection that closed under it may have gone back to the pool already.
         with contextlib.suppress(asyncpg.InterfaceError):
             if not self.conn.is_closed() and self.conn.is_in_transaction():

@@ -1,0 +1,100 @@
+"""One of two hosts cut off from the broker (a gray partition: connections open, nothing
+passes) for longer than a lease, under load over many stream keys: the other host keeps
+delivering, nothing is lost or reordered, and the cut-off host rejoins soon after the heal.
+On every broker kind; and once with the path to the database cut instead, where a batch the
+cut-off host held keeps the target until the server ends its silent session (2 s). The run and
+its report: ``tests/contract/partition.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.proxy import GrayProxy
+from tests.contract.harnesses import Harness, KafkaHarness, harness_for
+from tests.contract.partition import Outcome, PartitionRun, Plan, upstream_of
+from tests.peers.kafka import TansuPeer
+from tests.services import NATS, free_port, require
+
+
+@pytest.fixture
+async def gray(harness: Harness) -> AsyncIterator[tuple[Harness, GrayProxy]]:
+    """The broker behind a GrayProxy. Kafka clients go where the broker advertises after
+    bootstrap, so Kafka gets a tansu of its own that advertises the proxy."""
+    if harness.kind != "kafka":
+        proxy = GrayProxy(*upstream_of(harness))
+        await proxy.start()
+        try:
+            yield harness, proxy
+        finally:
+            await proxy.stop()
+        return
+    port = free_port()
+    proxy = GrayProxy("127.0.0.1", port)
+    await proxy.start()
+    peer = TansuPeer(port, advertised_port=proxy.port)
+    peer.start()
+    kafka = KafkaHarness(f"127.0.0.1:{proxy.port}")
+    try:
+        yield kafka, proxy
+    finally:
+        await kafka.cleanup()
+        await proxy.stop()
+        peer.stop()
+
+
+async def test_a_host_cut_off_from_the_broker_hands_its_work_over_and_rejoins(
+    gray: tuple[Harness, GrayProxy], pg_url: str, tmp_path: Path
+) -> None:
+    harness, proxy = gray
+    rate = float(os.environ.get("PARTITION_RATE", "200"))
+    outcome = await run(harness, proxy, pg_url, tmp_path, Plan(path="broker", rate=rate))
+    assert outcome.cut_off_logged_after is not None, "host A never noticed the cut"
+    assert outcome.rejoined_after is not None, "host A never delivered again"
+    assert outcome.rejoined_after <= 5.0, outcome.table()
+
+
+async def test_a_host_cut_off_from_the_database_hands_its_work_over(
+    request: pytest.FixtureRequest, pg_url: str, tmp_path: Path
+) -> None:
+    # The path to the database is the same whatever the broker: NATS stands for them all.
+    require("NATS", NATS)
+    async with harness_for("nats", request) as harness:
+        proxy = GrayProxy(*upstream_of(harness))  # not cut: the database's proxy is
+        await proxy.start()
+        try:
+            plan = Plan(path="database")
+            outcome = await PartitionRun(harness, proxy, pg_url, tmp_path, plan).run()
+        finally:
+            await proxy.stop()
+    print(f"\n{outcome.table()}")
+    assert_nothing_lost_or_reordered(outcome)
+    # A batch the silent host held when it was cut off holds the target until the server
+    # ends that session: two seconds after its last heartbeat (router.relay.store.postgres).
+    assert outcome.longest_stall <= 3.0, outcome.table()
+    assert outcome.p99 <= 2.5, outcome.table()
+    assert outcome.by_host["host-b"] > 0, outcome.table()
+
+
+async def run(harness: Harness, proxy: GrayProxy, pg_url: str, folder: Path, plan: Plan) -> Outcome:
+    """One partition run; what must hold whatever was cut."""
+    outcome = await PartitionRun(harness, proxy, pg_url, folder, plan).run()
+    (folder / "partition.json").write_text(json.dumps(outcome.to_json(), indent=2))
+    print(f"\n{outcome.table()}")
+    assert_nothing_lost_or_reordered(outcome)
+    # The healthy host kept delivering while the other was cut off.
+    assert outcome.p99 <= 2.0, outcome.table()
+    assert outcome.longest_stall <= 2.0, outcome.table()
+    assert outcome.by_host["host-b"] > 0, outcome.table()
+    return outcome
+
+
+def assert_nothing_lost_or_reordered(outcome: Outcome) -> None:
+    assert outcome.lost == 0, outcome.table()
+    assert outcome.order_violations == 0, outcome.table()
+    assert outcome.abandoned == 0, outcome.table()
+    assert outcome.delivered == outcome.committed, outcome.table()
