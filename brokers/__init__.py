@@ -3,6 +3,7 @@
 from brokers._expose import Expose
 from brokers._factory import create_broker
 from brokers._lazy import MissingClient
+from brokers._native import NativeProperties
 from brokers._protocol import Broker, OutgoingMessage, PublishResult
 from brokers._settings import (
     BrokerSettings,
@@ -11,6 +12,7 @@ from brokers._settings import (
     EventRoute,
     OnBacklog,
     RateLimit,
+    ServerInUse,
     redact_url,
 )
 from brokers.memory import MemoryBroker, MemorySettings
@@ -29,10 +31,12 @@ __all__ = [
     "MemoryBroker",
     "MemorySettings",
     "MissingClient",
+    "NativeProperties",
     "OnBacklog",
     "OutgoingMessage",
     "PublishResult",
     "RateLimit",
+    "ServerInUse",
     "create_broker",
     "publish_in_order",
     "redact_url",

@@ -46,6 +46,25 @@ def _top_level(name: str) -> str:
     return name
 
 
+def _projected(key: str) -> str:
+    """An event type, or ``type@version`` for one version of it."""
+    event_type, at, version = key.rpartition("@")
+    if not at:
+        return key
+    if not event_type or not version.isdigit() or int(version) < 1:
+        raise ValueError(
+            f"{key!r}: name an event type, or one version of it as TYPE@VERSION "
+            "(orders.order_placed@1)"
+        )
+    return key
+
+
+def _split(key: str) -> tuple[str, int | None]:
+    """``type@2`` -> (type, 2); ``type`` -> (type, None): a projection of every version."""
+    event_type, at, version = key.rpartition("@")
+    return (event_type, int(version)) if at else (key, None)
+
+
 def _some_fields(names: list[str]) -> list[str]:
     if not names:
         raise ValueError(
@@ -75,19 +94,32 @@ class Expose(BaseModel):
         default_factory=list, description="Internal-only fields added to the external body."
     )
     payload: dict[
-        str,
+        Annotated[str, AfterValidator(_projected)],
         Annotated[list[Annotated[str, AfterValidator(_top_level)]], AfterValidator(_some_fields)],
     ] = Field(
         default_factory=dict,
         description="Per event type, the top-level payload fields kept (types not listed "
-        "keep their whole payload).",
+        "keep their whole payload); TYPE@VERSION projects one version, instead of TYPE's "
+        "list. A list must name only fields of every published version it applies to.",
     )
+
+    def projections(self) -> dict[tuple[str, int | None], list[str]]:
+        """``payload`` by (event type, version); version None: every version without its own."""
+        return {_split(key): names for key, names in self.payload.items()}
 
     def compile(self) -> Exposure:
         """The allow-list as ``render`` applies it."""
+        every: dict[str, frozenset[str]] = {}
+        one: dict[tuple[str, int], frozenset[str]] = {}
+        for (event_type, version), names in self.projections().items():
+            if version is None:
+                every[event_type] = frozenset(names)
+            else:
+                one[event_type, version] = frozenset(names)
         return Exposure(
             headers=tuple(self.headers),
             extensions=tuple(self.extensions),
             fields=frozenset(self.fields),
-            payload={type_: frozenset(names) for type_, names in self.payload.items()},
+            payload=every,
+            payload_versions=one,
         )

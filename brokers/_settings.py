@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,9 +23,11 @@ from pydantic import (
 
 from brokers._expose import Expose
 from brokers._lazy import install_hint, missing_modules
+from brokers._native import NativeProperties
 from envelopes import (
     INTERNAL_ONLY_FIELDS,
     PARTNER_FIELDS,
+    ConfigError,
     Exposure,
     Profile,
     WireMessage,
@@ -37,12 +39,20 @@ __all__ = [
     "EmbeddedServer",
     "EventFilter",
     "EventRoute",
+    "ServerInUse",
     "redact_url",
 ]
 
 PLACEHOLDERS = frozenset({"event_type", "destination", "version", "service"})
 # What a broker may leave out: any metadata partners may see, and the staged headers.
 _OMITTABLE = PARTNER_FIELDS | {"headers"}
+
+
+class ServerInUse(ConfigError):
+    """Another running router already runs this embedded server (same store and port).
+
+    A ``ConfigError``: two routers were given one store; the second must not take it over.
+    """
 
 
 class EmbeddedServer(Protocol):
@@ -326,6 +336,20 @@ class BrokerSettings(BaseModel):
             exposure=self.exposure,
         )
 
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """Every header ``wire`` carries on this broker: the rendered transport headers and
+        those the adapter adds (``Nats-Msg-Id`` on NATS, say). A new dict, made from the
+        rendered message alone: the adapter publishes exactly these."""
+        return dict(wire.headers)
+
+    def native_properties(self, wire: WireMessage) -> NativeProperties:
+        """The broker's own message properties ``wire`` carries besides its headers (AMQP
+        properties, the Kafka record's key and timestamp, ...), named as the broker's
+        ordinary client names them. A function of the rendered message and these settings
+        alone (no publish time, no generated id, no library name), so the same stored row
+        published again carries the same properties; the adapter publishes exactly these."""
+        return {}
+
     @property
     def profile(self) -> Profile:
         """The envelope profile this broker receives."""
@@ -351,6 +375,22 @@ class BrokerSettings(BaseModel):
         """Raise ValueError when ``destination`` is not valid for this broker kind."""
         if not destination:
             raise ValueError("destination is empty")
+
+    def refused_header(self, headers: Mapping[str, str]) -> tuple[str, str] | None:
+        """The first staged header this broker would receive (what ``expose`` and ``omit``
+        leave of ``headers``) but cannot carry, and why; None when it carries them all."""
+        if not headers or "headers" in self._omitted:
+            return None
+        for name in self.exposure.staged_headers(headers):
+            try:
+                self.check_header_name(name)
+            except ValueError as exc:
+                return name, str(exc)
+        return None
+
+    def check_header_name(self, name: str) -> None:
+        """Raise ValueError when this broker kind cannot carry a header called ``name``
+        (Kafka and Service Bus carry any string)."""
 
     def public_url(self) -> str:
         """The broker's address with credentials removed, for logs and status output."""
@@ -386,9 +426,11 @@ def redact_url(url: str) -> str:
         return "<unparseable url>"
     if not parts.netloc:
         return url.partition("?")[0]
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
+    host = parts.netloc.rpartition("@")[2]
+    if "," not in host:  # several (postgresql://u:p@h1:5432,h2:5432/db) are shown as given
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
     if parts.username or parts.password:
         host = f"***@{host}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))

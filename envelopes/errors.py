@@ -14,6 +14,8 @@ raise from it while imports keep flowing one way (``envelopes`` <- ``brokers`` <
     │                          whether trying again can help)
     ├── EnvelopeError          an envelope cannot be built, parsed or rendered
     ├── StagingError           an event was rejected inside the caller's transaction
+    ├── DowncastError          an event cannot be downcast to the version a partner is
+    │                          pinned to (its row retries)
     └── DatabaseError          the database cannot be reached, or a statement failed
         └── SchemaError        the router's tables are missing or older than this router
                                (run ``router init-db``)
@@ -26,6 +28,7 @@ __all__ = [
     "BrokerUnavailable",
     "ConfigError",
     "DatabaseError",
+    "DowncastError",
     "EnvelopeError",
     "MissingDestination",
     "PublishError",
@@ -72,6 +75,12 @@ class EnvelopeError(RouterError):
 
 class StagingError(RouterError):
     """An event was rejected by ``stage()``; nothing was written."""
+
+
+class DowncastError(RouterError):
+    """An event cannot be downcast to the version a partner is pinned to: its downcaster
+    raised, or this process declares no class of the stored version. The partner's row fails
+    and retries; the message is the cause's."""
 
 
 class DatabaseError(RouterError):

@@ -83,6 +83,8 @@ class Exposure:
     extensions: tuple[str, ...] = ()  # globs on extension names
     fields: frozenset[str] = frozenset()  # internal-only fields, from EXPOSABLE_FIELDS
     payload: Mapping[str, frozenset[str]] = field(default_factory=dict)  # type -> fields kept
+    # (type, version) -> fields kept: one version's own projection, instead of its type's
+    payload_versions: Mapping[tuple[str, int], frozenset[str]] = field(default_factory=dict)
     everything: bool = False  # no allow-list at all: today's internal broker on any profile
     body_fields: tuple[str, ...] = field(init=False, repr=False)
     _headers: _Names = field(init=False, repr=False)
@@ -105,6 +107,11 @@ class Exposure:
         object.__setattr__(self, "_headers", _Names(self.headers))
         object.__setattr__(self, "_extensions", _Names(self.extensions))
 
+    def staged_headers(self, headers: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The staged headers this partner receives, of ``headers`` (all of them when
+        nothing is restricted)."""
+        return headers if self.everything else self._headers.keep(headers)
+
     def restrict(self, envelope: dict[str, Any]) -> None:
         """Cut a parsed stored envelope down, in place, to the staged headers, extensions and
         payload fields this partner may receive (``body_fields`` picks the fields)."""
@@ -116,11 +123,19 @@ class Exposure:
         extensions = envelope.get("extensions")
         if extensions:
             envelope["extensions"] = self._extensions.keep(extensions)
-        if self.payload:
-            kept = self.payload.get(envelope["type"])
+        if self.payload or self.payload_versions:
+            kept = self.kept(envelope["type"], envelope.get("version", 1))
             payload = envelope.get("payload")
             if kept is not None and isinstance(payload, dict):
                 envelope["payload"] = {k: v for k, v in payload.items() if k in kept}
+
+    def kept(self, event_type: str, version: int) -> frozenset[str] | None:
+        """The payload fields kept of one event version; None: its whole payload."""
+        if self.payload_versions:
+            kept = self.payload_versions.get((event_type, version))
+            if kept is not None:
+                return kept
+        return self.payload.get(event_type)
 
 
 Exposure.NOTHING = Exposure()

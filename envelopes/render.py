@@ -101,6 +101,11 @@ class WireMessage:
     headers: dict[str, str] = field(default_factory=dict)
     stream_key: str | None = None
     correlation_id: str | None = None
+    time: str | None = None
+    """The event's time (``format_time``): brokers with a message timestamp carry it."""
+    priority: int | None = None
+    """The staged priority, where the rendered message carries it: brokers with a native
+    priority carry it there too."""
 
 
 def format_time(moment: datetime) -> str:
@@ -171,7 +176,9 @@ def render(
     With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
     mode: the body is the data alone and every other attribute becomes a header named with
     the broker binding's prefix (``ce_`` for Kafka, ``cloudEvents:`` for AMQP, ``ce-`` for
-    NATS); without a prefix it goes in structured mode, the whole event as the body.
+    NATS), but for ``datacontenttype``, which the bindings map to the message's content type
+    (``content_type``, the ``content-type`` header); without a prefix it goes in structured
+    mode, the whole event as the body.
     """
     try:
         envelope = orjson.loads(stored)
@@ -206,6 +213,9 @@ def render(
         exposure.restrict(envelope)
         event = _cloudevent(envelope, omitted)
         body, content_type = orjson.dumps(event.pop("data")), JSON
+        # The bindings (Kafka, AMQP, NATS) map datacontenttype to the message's own content
+        # type, which the content-type header and property carry: no prefixed copy of it.
+        del event["datacontenttype"]
         headers = _headers(envelope, content_type, omitted)
         headers.update(
             {cloudevents_prefix + name: _attribute(value) for name, value in event.items()}
@@ -216,7 +226,14 @@ def render(
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
-    return _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+    if (
+        profile != "cloudevents"
+        and "priority" not in omitted
+        and (profile == "internal" or "priority" in exposure.fields)
+    ):
+        wire.priority = envelope.get("priority")  # the body carries it, so may the broker
+    return wire
 
 
 def _is_compact(envelope: dict[str, Any]) -> bool:
@@ -252,6 +269,7 @@ def _wire(
         headers=headers,
         stream_key=envelope.get("stream"),
         correlation_id=envelope.get("correlation_id"),
+        time=envelope.get("time"),
     )
 
 

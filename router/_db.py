@@ -42,10 +42,15 @@ POSTGRES_DRIVER = "asyncpg"
 
 
 def asyncpg_dsn(database: DatabaseSettings) -> str:
-    """A DSN asyncpg accepts (``postgresql://...``)."""
+    """A DSN asyncpg accepts (``postgresql://...``). With several hosts, it connects only
+    to the one that accepts writes unless the URL asks otherwise: after a failover the old
+    primary may come back as a standby, where every claim would fail."""
     url = database.url.get_secret_value()
     scheme, _, rest = url.partition("://")
-    return f"postgresql://{rest}" if scheme.startswith("postgres") else url
+    dsn = f"postgresql://{rest}" if scheme.startswith("postgres") else url
+    if len(database.hosts()) > 1 and "target_session_attrs=" not in dsn.partition("?")[2]:
+        dsn += ("&" if "?" in dsn else "?") + "target_session_attrs=read-write"
+    return dsn
 
 
 def sqlite_path(database: DatabaseSettings, base_dir: Path) -> Path:
@@ -125,7 +130,20 @@ def sqlalchemy_url(database: DatabaseSettings, base_dir: Path) -> str:
         query = urlsplit(f"mysql://{rest}").query
         charset = "" if "charset=" in query else ("&" if query else "?") + "charset=utf8mb4"
         return f"mysql+{MYSQL_DRIVER}://{rest}{charset}"
-    return "postgresql+asyncpg://" + asyncpg_dsn(database).partition("://")[2]
+    rest = asyncpg_dsn(database).partition("://")[2]
+    hosts = database.hosts()
+    if len(hosts) < 2:
+        return f"postgresql+asyncpg://{rest}"
+    # SQLAlchemy's URL has one host: several go in the query, as its asyncpg dialect takes
+    # them (comma lists, which IPv6 addresses survive).
+    netloc, _, tail = rest.partition("/")
+    user = netloc.rpartition("@")[0]
+    name, _, query = tail.partition("?")
+    servers = "host={}&port={}".format(
+        ",".join(host for host, _ in hosts), ",".join(str(port) for _, port in hosts)
+    )
+    user = f"{user}@" if user else ""
+    return f"postgresql+asyncpg://{user}/{name}?{servers}{'&' if query else ''}{query}"
 
 
 def create_engine(

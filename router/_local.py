@@ -28,8 +28,8 @@ def database_key(database: DatabaseSettings, base_dir: Path) -> str:
         return f"sqlite:{sqlite_path(database, base_dir)}"
     from urllib.parse import urlsplit
 
-    parts = urlsplit(asyncpg_dsn(database))
-    return f"postgresql:{parts.hostname}:{parts.port or 5432}{parts.path}"
+    hosts = ",".join(f"{host}:{port}" for host, port in database.hosts())
+    return f"postgresql:{hosts}{urlsplit(asyncpg_dsn(database)).path}"
 
 
 def register(key: str, listener: Listener) -> Callable[[], None]:

@@ -172,6 +172,8 @@ def _describe(exc: ValidationError, data: dict[str, Any]) -> list[str]:
     problems = []
     for error in exc.errors(include_input=False, include_url=False):
         loc = _drop_union_tags(error["loc"], data)
+        if loc and loc[-1] == "[key]":  # pydantic's mark for a refused mapping key
+            loc = loc[:-1]
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key (check the spelling; see docs/reference/configuration.md)"

@@ -11,6 +11,7 @@ import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 from pydantic import (
     BaseModel,
@@ -216,6 +217,47 @@ _KINDS = {
 }
 
 
+_DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306}
+# What target_session_attrs may ask for: the router writes, so a session on a standby (or a
+# server set read-only) could only fail. libpq's default, "any", is kept when asked for.
+_WRITABLE_SESSIONS = ("read-write", "primary", "any")
+
+
+def _servers(url: str) -> list[tuple[str, int | None]]:
+    """The (host, port) pairs of a URL's host list, ``[host]`` for IPv6; [] when it names
+    no host. ValueError says which entry is not ``host[:port]``."""
+    netloc = url.partition("://")[2].partition("/")[0].partition("?")[0]
+    hosts = netloc.rpartition("@")[2]
+    if not hosts:
+        return []
+    return [_server(entry, number) for number, entry in enumerate(hosts.split(","), 1)]
+
+
+def _server(entry: str, number: int) -> tuple[str, int | None]:
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = entry.partition(":")
+    if not host or not (port == "" or (port.isdigit() and 0 < int(port) < 65536)):
+        # The entry is not quoted: a password with an unescaped '/' would end up in it.
+        raise ValueError(f"host {number} of the URL is not host[:port] (several: h1:p1,h2:p2)")
+    return host, int(port) if port else None
+
+
+def _check_servers(url: str, kind: str) -> None:
+    """The host list parses; several hosts on PostgreSQL only; a session that can write."""
+    if len(_servers(url)) > 1 and kind != "postgresql":
+        raise ValueError("several hosts in one URL are supported on PostgreSQL only")
+    query = dict(parse_qsl(url.partition("?")[2]))
+    attrs = query.get("target_session_attrs")
+    if attrs is not None and attrs not in _WRITABLE_SESSIONS:
+        raise ValueError(
+            f"target_session_attrs={attrs} cannot work: the router writes to this database; "
+            f"use one of {', '.join(_WRITABLE_SESSIONS)}"
+        )
+
+
 class DatabaseSettings(BaseModel):
     """One database holding a ``router_outbox`` table."""
 
@@ -223,7 +265,9 @@ class DatabaseSettings(BaseModel):
 
     url: SecretStr = Field(
         description="postgresql://..., mysql://... (or mariadb://...) or sqlite:///path "
-        "(relative to config)."
+        "(relative to config). PostgreSQL may name several hosts for failover "
+        "(postgresql://h1:5432,h2:5432/db): the router connects to the one that accepts "
+        "writes (target_session_attrs=read-write unless the URL says otherwise)."
     )
     brokers: list[str] | None = Field(
         None, description="Brokers this database publishes to; default: all of them."
@@ -244,6 +288,8 @@ class DatabaseSettings(BaseModel):
                 "only postgresql://, mysql:// (or mariadb://) and sqlite:/// databases "
                 "are supported"
             )
+        if _KINDS[scheme] != "sqlite":
+            _check_servers(url.get_secret_value(), _KINDS[scheme])
         return url
 
     @property
@@ -255,6 +301,15 @@ class DatabaseSettings(BaseModel):
     def public_url(self) -> str:
         """The URL without credentials, for logs and status output."""
         return redact_url(self.url.get_secret_value())
+
+    def hosts(self) -> list[tuple[str, int]]:
+        """The servers the URL names, in order, each with its port (the kind's default when
+        the URL has none): several in libpq's multi-host form
+        (``postgresql://h1:5432,h2:5432/db``), none for SQLite or a Unix socket."""
+        if self.kind == "sqlite":
+            return []
+        default = _DEFAULT_PORTS[self.kind]
+        return [(host, port or default) for host, port in _servers(self.url.get_secret_value())]
 
 
 class RouterConfig(BaseModel):

@@ -8,6 +8,7 @@ RouterError
 │   └── PublishError (retryable)
 ├── EnvelopeError
 ├── StagingError
+├── DowncastError
 └── DatabaseError
     └── SchemaError
 """
@@ -17,6 +18,7 @@ from envelopes.errors import (
     BrokerUnavailable,
     ConfigError,
     DatabaseError,
+    DowncastError,
     EnvelopeError,
     MissingDestination,
     PublishError,
@@ -30,6 +32,7 @@ __all__ = [
     "BrokerUnavailable",
     "ConfigError",
     "DatabaseError",
+    "DowncastError",
     "EnvelopeError",
     "MissingDestination",
     "PublishError",

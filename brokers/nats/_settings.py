@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Literal, Self
@@ -9,8 +10,21 @@ from typing import ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from brokers._settings import BrokerSettings, EmbeddedServer, redact_url
+from envelopes import WireMessage
 
-__all__ = ["NatsEmbedded", "NatsSettings", "NatsStream", "subject_matches"]
+__all__ = [
+    "HEADER_NAME",
+    "MSG_ID_HEADER",
+    "NatsEmbedded",
+    "NatsSettings",
+    "NatsStream",
+    "subject_matches",
+]
+
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's duplicate-window key
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""What NATS (and nats-py) take as a header name: an RFC 7230 token."""
+_JETSTREAM_PREFIX = "nats-"
 
 
 class NatsStream(BaseModel):
@@ -98,6 +112,11 @@ class NatsSettings(BrokerSettings):
 
         return EmbeddedNats(self.servers()[0], resolve(self.embedded.store_dir))
 
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """The rendered headers and ``Nats-Msg-Id`` = the message id (JetStream's
+        deduplication key). NATS messages have no properties besides headers."""
+        return {**wire.headers, MSG_ID_HEADER: wire.message_id}
+
     def servers(self) -> list[str]:
         """The configured server URLs."""
         return [u.strip() for u in self.url.get_secret_value().split(",") if u.strip()]
@@ -105,6 +124,19 @@ class NatsSettings(BrokerSettings):
     def public_url(self) -> str:
         """Server URLs without credentials."""
         return ",".join(redact_url(u) for u in self.servers())
+
+    def check_header_name(self, name: str) -> None:
+        """An RFC 7230 token (printable ASCII without spaces, ':' or separators), as NATS
+        and nats-py take; and not ``Nats-...``: JetStream reads those (``Nats-Msg-Id``,
+        ``Nats-Expected-*``, ``Nats-TTL``), so one staged would change how it stores the
+        message or refuse it."""
+        if not HEADER_NAME.fullmatch(name):
+            raise ValueError(
+                "a NATS header name takes only ASCII letters, digits and !#$%&'*+-.^_`|~ "
+                "(no spaces, no ':')"
+            )
+        if name.lower().startswith(_JETSTREAM_PREFIX):
+            raise ValueError("NATS header names starting with 'Nats-' are JetStream's own")
 
     def check_destination(self, destination: str) -> None:
         """A subject must be valid and captured by the configured stream."""

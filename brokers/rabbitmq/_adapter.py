@@ -4,6 +4,12 @@ Messages are persistent and published ``mandatory`` on a channel with publisher 
 ``on_return_raises``: ``publish`` returns only once the broker confirmed the message, and a
 message no queue would receive is an error rather than lost. ``message_id`` and
 ``correlation_id`` are AMQP properties; the type goes in ``type``.
+
+Each message is built here, as an aio-pika ``Message`` with exactly
+``RabbitSettings.native_properties`` and the rendered headers, and FastStream sends it as it
+is: left to itself, FastStream adds ``app_id`` (its own name and version), a random
+``correlation_id``, the publish time as ``timestamp`` and ``priority`` 0, so a replay of a
+stored row would not be the message first sent.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from brokers._faststream import FastStreamAdapter
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.ordering import publish_in_order
 from brokers.rabbitmq._settings import RabbitSettings
-from envelopes import BrokerError, BrokerUnavailable, MissingDestination
+from envelopes import BrokerError, BrokerUnavailable, MissingDestination, WireMessage
 
 __all__ = ["RabbitBroker"]
 
@@ -69,6 +75,7 @@ class RabbitBroker(FastStreamAdapter):
             timeout=self.settings.connect_timeout,
             fail_fast=True,
             logger=None,
+            app_id=None,
         )
         # FastStream has no parameter for it; its connect passes these keywords on to
         # aio_pika.connect_robust, which takes connection_class. Should a FastStream version
@@ -120,19 +127,12 @@ class RabbitBroker(FastStreamAdapter):
         settings = self.settings
 
         async def send(message: OutgoingMessage) -> str:
-            wire = message.wire
             try:
                 await broker.publish(
-                    wire.body,
+                    _amqp_message(settings, message.wire),
                     exchange=self._exchange,
                     routing_key=message.destination,
                     mandatory=settings.mandatory,
-                    persist=settings.persistent,
-                    message_id=wire.message_id,
-                    correlation_id=wire.correlation_id,
-                    message_type=wire.event_type,
-                    content_type=wire.content_type,
-                    headers=dict(wire.headers),
                     timeout=settings.publish_timeout,
                 )
             except _UNAVAILABLE as exc:
@@ -168,6 +168,16 @@ class _ClosedOnFailedConnect(aio_pika.RobustConnection):
             with contextlib.suppress(Exception):
                 await self.close()
             raise
+
+
+def _amqp_message(settings: RabbitSettings, wire: WireMessage) -> aio_pika.Message:
+    """The message with the rendered headers and exactly the settings' native properties."""
+    properties: dict[str, Any] = settings.native_properties(wire)  # each of its own type
+    headers: dict[str, Any] = settings.native_headers(wire)
+    message = aio_pika.Message(wire.body, headers=headers, **properties)
+    if "priority" not in properties:
+        message.priority = None  # aio-pika's default is 0: absent unless staged
+    return message
 
 
 def _confirmed_at() -> str:

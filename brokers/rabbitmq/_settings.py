@@ -6,9 +6,14 @@ from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from brokers._native import NativeProperties, event_seconds
 from brokers._settings import BrokerSettings, redact_url
+from envelopes import WireMessage
 
-__all__ = ["RabbitExchange", "RabbitSettings"]
+__all__ = ["MAX_HEADER_NAME_BYTES", "RabbitExchange", "RabbitSettings"]
+
+MAX_HEADER_NAME_BYTES = 128
+"""The longest header name RabbitMQ's client carries whole (pamqp truncates longer ones)."""
 
 
 class RabbitExchange(BaseModel):
@@ -46,10 +51,37 @@ class RabbitSettings(BrokerSettings):
     )
     max_in_flight: int = Field(256, ge=1, description="Messages awaiting their confirm at most.")
 
+    def native_properties(self, wire: WireMessage) -> NativeProperties:
+        """The AMQP properties: ``message_id``, ``correlation_id`` (when staged),
+        ``content_type``, ``type`` (the event type), ``delivery_mode`` (2: persistent),
+        ``timestamp`` (the event's time, in seconds since the epoch) and ``priority`` (when
+        staged and the rendered message carries it). No ``app_id``: the ``source`` header
+        names the service."""
+        properties: NativeProperties = {"message_id": wire.message_id}
+        if wire.correlation_id:
+            properties["correlation_id"] = wire.correlation_id
+        properties["content_type"] = wire.content_type
+        properties["type"] = wire.event_type
+        properties["delivery_mode"] = 2 if self.persistent else 1
+        seconds = event_seconds(wire)
+        if seconds is not None:
+            properties["timestamp"] = seconds
+        if wire.priority is not None:
+            properties["priority"] = wire.priority
+        return properties
+
     def check_destination(self, destination: str) -> None:
         """A routing key of at most 255 bytes."""
         if len(destination.encode()) > 255:
             raise ValueError(f"routing key {destination[:40]!r}... is longer than 255 bytes")
+
+    def check_header_name(self, name: str) -> None:
+        """At most 128 bytes: the AMQP client (pamqp) cuts a longer field name there, with
+        only a log line, so the consumer would see another name. Any characters."""
+        if len(name.encode()) > MAX_HEADER_NAME_BYTES:
+            raise ValueError(
+                f"a RabbitMQ header name is at most {MAX_HEADER_NAME_BYTES} bytes (UTF-8)"
+            )
 
     def creates(self) -> str | None:
         """The exchange, when ``exchange.declare`` is on."""

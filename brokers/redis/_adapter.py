@@ -34,14 +34,13 @@ from brokers._describe import describe, refused
 from brokers._lazy import MissingClient, install_hint
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.ordering import NOT_SENT, waves
-from brokers.redis._settings import RedisSettings
+from brokers.redis._settings import BODY_FIELD, FASTSTREAM_CORRELATION, RedisSettings
 from envelopes import BrokerUnavailable, WireMessage
 
 __all__ = ["RedisBroker"]
 
 log = logging.getLogger(__name__)
 
-_BODY_FIELD = "body"
 _FASTSTREAM_FIELD = "__data__"  # where FastStream's stream subscribers look for the frame
 
 _Fields = dict[FieldT, EncodableT]  # what XADD takes
@@ -79,7 +78,7 @@ class RedisBroker:
         self._client: Redis | None = None
         # Two batches may publish at once: one connect, which the other waits for.
         self._connecting = asyncio.Lock()
-        self._frame = _faststream_frame() if settings.format == "faststream" else None
+        self._frame = _faststream_frame(settings) if settings.format == "faststream" else None
 
     async def connect(self) -> None:
         """Connect and PING, within connect_timeout."""
@@ -185,7 +184,10 @@ class RedisBroker:
         pipe = client.pipeline(transaction=False)
         for i in chunk:
             wire = batch[i].wire
-            fields = _plain_fields(wire) if self._frame is None else await self._frame(wire)
+            if self._frame is None:
+                fields = _plain_fields(wire.body, self.settings.native_headers(wire))
+            else:
+                fields = await self._frame(wire)
             pipe.xadd(batch[i].destination, fields, maxlen=self.settings.maxlen, approximate=True)
         try:
             replies = await asyncio.wait_for(
@@ -205,16 +207,15 @@ def _receipt(stream: str, entry_id: bytes | str) -> str:
     return orjson.dumps({"stream": stream, "id": text}).decode()
 
 
-def _plain_fields(wire: WireMessage) -> _Fields:
-    """The ``plain`` entry: ``body``, then each header but one named ``body`` (the body wins)."""
-    fields: _Fields = {_BODY_FIELD: wire.body}
-    for name, value in wire.headers.items():
-        if name != _BODY_FIELD:
-            fields[name] = value
+def _plain_fields(body: bytes, headers: dict[str, str]) -> _Fields:
+    """The ``plain`` entry: ``body``, then each header (``native_headers`` left out any
+    named ``body``)."""
+    fields: _Fields = {BODY_FIELD: body}
+    fields.update(headers)
     return fields
 
 
-def _faststream_frame() -> _Frame:
+def _faststream_frame(settings: RedisSettings) -> _Frame:
     """The ``faststream`` entry's encoder; FastStream is imported here, for this format only."""
     try:
         from faststream.redis import BinaryMessageFormatV1
@@ -222,11 +223,12 @@ def _faststream_frame() -> _Frame:
         raise MissingClient(install_hint("redis", RedisSettings.extra, exc.name)) from exc
 
     async def frame(wire: WireMessage) -> _Fields:
+        headers = settings.native_headers(wire)
         data = await BinaryMessageFormatV1.encode(
             message=wire.body,
             reply_to=None,
-            headers=dict(wire.headers),
-            correlation_id=wire.correlation_id or wire.message_id,
+            headers=headers,
+            correlation_id=headers[FASTSTREAM_CORRELATION],
         )
         return {_FASTSTREAM_FIELD: data}
 

@@ -8,8 +8,13 @@ from pydantic import Field, SecretStr, model_validator
 
 from brokers._lazy import install_hint, missing_modules
 from brokers._settings import BrokerSettings, redact_url
+from envelopes import WireMessage
 
-__all__ = ["RedisSettings"]
+__all__ = ["BODY_FIELD", "FASTSTREAM_CORRELATION", "RedisSettings"]
+
+BODY_FIELD = "body"
+"""The field of a plain entry that holds the body."""
+FASTSTREAM_CORRELATION = "correlation_id"  # the header FastStream's frame adds
 
 
 class RedisSettings(BrokerSettings):
@@ -51,10 +56,27 @@ class RedisSettings(BrokerSettings):
         missing = missing_modules(modules)
         return install_hint(self.type, self.extra, missing[0]) if missing else None
 
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        """``plain``: the entry's fields besides ``body``: every rendered header but one
+        named ``body`` (the body wins). ``faststream``: the headers in FastStream's frame,
+        with its ``correlation_id`` (the staged one, else the message id)."""
+        if self.format == "faststream":
+            correlation = wire.correlation_id or wire.message_id
+            return {**wire.headers, FASTSTREAM_CORRELATION: correlation}
+        return {k: v for k, v in wire.headers.items() if k != BODY_FIELD}
+
     def check_destination(self, destination: str) -> None:
         """Any non-empty key of reasonable length."""
         if not destination or len(destination) > 1024:
             raise ValueError("a stream name must be 1 to 1024 characters")
+
+    def check_header_name(self, name: str) -> None:
+        """Any field name, but ``body`` in the plain format: that field is the body."""
+        if self.format == "plain" and name == BODY_FIELD:
+            raise ValueError(
+                f"a plain Redis entry's {BODY_FIELD!r} field is the body, so no header may "
+                "have that name"
+            )
 
     def public_url(self) -> str:
         """The URL without credentials."""

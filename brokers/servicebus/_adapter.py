@@ -179,14 +179,11 @@ class ServiceBusBroker:
 
     def _message(self, message: OutgoingMessage) -> ServiceBusMessage:
         wire = message.wire
+        properties: dict[str, Any] = self.settings.native_properties(wire)  # each its own type
         return ServiceBusMessage(
             wire.body,
-            message_id=wire.message_id,
-            correlation_id=wire.correlation_id,
-            subject=wire.event_type,
-            content_type=wire.content_type,
-            application_properties=_properties(wire.headers),
-            session_id=wire.stream_key if self.settings.sessions else None,
+            application_properties=_properties(self.settings.native_headers(wire)),
+            **properties,
         )
 
     async def ping(self) -> None:

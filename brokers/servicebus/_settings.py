@@ -7,7 +7,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from brokers._native import NativeProperties
 from brokers._settings import BrokerSettings
+from envelopes import WireMessage
 
 __all__ = ["ServiceBusSettings"]
 
@@ -39,6 +41,23 @@ class ServiceBusSettings(BrokerSettings):
         if "endpoint=" not in value.get_secret_value().lower():
             raise ValueError("a Service Bus connection string starts with Endpoint=sb://...")
         return value
+
+    def native_properties(self, wire: WireMessage) -> NativeProperties:
+        """The message's own properties: ``message_id`` (the key of duplicate detection),
+        ``correlation_id`` (when staged), ``subject`` (the event type), ``content_type``
+        and, on a session-enabled entity, ``session_id`` (the stream key). The rendered
+        headers are its application properties."""
+        properties: NativeProperties = {"message_id": wire.message_id}
+        if wire.correlation_id:
+            properties["correlation_id"] = wire.correlation_id
+        properties["subject"] = wire.event_type
+        properties["content_type"] = wire.content_type
+        if self.sessions and wire.stream_key:
+            properties["session_id"] = wire.stream_key
+        return properties
+
+    def check_header_name(self, name: str) -> None:
+        """Any name: an application property key is any string."""
 
     def check_destination(self, destination: str) -> None:
         """A queue or topic name (letters, digits, '.', '_', '-', '/'; at most 260)."""

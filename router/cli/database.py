@@ -43,7 +43,10 @@ async def init_db(config: RouterConfig, args: argparse.Namespace, redactor: Reda
     names = args.database or list(config.databases)
     unknown = sorted(set(names) - set(config.databases))
     if unknown:
-        print(f"router: unknown database(s) {unknown}", file=sys.stderr)
+        print(
+            f"router: unknown database {unknown[0]!r}; configured: {sorted(config.databases)}",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     failed = False
     for name in names:
@@ -66,12 +69,15 @@ async def init_db(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 async def check(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
     """Validate the config (done by now), then reach every database and broker."""
     from router.serve.check import run_checks
+    from router.write.catalog import load_catalog
 
     print(
         f"config    {args.config}: ok ({len(config.databases)} database(s), "
         f"{len(config.brokers)} broker(s))"
     )
-    results = await run_checks(config, create=args.create)
+    # main() imported the events: modules to check the config against them: no import here.
+    catalog = load_catalog(config.events, config.base_dir)
+    results = await run_checks(config, create=args.create, catalog=catalog)
     width = max(len(r.name) for r in results)
     for r in results:
         status = "ok    " if r.ok else "FAILED"

@@ -86,6 +86,10 @@ def setup_logging(level: str = "info", fmt: str = "text", redactor: Redactor | N
     chatty = logging.DEBUG if root.level <= logging.DEBUG else max(logging.WARNING, root.level)
     for name in _LIBRARIES:
         _route_to_root(name, chatty)
+    # asyncpg's pool logs a warning with a traceback every time it fails to reconnect its idle
+    # connection: one per retry for as long as a database is down. The router's own
+    # db.unavailable says so once, with the reason.
+    _route_to_root("asyncpg.pool", chatty if chatty == logging.DEBUG else logging.ERROR)
     # Every SQL statement, every row (payloads included), every SQLite call: never wanted here.
     for name in ("sqlalchemy", "aiosqlite"):
         _route_to_root(name, max(logging.WARNING, root.level))

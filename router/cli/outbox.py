@@ -8,12 +8,13 @@ imports this module for every command, ``router serve`` too.
 from __future__ import annotations
 
 import argparse
+import sys
 from datetime import timedelta
 from typing import Any
 
 from router._secrets import Redactor
 from router.cli.arguments import moment
-from router.cli.output import EXIT_FAILED, EXIT_OK, emit
+from router.cli.output import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, emit
 from router.config import RouterConfig
 
 __all__ = [
@@ -59,7 +60,11 @@ def add_requeue(commands: Any) -> None:
 def add_trace(commands: Any) -> None:
     """Register ``router trace``."""
     trace_ = commands.add_parser("trace", help="every target's row of one event")
-    trace_.add_argument("message_id")
+    trace_.add_argument(
+        "message_id",
+        metavar="ID",
+        help="a message id, or its first 8 hex digits or more (dashes optional)",
+    )
     trace_.add_argument("--json", action="store_true")
     trace_.set_defaults(run=trace)
 
@@ -116,11 +121,16 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
     from router.ops import operations
 
-    rows = await operations.trace(config, args.message_id)
+    ids = await operations.matching_ids(config, args.message_id, _SHOWN_MATCHES)
+    if len(ids) > 1:
+        _print_matches(args.message_id, ids)
+        return EXIT_CONFIG
+    message_id = ids[0] if ids else args.message_id
+    rows = await operations.trace(config, message_id) if ids else []
     if not rows and not args.json:
         print(f"no outbox row has message id {args.message_id}")
         return EXIT_FAILED
-    blocks = [f"message {args.message_id} ({rows[0].event_type})"] if rows else []
+    blocks = [f"message {message_id} ({rows[0].event_type})"] if rows else []
     for r in rows:
         # A block per target: a message has a few targets, and each has more to say
         # (times, the receipt, an error) than a table row can hold legibly.
@@ -139,11 +149,23 @@ async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redact
         blocks.append("\n".join(lines))
     emit(
         args,
-        {"message_id": args.message_id, "rows": [r.as_dict() for r in rows]},
+        {"message_id": message_id, "rows": [r.as_dict() for r in rows]},
         redactor("\n".join(blocks)),
         redactor,
     )
     return EXIT_OK if rows else EXIT_FAILED
+
+
+_SHOWN_MATCHES = 10
+
+
+def _print_matches(prefix: str, ids: list[str]) -> None:
+    """An ambiguous prefix: the events it matches, to pick from."""
+    more = len(ids) > _SHOWN_MATCHES
+    count = f"more than {_SHOWN_MATCHES}" if more else str(len(ids))
+    print(f"router: {prefix} matches {count} events; give more of the id:", file=sys.stderr)
+    for found in ids[:_SHOWN_MATCHES]:
+        print(f"  {found}", file=sys.stderr)
 
 
 def _receipt_text(receipt: dict[str, Any] | None) -> str | None:

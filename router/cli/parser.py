@@ -1,7 +1,7 @@
 """The ``router`` command line: the global options, then each command's own sub-parser,
 added by the module that runs it (each sets ``run``, the coroutine function of the command).
 
-router serve       run every processor until SIGINT/SIGTERM (--workers N: N processes)
+router serve       run every processor until SIGINT/SIGTERM/SIGHUP (--workers N: N processes)
 router init-db     create or upgrade the outbox table in every database
 router check       validate the config and reach every database and broker (--create)
 router status      backlog, failures and circuits per target (--json)

@@ -18,7 +18,7 @@ from router.write.catalog import load_catalog
 if TYPE_CHECKING:
     from router.ops.preview import Preview
 
-__all__ = ["add_parser", "preview", "preview_block", "side_by_side_table"]
+__all__ = ["add_parser", "pin_notes", "preview", "preview_block", "side_by_side_table"]
 
 
 def add_parser(commands: Any) -> None:
@@ -38,7 +38,12 @@ def add_parser(commands: Any) -> None:
     given.add_argument(
         "--example", action="store_true", help="an example made from the event class (default)"
     )
-    preview_.add_argument("--version", type=positive, help="this version of the event type")
+    preview_.add_argument(
+        "--version",
+        type=positive,
+        help="stage this version of the event type (default: the newest); a target pinned to "
+        "an older one is shown it downcast, with a note",
+    )
     preview_.add_argument("--database", help="as staged in this database")
     preview_.add_argument("--stream-key", help="the stream key to stage with")
     preview_.add_argument(
@@ -47,6 +52,9 @@ def add_parser(commands: Any) -> None:
     preview_.add_argument(
         "--extension", action="append", default=[], metavar="NAME=VALUE", help="an extension"
     )
+    preview_.add_argument("--correlation-id", metavar="ID", help="the correlation id to stage with")
+    preview_.add_argument("--causation-id", metavar="ID", help="the causation id to stage with")
+    preview_.add_argument("--tenant", help="the tenant to stage with")
     preview_.add_argument("--json", action="store_true")
     preview_.set_defaults(run=preview)
 
@@ -66,21 +74,50 @@ async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Reda
             stream_key=args.stream_key,
             headers=pairs(args.header, "--header"),
             extensions=pairs(args.extension, "--extension"),
+            correlation_id=args.correlation_id,
+            causation_id=args.causation_id,
+            tenant=args.tenant,
         )
     except (ConfigError, StagingError) as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.version is not None:
+        for note in pin_notes(previews, args.event_type):
+            print(f"router: note: {note}", file=sys.stderr)
     side_by_side = args.all_targets or len(previews) > 1
     human = side_by_side_table(previews) if side_by_side else preview_block(previews[0])
     emit(args, [p.as_dict() for p in previews], human, redactor)
     return EXIT_OK
 
 
+def pin_notes(items: Sequence[Preview], event_type: str) -> list[str]:
+    """A line for each target pinned to another version than the one asked for (``--version``):
+    what it is shown is what it receives, the event downcast to its pin."""
+    return [
+        f"target {item.target!r} is pinned to {event_type!r} version {item.pinned_version}: "
+        f"it receives version {item.staged_version} downcast to version {item.pinned_version}, "
+        "as shown"
+        for item in items
+        if item.pinned_version is not None and item.pinned_version != item.staged_version
+    ]
+
+
+def _pin(item: Preview) -> str | None:
+    """The pinned version and where it comes from, for a pinned target."""
+    if item.pinned_version is None:
+        return None
+    if item.pinned_version == item.staged_version:
+        return f"{item.pinned_version}, pinned"
+    return f"{item.pinned_version}, pinned (downcast from {item.staged_version})"
+
+
 def preview_block(item: Preview) -> str:
     """One target's message, as it would be sent."""
     width = max((len(name) for name in item.wire.headers), default=0)
+    pin = _pin(item)
     lines = [
         f"target       {item.target} ({item.kind}, {item.profile} profile)",
+        *([f"version      {pin}"] if pin else []),
         f"destination  {item.destination}",
         "headers",
         *(f"  {name.ljust(width)}  {value}" for name, value in item.wire.headers.items()),
@@ -103,6 +140,8 @@ def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
     for column, item in enumerate(items):
         put("destination", column, item.destination)
         put("profile", column, item.profile)
+        if (pin := _pin(item)) is not None:
+            put("version", column, pin)
         for name, value in item.wire.headers.items():
             put(f"header {name}", column, value)
         for path, value in _flatten(item.body_document()):

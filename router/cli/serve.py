@@ -1,4 +1,5 @@
-"""``router serve``: every processor until SIGINT/SIGTERM, in one process or a worker pool."""
+"""``router serve``: every processor until SIGINT, SIGTERM or SIGHUP, in one process or a
+worker pool."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ log = logging.getLogger("router")
 
 def add_parsers(commands: Any) -> None:
     """Register ``router serve``."""
-    serve_ = commands.add_parser("serve", help="run every processor until SIGINT/SIGTERM")
+    serve_ = commands.add_parser(
+        "serve", help="run every processor until SIGINT, SIGTERM or SIGHUP"
+    )
     serve_.add_argument(
         "--workers",
         type=positive,
@@ -60,12 +63,14 @@ def prepare(
 
 
 async def serve(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    """Run until SIGINT or SIGTERM: the pool made by ``prepare``, or one process."""
+    """Run until SIGINT, SIGTERM or SIGHUP: the pool made by ``prepare``, or one process."""
     from router.serve.runner import Runner, with_pid
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP (the terminal closed, or a supervisor's reload) stops it as gracefully: see
+    # docs/operating.md for why it does not reload the config.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(signum, _on_signal, stop, signum)
     pool = getattr(args, "pool", None)
     if pool is not None:

@@ -22,11 +22,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from brokers import BrokerSettings
+from envelopes import DowncastError
 from router.config import RouterConfig
 from router.ops import connections
 from router.ops.operations import trace
 from router.ops.schema import outbox
-from router.write.pinning import Pinning
+from router.write.pinning import Received
 
 __all__ = ["MAX_LIMIT", "MessageRow", "QueryError", "message", "messages"]
 
@@ -258,16 +259,15 @@ async def _stored(config: RouterConfig, message_id: str) -> dict[tuple[str, str]
 def _received(
     settings: BrokerSettings | None, destination: str, seq: int | None, stored: str
 ) -> dict[str, Any]:
-    """What the processor would publish: downcast for a pinned partner
-    (``router.serve.runner`` gives its processor this transform), then
-    ``BrokerSettings.render`` with the row's ``seq`` as the sequence."""
+    """What the processor would publish (``Received``, which it publishes through), with the
+    row's ``seq`` as the sequence."""
     if settings is None:
         return {"destination": destination, "error": "the target is no longer configured"}
     try:
-        if settings.versions:
-            stored = Pinning(settings.versions)(stored)
-        wire = settings.render(stored, sequence=seq)
-    except Exception as exc:  # a downcaster or an envelope that fails: the row would fail too
+        wire = Received(settings)(stored, sequence=seq)
+    except DowncastError as exc:  # the row fails with this same error
+        return {"destination": destination, "error": f"cannot downcast: {exc}"}
+    except Exception as exc:  # an envelope that cannot be rendered: the row would fail too
         return {"destination": destination, "error": f"{type(exc).__name__}: {exc}"}
     return {
         "destination": destination,

@@ -6,19 +6,19 @@ its URL), the databases a command asked for, and times as the commands show and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from envelopes import DatabaseError
+from envelopes import ConfigError, DatabaseError
 from router._db import create_engine
 from router.config import RouterConfig
 from router.ops.times import utc
 
-__all__ = ["clock", "connect", "database_names", "engine", "iso", "now"]
+__all__ = ["check_targets", "clock", "connect", "database_names", "engine", "iso", "now"]
 
 
 @contextlib.asynccontextmanager
@@ -69,11 +69,21 @@ def iso(value: Any) -> str | None:
 
 
 def database_names(config: RouterConfig, database: str | None) -> list[str]:
-    """The one database asked for (``DatabaseError`` if unknown), or all of them."""
+    """The one database asked for, or all of them. An unknown name is the operator's
+    mistake, not the database's: a ``ConfigError`` naming the configured ones."""
     if database is None:
         return list(config.databases)
     if database not in config.databases:
-        raise DatabaseError(
-            f"unknown database {database!r}; configured: {sorted(config.databases)}"
-        )
+        raise ConfigError(f"unknown database {database!r}; configured: {sorted(config.databases)}")
     return [database]
+
+
+def check_targets(config: RouterConfig, database: str | None, names: Iterable[str]) -> None:
+    """``ConfigError`` naming the configured targets unless each of ``names`` is a target of
+    ``database`` (of any database when None): a filter on a misspelt target would match
+    nothing, and an action on it would do nothing, silently."""
+    known = sorted({t for db in database_names(config, database) for t in config.brokers_of(db)})
+    for name in names:
+        if name not in known:
+            where = f" in database {database!r}" if database else ""
+            raise ConfigError(f"unknown target {name!r}{where}; configured: {known}")

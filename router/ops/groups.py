@@ -87,6 +87,8 @@ async def list_groups(
     config: RouterConfig, database: str | None = None, target: str | None = None
 ) -> list[FailureGroup]:
     """Every failure group, the most recently seen first."""
+    if target is not None:
+        connections.check_targets(config, database, [target])
     found: list[FailureGroup] = []
     for name in connections.database_names(config, database):
         async with connections.connect(config, name) as conn:

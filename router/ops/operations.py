@@ -10,6 +10,8 @@ compares (``connections.clock``). Statements differ by dialect only in the upser
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -19,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from envelopes import DatabaseError
+from envelopes import ConfigError
 from router.config import RouterConfig
 from router.ops import connections
 from router.ops.audit import record
@@ -30,6 +32,8 @@ __all__ = [
     "TraceRow",
     "cleanup",
     "exact_errors",
+    "matching_ids",
+    "message_id_range",
     "requeue",
     "requeue_rows",
     "set_paused",
@@ -38,6 +42,8 @@ __all__ = [
 
 OPEN = ("pending", "processing", "failed")
 RETRY_WINDOW = timedelta(minutes=5)
+MIN_PREFIX = 8  # hex digits of a message id that `router trace` takes for the whole
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,40 @@ def _receipt(text: str | None) -> dict[str, Any] | None:
     except ValueError:
         return {"raw": text}
     return value if isinstance(value, dict) else {"raw": text}
+
+
+def message_id_range(text: str) -> tuple[str, str]:
+    """The lowest and the highest message id that start with ``text``: a message id, or its
+    first ``MIN_PREFIX`` hex digits or more, with or without dashes (the console shows the
+    first 8). ``ConfigError`` for anything else, before a database sees it."""
+    digits = text.strip().lower().replace("-", "")
+    if not (MIN_PREFIX <= len(digits) <= 32 and _HEX.fullmatch(digits)):
+        raise ConfigError(
+            f"{text!r} is not a message id (32 hex digits, dashes optional) nor its first "
+            f"{MIN_PREFIX} digits or more"
+        )
+    return str(uuid.UUID(digits.ljust(32, "0"))), str(uuid.UUID(digits.ljust(32, "f")))
+
+
+async def matching_ids(config: RouterConfig, text: str, limit: int = 10) -> list[str]:
+    """The message ids that start with ``text`` (see ``message_id_range``), in every
+    database; at most ``limit`` + 1, so that a caller can tell there are more. A range on
+    the id, which its index serves on every database (ids are uuid on PostgreSQL)."""
+    low, high = message_id_range(text)
+    if low == high:
+        return [low]
+    found: set[str] = set()
+    for name in config.databases:
+        async with connections.connect(config, name) as conn:
+            query = (
+                sa.select(outbox.c.message_id)
+                .where(outbox.c.message_id.between(low, high))
+                .distinct()
+                .order_by(outbox.c.message_id)
+                .limit(limit + 1)
+            )
+            found.update(str(row[0]) for row in (await conn.execute(query)).all())
+    return sorted(found)[: limit + 1]
 
 
 async def trace(config: RouterConfig, message_id: str) -> list[TraceRow]:
@@ -139,6 +179,7 @@ async def requeue(
     ``router.ops.groups``). ``actor``: who asked, for the audit row written with the change
     (none on a dry run); ``context`` is added to that row's detail.
     """
+    connections.check_targets(config, database, targets_)  # before anything is written
     statuses = tuple(statuses)
     conditions = _requeue_conditions(targets_, event_types, error, since, until, statuses)
     filters = {
@@ -255,6 +296,7 @@ async def set_paused(
 ) -> list[str]:
     """Pause or resume a target in every database that publishes to it; ``actor``: who
     asked, for the audit row written with the change."""
+    connections.check_targets(config, database, [target])
     changed = []
     for name in connections.database_names(config, database):
         if target not in config.brokers_of(name):
@@ -278,10 +320,6 @@ async def set_paused(
                     row_count=1,
                 )
         changed.append(name)
-    if not changed:
-        raise DatabaseError(
-            f"no database publishes to {target!r}; brokers: {sorted(config.brokers)}"
-        )
     return changed
 
 

@@ -1,8 +1,9 @@
 """``router preview``: the exact message each target would receive for one event.
 
 The event goes through the real write path (``Stager.build_rows``: routes, destination, the
-stored envelope, size limit) and the real render path (``BrokerSettings.render``, what the
-processor calls), but is neither written nor sent.
+stored envelope, size limit) and the real delivery path (``Received``: the downcast to a
+partner's pinned version, then ``BrokerSettings.render``; what the processor publishes), but
+is neither written nor sent.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from uuid import UUID
 from pydantic import BaseModel, ValidationError
 
 from brokers import BrokerSettings
-from envelopes import ConfigError, WireMessage
+from envelopes import ConfigError, DowncastError, WireMessage
 from router.config import RouterConfig
 from router.write.catalog import EventCatalog
-from router.write.events import Event
-from router.write.staging import Stager
+from router.write.events import Event, EventSpec
+from router.write.pinning import Received
+from router.write.staging import Row, Stager
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,6 +42,11 @@ class Preview:
     profile: str
     destination: str
     wire: WireMessage
+    staged_version: int
+    """The version of the event staged."""
+    pinned_version: int | None = None
+    """The version the target is pinned to for this event type (``versions:``), if any: the
+    version it receives."""
 
     def body_document(self) -> Any:
         """The body parsed as JSON (every profile's body is JSON)."""
@@ -52,6 +59,8 @@ class Preview:
             "kind": self.kind,
             "profile": self.profile,
             "destination": self.destination,
+            "staged_version": self.staged_version,
+            "pinned_version": self.pinned_version,
             "content_type": self.wire.content_type,
             "headers": self.wire.headers,
             "body": self.body_document(),
@@ -70,11 +79,16 @@ def preview(
     stream_key: str | None = None,
     headers: Mapping[str, str] | None = None,
     extensions: Mapping[str, Any] | None = None,
+    correlation_id: str | None = None,
+    causation_id: str | None = None,
+    tenant: str | None = None,
 ) -> list[Preview]:
     """The messages ``targets`` (default: every target of the event) would receive.
 
     ``payload`` is the event as JSON; without it an example is made from the event class.
-    Raises ConfigError for an unknown type, target or database, or an invalid payload, and
+    ``version`` is the version staged: a target pinned to an older one gets it downcast, as
+    it would from ``router serve``. The other keywords are ``stage()``'s. Raises ConfigError
+    for an unknown type, target or database, an invalid payload or a failing downcast, and
     StagingError for what ``stage()`` would refuse.
     """
     event_class = catalog.get(event_type, version)
@@ -86,6 +100,9 @@ def preview(
         stream_key=stream_key,
         headers=headers,
         extensions=extensions,
+        correlation_id=correlation_id,
+        causation_id=causation_id,
+        tenant=tenant,
     )
     by_target = {row.target: row for row in rows}
     wanted = list(targets) if targets else list(by_target)
@@ -96,10 +113,23 @@ def preview(
         row = by_target.get(target)
         if row is None:
             raise ConfigError(_not_routed(config.brokers[target], target, event_class, name))
-        settings = config.brokers[target]
-        wire = settings.render(row.envelope, sequence=1)
-        result.append(Preview(target, settings.type, settings.profile, row.destination, wire))
+        result.append(_preview(config.brokers[target], target, event_class.__event__, row))
     return result
+
+
+def _preview(settings: BrokerSettings, target: str, spec: EventSpec, row: Row) -> Preview:
+    """What ``target`` receives of ``row``, as its processor would publish it."""
+    pinned = settings.versions.get(spec.type)
+    try:
+        wire = Received(settings)(row.envelope, sequence=1)
+    except DowncastError as exc:
+        raise ConfigError(
+            f"target {target!r} is pinned to {spec.type!r} version {pinned}, and version "
+            f"{spec.version} cannot be downcast to it: {exc}"
+        ) from None
+    return Preview(
+        target, settings.type, settings.profile, row.destination, wire, spec.version, pinned
+    )
 
 
 def _event(event_class: type[Event], payload: str | None) -> Event:

@@ -108,11 +108,7 @@ Report = Callable[[Progress], None]
 
 
 def _check(config: RouterConfig, plan: ReplayPlan) -> None:
-    if plan.database not in config.databases:
-        raise ConfigError(f"no database {plan.database!r} in the config")
-    if plan.target not in config.brokers_of(plan.database):
-        known = ", ".join(sorted(config.brokers_of(plan.database)))
-        raise ConfigError(f"no target {plan.target!r} in database {plan.database!r} ({known})")
+    connections.check_targets(config, plan.database, [plan.target])
     if plan.rate is not None and plan.rate <= 0:
         raise ConfigError("--rate must be above 0")
 
@@ -247,8 +243,7 @@ async def replay(
 
 async def resume_plan(config: RouterConfig, database: str, audit_id: int) -> ReplayPlan:
     """The plan of the replay or backfill that audit row ``audit_id`` started."""
-    if database not in config.databases:
-        raise ConfigError(f"no database {database!r} in the config")
+    connections.database_names(config, database)  # ConfigError naming them if unknown
     async with connections.connect(config, database) as conn:
         row = (
             await conn.execute(sa.select(audit_table).where(audit_table.c.id == audit_id))

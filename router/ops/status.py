@@ -6,18 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from brokers import BrokerSettings
-from router.config import RouterConfig
+from router.config import OutboxSettings, RouterConfig
 from router.ops import connections
 from router.ops.flow import WINDOW, Flow, flows, time_to_empty
 from router.ops.operations import OPEN, RETRY_WINDOW
 from router.ops.schema import outbox, targets
 from router.ops.times import utc as _utc
+from router.relay.circuit import stale_after
 
 __all__ = ["TargetStatus", "status"]
 
@@ -82,7 +84,9 @@ async def status(
     for name in connections.database_names(config, database):
         async with connections.connect(config, name) as conn:
             found.extend(
-                await _status_of(conn, name, config.brokers_of(name), published, flow_reuse)
+                await _status_of(
+                    conn, name, config.brokers_of(name), published, flow_reuse, config.outbox
+                )
             )
     return found
 
@@ -93,6 +97,7 @@ async def _status_of(
     configured: Mapping[str, BrokerSettings],
     published: bool,
     flow_reuse: float = 0.0,
+    outbox_settings: OutboxSettings | None = None,
 ) -> list[TargetStatus]:
     now = connections.now()
     o = outbox
@@ -150,7 +155,7 @@ async def _status_of(
                 published=(int(row[5] or 0) if row else 0) if published else None,
                 oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
                 retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
-                circuit=state.circuit if state else "closed",
+                circuit=_circuit(state, settings, outbox_settings or OutboxSettings(), now),
                 circuit_since=connections.iso(state.circuit_since) if state else None,
                 paused=paused,
                 last_error=errors.get(target),
@@ -162,6 +167,23 @@ async def _status_of(
             )
         )
     return result
+
+
+def _circuit(
+    state: Any, settings: BrokerSettings | None, outbox_settings: OutboxSettings, now: datetime
+) -> str:
+    """The recorded circuit; "stale" for an open one its processor stopped renewing (the
+    process is gone: killed, or its host lost), which is nobody's state now."""
+    if state is None:
+        return "closed"
+    circuit = str(state.circuit)
+    since = _utc(state.circuit_since)
+    if circuit != "open" or since is None:
+        return circuit
+    timeout = settings.connect_timeout if settings is not None else 5.0
+    if (now - since).total_seconds() > stale_after(outbox_settings, timeout):
+        return "stale"
+    return circuit
 
 
 def _limits(settings: BrokerSettings | None) -> dict[str, Any]:

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from router.config import CircuitSettings, RetrySettings
+from router.config import CircuitSettings, OutboxSettings, RetrySettings
 from router.relay.retry import retry_delay
 
-__all__ = ["Circuit"]
+__all__ = ["Circuit", "stale_after"]
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +150,14 @@ class Circuit:
     def _schedule_probe(self, now: float) -> None:
         self.probes += 1
         self.next_probe_at = now + retry_delay(self.probes, self._probe_schedule, self._rand)
+
+
+def stale_after(outbox: OutboxSettings, connect_timeout: float) -> float:
+    """Seconds after which an open circuit's record, not renewed, is a dead process's.
+
+    A live processor records its open circuit again after every probe (its heartbeat): two
+    records are at most the longest probe wait (with jitter) plus a probe (connect and ping)
+    apart. Twice that tolerates one late beat.
+    """
+    wait = outbox.circuit.probe_max_delay * (1 + outbox.retry.jitter)
+    return 2 * (wait + 2 * connect_timeout + 1)

@@ -11,11 +11,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from brokers import waves as _waves
-from envelopes import BrokerError, EnvelopeError
+from envelopes import BrokerError, DowncastError, EnvelopeError, WireMessage
 from router.config import RetrySettings
 from router.relay.circuit import Circuit
 from router.relay.metrics import Metrics, observe_all
@@ -24,13 +24,23 @@ from router.relay.silence import AnswerTime
 from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
 
-__all__ = ["Delivery", "KeepLease", "waves"]
+__all__ = ["Delivery", "KeepLease", "Render", "waves"]
 
 log = logging.getLogger(__name__)
 
 KeepLease = Callable[[float], Awaitable[bool]]
 """Makes sure a batch's lease has at least so many seconds left; False when it cannot (the
 processor's ``router.relay.lease.Lease.keep``)."""
+
+
+class Render(Protocol):
+    """Makes the wire message a target receives from a stored envelope (by default its
+    ``BrokerSettings.render``; ``router.serve.runner`` gives ``router.write.pinning.Received``,
+    which first downcasts for a pinned partner). Raises DowncastError or EnvelopeError."""
+
+    def __call__(self, stored: str, *, sequence: int | None) -> WireMessage:
+        """The wire message of one row."""
+        ...
 
 
 class Delivery:
@@ -48,11 +58,11 @@ class Delivery:
         rand: Callable[[], float],
         labels: dict[str, str],
         metrics: Metrics | None = None,
-        transform: Callable[[str], str] | None = None,
+        render: Render | None = None,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``transform`` rewrites each stored envelope before it is rendered (a pinned
-        partner's downcasts); when it raises, that row fails and retries alone. Once
+        """``render`` makes each row's wire message (default: ``settings.render``); when it
+        cannot downcast a row for a pinned partner, that row fails and retries alone. Once
         ``stopping()`` is true, no further wave starts (a graceful stop)."""
         self.target = target
         self.settings = settings
@@ -63,7 +73,7 @@ class Delivery:
         self._rand = rand
         self._log = labels
         self._metrics = metrics
-        self._transform = transform
+        self._render: Render = settings.render if render is None else render
         self._stopping = stopping
         # A publish went unanswered on the current connection: the probe replaces it. (Not
         # closed at once: closing a silent connection can itself hang, and the batch's rows
@@ -163,14 +173,12 @@ class Delivery:
                 marks.untried.append(row.seq)
                 continue
             try:
-                stored = row.envelope if self._transform is None else self._transform(row.envelope)
-            except Exception as exc:  # the user's downcaster: this row alone retries
+                wire = self._render(row.envelope, sequence=row.seq)
+            except DowncastError as exc:  # the user's downcaster: this row alone retries
                 failed = PublishResult.failed(f"cannot downcast: {exc}", retryable=True)
                 if not self._classify(row, failed, marks) and row.stream_key is not None:
                     held.add(row.stream_key)
                 continue
-            try:
-                wire = self.settings.render(stored, sequence=row.seq)
             except EnvelopeError as exc:
                 marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
                 continue

@@ -37,7 +37,7 @@ from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError, DatabaseError
 from router.config import OutboxSettings
 from router.relay.circuit import Circuit
-from router.relay.delivery import Delivery
+from router.relay.delivery import Delivery, Render
 from router.relay.lease import Lease
 from router.relay.metrics import Metrics
 from router.relay.ratelimit import TokenBucket
@@ -76,7 +76,7 @@ class Processor:
         worker_id: str,
         rand: Callable[[], float] = random.random,
         metrics: Metrics | None = None,
-        transform: Callable[[str], str] | None = None,
+        render: Render | None = None,
     ) -> None:
         self.database = database
         self.target = target
@@ -99,10 +99,11 @@ class Processor:
             rand=rand,
             labels=self._log,
             metrics=metrics,
-            transform=transform,
+            render=render,
             stopping=lambda: self._stopping,
         )
         self._recorded_circuit = "closed"
+        self._recorded_probes = 0  # an open circuit is recorded again after every probe
         self._wake = asyncio.Event()
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
@@ -142,7 +143,11 @@ class Processor:
             while not self._stopping:
                 self._wake.clear()
                 try:
-                    timeout = await (self._probe() if self.circuit.is_open else self._pump())
+                    if self.circuit.is_open:  # only the broker is asked
+                        timeout = await self._probe()
+                    else:
+                        timeout = await self._pump()
+                        self.store.outage.recovered()
                     pause = _PAUSE_MIN
                 except asyncio.CancelledError:
                     if not self._connect_stopped():
@@ -465,9 +470,15 @@ class Processor:
                 delay = min(delay * 2, 2.0)
 
     async def _record_circuit(self) -> None:
-        """Make a change of circuit state visible to `router status` (best effort)."""
+        """Make a change of circuit state visible to `router status` (best effort).
+
+        An open circuit is recorded again after each probe, which stamps it anew: that is its
+        heartbeat. A record not renewed within ``circuit.stale_after`` is a dead process's, and
+        status shows it as stale, not as the target's state now.
+        """
         state = self.circuit.state
-        if state == self._recorded_circuit:
+        beat = state == "open" and self.circuit.probes != self._recorded_probes
+        if state == self._recorded_circuit and not beat:
             return
         try:
             await self.store.record_circuit(
@@ -478,7 +489,17 @@ class Processor:
             )
         except Exception:  # the database may be what is down; try again next cycle
             return
-        self._recorded_circuit = state
+        self._recorded_circuit, self._recorded_probes = state, self.circuit.probes
+
+    async def _forget_circuit(self) -> None:
+        """On a graceful stop: an open circuit recorded here is nobody's once this processor
+        is gone, so record it closed (the next processor opens it again if need be)."""
+        if self._recorded_circuit != "open":
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self.store.record_circuit(self.target, "closed", self.worker_id, None), 5
+            )
 
     async def _connect(self) -> None:
         """``broker.connect()`` in a task ``stop()`` cancels; after ``stop()``, only a broker
@@ -502,7 +523,8 @@ class Processor:
 
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):
-            log.warning("db.unavailable", extra={**self._log, "error": str(exc), "retry_in": pause})
+            # One line when the outage starts (and one when it ends), not one per retry.
+            self.store.outage.failed(str(exc), target=self.target, retry_in=pause)
         else:
             log.exception("processor.error", extra={**self._log, "retry_in": pause})
 
@@ -514,6 +536,7 @@ class Processor:
                 seqs = [r.seq for r in claim.rows]
                 await asyncio.shield(self.store.release(self.target, claim.token, seqs))
                 log.info("batch.released", extra={**self._log, "rows": len(seqs)})
+        await self._forget_circuit()
         await self.delivery.disconnect()
 
 

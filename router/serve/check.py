@@ -1,7 +1,9 @@
 """``router check``: validate the config, then reach every database and broker.
 
 It changes nothing: a stream or exchange that ``router serve`` would create is reported as
-missing, with what serve would do; ``router check --create`` creates it.
+missing, with what serve would do; ``router check --create`` creates it. A destination the
+broker would refuse (a NATS subject its stream does not capture, say) fails its broker's
+check: ``stage()`` would refuse every such event in the application's transaction.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from brokers import BrokerSettings, create_broker
+from brokers import BrokerSettings, EventRoute, create_broker
+from brokers.settings import NatsSettings
 from envelopes import MissingDestination, RouterError
 from router.config import RouterConfig
 from router.ops.migrate import current_revision, head_revision
 from router.serve.embedded import EmbeddedRun, embedded_brokers
+from router.write.catalog import EventCatalog
 
-__all__ = ["CheckResult", "run_checks"]
+__all__ = ["CheckResult", "destination_problems", "run_checks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +36,28 @@ class CheckResult:
 
 
 async def run_checks(
-    config: RouterConfig, timeout: float = 15.0, *, create: bool = False
+    config: RouterConfig,
+    timeout: float = 15.0,
+    *,
+    create: bool = False,
+    catalog: EventCatalog | None = None,
 ) -> list[CheckResult]:
     """Check all databases and brokers concurrently; each check has its own time limit.
 
     With ``create``, streams and exchanges the brokers' settings create are created now.
+    With ``catalog`` (the config's ``events:``), each event's destination on each broker
+    that takes it is checked as ``stage()`` checks it.
     """
     async with embedded_brokers(config, reuse_running=True) as embedded:
-        return await _check_all(config, timeout, embedded, create)
+        return await _check_all(config, timeout, embedded, create, catalog or EventCatalog())
 
 
 async def _check_all(
-    config: RouterConfig, timeout: float, embedded: dict[str, EmbeddedRun], create: bool
+    config: RouterConfig,
+    timeout: float,
+    embedded: dict[str, EmbeddedRun],
+    create: bool,
+    catalog: EventCatalog,
 ) -> list[CheckResult]:
     checks = [
         _bounded(
@@ -57,7 +71,13 @@ async def _check_all(
     ]
     checks += [
         _bounded(
-            _check_broker(name, settings, embedded.get(name), create),
+            _check_broker(
+                name,
+                settings,
+                embedded.get(name),
+                create,
+                destination_problems(settings, config.service, catalog),
+            ),
             "broker",
             name,
             _broker_address(settings),
@@ -103,7 +123,11 @@ async def _check_database(config: RouterConfig, name: str) -> str:
 
 
 async def _check_broker(
-    name: str, settings: BrokerSettings, embedded: EmbeddedRun | None, create: bool
+    name: str,
+    settings: BrokerSettings,
+    embedded: EmbeddedRun | None,
+    create: bool,
+    problems: list[str],
 ) -> str:
     creates = settings.creates()
     detail = "reachable"
@@ -119,7 +143,57 @@ async def _check_broker(
             detail += f", {creates} ready"
     if embedded is not None:
         detail += f" ({embedded.describe()})"
+    if problems:
+        raise RouterError("; ".join([detail, *problems]))
     return detail
+
+
+def destination_problems(
+    settings: BrokerSettings, service: str, catalog: EventCatalog
+) -> list[str]:
+    """Why this broker would refuse destinations its template makes: for each catalogued
+    event it takes, as staging resolves it; without events to go on, a NATS template whose
+    fixed subject tokens no stream subject captures."""
+    template = settings.destination
+    if isinstance(settings, NatsSettings) and not any(
+        _may_capture(pattern, template) for pattern in settings.stream.subjects
+    ):
+        return [
+            f"destination {template!r}: no subject it makes is captured by stream "
+            f"{settings.stream.name!r} (subjects {settings.stream.subjects}); stage() "
+            "refuses every event sent there"
+        ]
+    problems = []
+    for event_class in catalog:
+        spec = event_class.__event__
+        if not settings.wants(spec.type, published=spec.published):
+            continue
+        version = settings.versions.get(spec.type, spec.version)
+        try:
+            settings.destination_for(EventRoute(spec.type, version, service, spec.destination))
+        except ValueError as exc:
+            problems.append(
+                f"destination {template!r} for {spec.type} v{spec.version}: {exc}; stage() "
+                "refuses it"
+            )
+    return problems
+
+
+def _may_capture(pattern: str, template: str) -> bool:
+    """Whether a stream subject can capture some subject the template makes: compared token
+    by token up to the first placeholder, past which (an event type may hold dots) anything
+    may follow."""
+    wanted, given = pattern.split("."), template.split(".")
+    for i, token in enumerate(given):
+        if "{" in token:
+            return True
+        if i >= len(wanted):
+            return False
+        if wanted[i] == ">":
+            return True
+        if wanted[i] not in ("*", token):
+            return False
+    return len(given) == len(wanted)
 
 
 async def _reach(name: str, settings: BrokerSettings) -> None:

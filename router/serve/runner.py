@@ -28,7 +28,7 @@ from router.relay.processor import Processor
 from router.relay.store import OutboxStore, open_store
 from router.serve.embedded import embedded_brokers
 from router.write.catalog import check_partners, load_catalog
-from router.write.pinning import Pinning
+from router.write.pinning import Received
 
 if TYPE_CHECKING:
     # The console (Starlette, uvicorn) and the operator queries (SQLAlchemy) are imported when
@@ -145,7 +145,7 @@ class Runner:
                         outbox=config.outbox,
                         worker_id=self.worker_id,
                         metrics=self.metrics,
-                        transform=Pinning(settings.versions) if settings.versions else None,
+                        render=Received(settings),
                     )
                 )
 
@@ -278,7 +278,7 @@ async def check_schemas(stores: Mapping[str, OutboxStore], timeout: float = 5.0)
             raise result
         if isinstance(result, DatabaseError | TimeoutError):
             error = str(result) or f"no answer within {timeout:g} s"
-            log.warning("database.unreachable", extra={"database": name, "error": error})
+            stores[name].outage.failed(error)  # db.recovered follows when it answers
         elif isinstance(result, BaseException):
             raise result
 

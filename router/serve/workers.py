@@ -2,7 +2,7 @@
 
 Each worker is a full ``router serve`` (every processor of the config) with its own worker id;
 they share the databases safely because claims are leased and fenced. The parent starts the
-embedded brokers once, serves the HTTP health endpoint, and on SIGINT/SIGTERM stops them all
+embedded brokers once, serves the HTTP health endpoint, and on SIGINT/SIGTERM/SIGHUP stops them
 gracefully. Workers get SIGTERM if the parent itself dies, so none is left behind.
 
 The parent picks each worker's id (``host:wN:pid:random``; the pid is filled in on both sides

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from brokers import BrokerSettings
 from envelopes import ConfigError
 from router.config import RouterConfig
 from router.write.events import Event
@@ -89,26 +90,90 @@ def load_catalog(modules: Sequence[str], base_dir: Path) -> EventCatalog:
 
 
 def check_partners(config: RouterConfig, catalog: EventCatalog) -> None:
-    """What the config says about event classes holds for the catalogued ones: a payload
-    projection names fields the event declares, and each pinned version is declared and
-    reachable by downcasters. ConfigError names the YAML path. Without an ``events:`` list
-    there is nothing to check projections against (staging still checks pins)."""
+    """What the config says about event classes holds for the catalogued ones: each payload
+    projection names only fields of every version it applies to, and each pinned version is
+    declared and reachable by downcasters. ConfigError names the YAML path. Without an
+    ``events:`` list there is nothing to check projections against (staging still checks
+    pins)."""
     pins = {name: broker.versions for name, broker in config.brokers.items() if broker.versions}
     if catalog:
         for name, broker in config.brokers.items():
-            projections = broker.expose.payload if broker.expose else {}
-            for event_type, kept in projections.items():
-                where = f"brokers.{name}.expose.payload.{event_type}"
-                versions = catalog.versions(event_type)
-                if not versions:
-                    known = ", ".join(sorted(catalog.classes))
-                    raise ConfigError(f"{where}: unknown event type; known types: {known}")
-                version = broker.versions.get(event_type, max(versions))
-                declared = catalog.get(event_type, version).model_fields
-                unknown = [field for field in kept if field not in declared]
-                if unknown:
-                    raise ConfigError(
-                        f"{where}: version {version} has no field {', '.join(map(repr, unknown))}; "
-                        f"its fields: {', '.join(declared)}"
-                    )
+            if broker.expose is not None:
+                _check_projections(name, broker, catalog)
     check_pins(pins)
+
+
+def _check_projections(name: str, broker: BrokerSettings, catalog: EventCatalog) -> None:
+    """A projection applies to every version the partner receives (each published one, or
+    the pinned one) unless that version has its own (``type@version``); a field missing from
+    one of them would be dropped from it without a word, so it is refused."""
+    assert broker.expose is not None
+    projections = broker.expose.projections()
+    for (event_type, version), kept in projections.items():
+        where = f"brokers.{name}.expose.payload.{event_type}"
+        if version is not None:
+            where += f"@{version}"
+        versions = catalog.versions(event_type)
+        if not versions:
+            known = ", ".join(sorted(catalog.classes))
+            raise ConfigError(f"{where}: unknown event type; known types: {known}")
+        received = _received(broker, event_type, versions)
+        if version is None:
+            applies = [v for v in received if (event_type, v) not in projections]
+        else:
+            _check_received(where, broker, event_type, version, versions, received)
+            applies = [version]
+        for each in applies:
+            declared = versions[each].model_fields
+            unknown = [field for field in kept if field not in declared]
+            if not unknown:
+                continue
+            hint = ""
+            if version is None and len(received) > 1:
+                hint = (
+                    f"; version {each} is still published: give it its own projection "
+                    f"({event_type}@{each}: [...])"
+                )
+            raise ConfigError(
+                f"{where}: version {each} has no field {', '.join(map(repr, unknown))}; "
+                f"its fields: {', '.join(declared)}{hint}"
+            )
+
+
+def _received(
+    broker: BrokerSettings, event_type: str, versions: dict[int, type[Event]]
+) -> list[int]:
+    """The versions of a type this partner receives: its pin, else every published version
+    (for a type not published, the newest, which it would receive once published)."""
+    pinned = broker.versions.get(event_type)
+    if pinned is not None:
+        return [pinned]
+    published = sorted(v for v, cls in versions.items() if cls.__event__.published)
+    return published or [max(versions)]
+
+
+def _check_received(
+    where: str,
+    broker: BrokerSettings,
+    event_type: str,
+    version: int,
+    versions: dict[int, type[Event]],
+    received: list[int],
+) -> None:
+    """A version's own projection must name a version this partner receives."""
+    if version not in versions:
+        raise ConfigError(
+            f"{where}: event type {event_type!r} has no version {version}; "
+            f"known versions: {sorted(versions)}"
+        )
+    if version in received:
+        return
+    pinned = broker.versions.get(event_type)
+    if pinned is not None:
+        raise ConfigError(
+            f"{where}: this broker is pinned to version {pinned} (versions.{event_type}), so "
+            f"it never receives version {version}"
+        )
+    raise ConfigError(
+        f"{where}: version {version} is not published (published=True), so no partner receives it"
+    )

@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any, NoReturn, Unpack
 
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -30,6 +30,7 @@ from envelopes import StageOptions, StagingError
 from router._db import create_engine
 from router._local import announce, listening
 from router.config import RouterConfig
+from router.write.checks import missing_schema
 from router.write.events import Event
 from router.write.staging import Row
 from router.write.writer import Writer, message_ids
@@ -86,7 +87,10 @@ class Outbox(Writer):
                     "stage() needs the connection inside a transaction "
                     "(async with connection.transaction(): ...)"
                 )
-            await self._stager.insert_postgres_raw(connection, rows)
+            try:
+                await self._stager.insert_postgres_raw(connection, rows)
+            except Exception as exc:
+                _reraise(exc, name, "postgresql")
             return
         conn = await _sqlalchemy_connection(connection)
         self._expect(name, kind, conn.dialect.name)
@@ -98,7 +102,10 @@ class Outbox(Writer):
                 "without AUTOCOMMIT, in a transaction (async with session.begin(): ... "
                 "or async with engine.begin() as connection: ...)"
             )
-        await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+        try:
+            await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+        except Exception as exc:
+            _reraise(exc, name, conn.dialect.name)
         if isinstance(connection, AsyncSession):
             self._announce_after_commit(connection, name, rows)
 
@@ -225,6 +232,15 @@ def _autocommits(conn: AsyncConnection) -> bool:
     private method SQLAlchemy itself consults before emitting BEGIN.
     """
     return conn.sync_connection is not None and conn.sync_connection._is_autocommit_isolation()
+
+
+def _reraise(error: Exception, database: str, dialect: str) -> NoReturn:
+    """Raise ``error``, or ``StagingError`` saying what to do if it says the router's tables
+    are missing (``router.write.checks.missing_schema``)."""
+    refused = missing_schema(error, database, dialect)
+    if refused is None:
+        raise error
+    raise refused from None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

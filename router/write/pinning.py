@@ -6,6 +6,11 @@ Every target's row stores the event as staged; the downcast happens when the pin
 partner's row is published, so a downcaster that raises fails that row alone (it retries
 with back-off, holding back only its own stream) and a fixed downcaster, once deployed,
 delivers it. Stage time and start-up only check that a path of downcasters exists.
+
+``Received`` is the one path from a stored envelope to what a target receives (downcast for
+its pins, then rendered): the processor publishes what it makes, and ``router preview``, the
+console's message view and ``router contract`` show it, so none of them can drift from what
+is sent.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from collections.abc import Mapping
 
 import orjson
 
-from envelopes import ConfigError, StagingError
+from brokers import BrokerSettings
+from envelopes import ConfigError, DowncastError, StagingError, WireMessage
 from router.write.events import (
     EventSpec,
     downcast,
@@ -24,7 +30,7 @@ from router.write.events import (
     event_versions,
 )
 
-__all__ = ["Pinning", "check_pin", "check_pins"]
+__all__ = ["Pinning", "Received", "check_pin", "check_pins"]
 
 
 class Pinning:
@@ -35,7 +41,14 @@ class Pinning:
         self.pins = dict(pins)
 
     def __call__(self, stored: str) -> str:
-        """The envelope as the partner must receive it. Raises on a failed downcast."""
+        """The envelope as the partner must receive it. Raises DowncastError, with the
+        cause's message, when it cannot be made (whatever the user's downcaster raised)."""
+        try:
+            return self._downcast(stored)
+        except Exception as exc:
+            raise DowncastError(str(exc)) from exc
+
+    def _downcast(self, stored: str) -> str:
         document = orjson.loads(stored)
         event_type, version = document.get("type"), document.get("version", 1)
         pinned = self.pins.get(event_type)
@@ -54,6 +67,23 @@ class Pinning:
         document["checksum"] = "sha256:" + hashlib.sha256(payload).hexdigest()
         document["event_class"] = type(older).__event__.class_path
         return orjson.dumps(document).decode()
+
+
+class Received:
+    """What one target receives for a stored envelope: downcast to the target's pinned
+    versions (``versions:``), then rendered for it (``BrokerSettings.render``). Made once per
+    target; the processor's ``Delivery`` publishes what it returns."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+        self._pinning = Pinning(settings.versions) if settings.versions else None
+
+    def __call__(self, stored: str, *, sequence: int | None) -> WireMessage:
+        """The wire message. Raises DowncastError when a pinned event cannot be downcast
+        (the row retries), EnvelopeError when the envelope cannot be rendered."""
+        if self._pinning is not None:
+            stored = self._pinning(stored)
+        return self.settings.render(stored, sequence=sequence)
 
 
 def check_pin(spec: EventSpec, broker: str, pinned: int) -> None:

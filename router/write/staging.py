@@ -35,6 +35,7 @@ from envelopes import (
 )
 from router._db import sqlite_time
 from router.config import RouterConfig
+from router.write.checks import check_no_nul, json_problem
 from router.write.events import Event, EventSpec
 from router.write.pinning import check_pin
 
@@ -175,6 +176,7 @@ class Stager:
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
         self._pg_small_inserts: dict[tuple[int, bool], str] = {}
+        self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
         """Brokers that carry extensions as CloudEvents attributes."""
@@ -208,6 +210,13 @@ class Stager:
         """
         _check_options(stream_key, options)
         keys = _keys_per_event(stream_key, stream_keys, len(events))
+        _check_texts(stream_key, stream_keys, options)
+        extensions = options.get("extensions")
+        problem = json_problem(extensions, "extensions") if extensions else None
+        if problem is not None:
+            raise StagingError(problem)
+        headers = options.get("headers")
+        headers_checked: set[str] = set()
         limit = self.config.outbox.max_payload_bytes
         cloudevents = self._cloudevents_targets(database)
         now = datetime.now(UTC)
@@ -217,12 +226,13 @@ class Stager:
                 raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
             spec = type(event).__event__
             routes = self.routes(database, type(event))
-            extensions = options.get("extensions")
             if extensions and any(r.target in cloudevents for r in routes):
                 try:
                     check_cloudevents_extensions(extensions)
                 except EnvelopeError as exc:
                     raise StagingError(f"event {spec.type!r}: {exc}") from None
+            if headers:
+                self._check_headers(headers, routes, headers_checked)
             message_id = str(uuid7())
             envelope = self._envelope(event, spec, message_id, key, now, options)
             if len(envelope) > limit:
@@ -235,6 +245,31 @@ class Stager:
                 Row(message_id, r.target, r.destination, spec.type, key, stored) for r in routes
             )
         return rows
+
+    def _check_headers(
+        self, headers: Mapping[str, str], routes: list[Route], done: set[str]
+    ) -> None:
+        """Refuse a staged header a target broker would receive but cannot carry; ``done``
+        holds the targets checked already in this call."""
+        for route in routes:
+            if route.target in done:
+                continue
+            done.add(route.target)
+            key = (route.target, tuple(headers))
+            if key in self._headers_carried:
+                continue
+            broker = self.config.brokers[route.target]
+            refused = broker.refused_header(headers)
+            if refused is not None:
+                name, reason = refused
+                raise StagingError(
+                    f"header {name!r} cannot go to broker {route.target!r} ({broker.type}): "
+                    f"{reason}"
+                )
+            # The header names an application stages are few: remember those that pass.
+            if len(self._headers_carried) >= 1024:
+                self._headers_carried.clear()
+            self._headers_carried.add(key)
 
     async def insert_postgres_raw(self, conn: Any, rows: Sequence[Row]) -> None:
         """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
@@ -366,6 +401,9 @@ class Stager:
             payload = event.model_dump_json().encode()
         except (PydanticSerializationError, ValueError, TypeError) as exc:
             raise StagingError(f"event {spec.type!r} cannot be serialised: {exc}") from None
+        problem = json_problem(event, "payload")
+        if problem is not None:
+            raise StagingError(f"event {spec.type!r} cannot be serialised: {problem}")
         try:
             return make_internal_envelope(
                 message_id=message_id,
@@ -415,6 +453,21 @@ def _check_options(stream_key: object, options: Mapping[str, Any]) -> None:
         expected = _EXPECTED.get(error["type"], error["msg"].lower())
         got = type(error["input"]).__name__
         raise StagingError(f"{place} must be {expected}, got {got}") from None
+
+
+def _check_texts(
+    stream_key: str | None, stream_keys: Sequence[str | None] | None, options: StageOptions
+) -> None:
+    """Refuse a NUL character where text goes into a text column or a transport header."""
+    check_no_nul(stream_key, "stream_key")
+    for i, key in enumerate(stream_keys or ()):
+        check_no_nul(key, f"stream_keys[{i}]")
+    for name in ("correlation_id", "causation_id", "traceparent"):
+        value = options.get(name)
+        check_no_nul(value if isinstance(value, str) else None, name)
+    for name, value in (options.get("headers") or {}).items():
+        check_no_nul(name, "header")
+        check_no_nul(value, f"header {name!r} value")
 
 
 def _keys_per_event(

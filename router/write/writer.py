@@ -15,6 +15,7 @@ from router._yaml import load_config
 from router.config import RouterConfig
 from router.write import entities
 from router.write._tracing import current_traceparent
+from router.write.checks import missing_schema
 from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
 from router.write.staging import Row, Stager
@@ -66,8 +67,15 @@ class Writer:
         rows = self._rows(name, events, stream_key, stream_keys, options or {})
         driver = sync_driver(connection)
         self._expect(name, self.config.databases[name].kind, driver.dialect)
-        for statement in self._stager.statements(driver.dialect, rows):
-            driver.execute(statement)
+        statements = self._stager.statements(driver.dialect, rows)
+        try:
+            for statement in statements:
+                driver.execute(statement)
+        except Exception as exc:
+            refused = missing_schema(exc, name, driver.dialect)
+            if refused is None:
+                raise
+            raise refused from None
         return message_ids(rows)
 
     def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:

@@ -5,6 +5,10 @@ Between the router and NATS it holds every PubAck for ``delay`` seconds, so a wo
 at almost any moment has messages the broker already stored but whose acks it never saw:
 the duplicates at-least-once delivery allows, which the inbox must absorb.
 
+``DelayingProxy.hold()`` stops forwarding in both directions while connections stay open (a gray
+partition); ``stop()`` then drops what was held with the connections, as a host that dies
+takes what it had not sent yet with it (the failover test's replication link).
+
 ``GrayProxy`` cuts one host off: its connections stay open and pass nothing (a gray
 partition), while other hosts' connections through the same proxy go on.
 """
@@ -27,11 +31,21 @@ class DelayingProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     async def start(self) -> None:
         """Listen on a free port (``self.port``)."""
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def hold(self) -> None:
+        """Keep what either side sends, unsent, until ``release()`` (or ``stop()`` drops it)."""
+        self._flowing.clear()
+
+    def release(self) -> None:
+        """Send what was held, and go on forwarding."""
+        self._flowing.set()
 
     async def stop(self) -> None:
         """Stop listening and drop every connection."""
@@ -73,6 +87,7 @@ class DelayingProxy:
                 wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
 

@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer
 from azure.servicebus.aio import ServiceBusClient
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
+from pamqp import commands as amqp_commands
 
 from brokers import BrokerSettings
 from brokers.settings import (
@@ -36,6 +37,7 @@ from tests.peers.servicebus import ServiceBusPeer
 from tests.services import free_port
 
 RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+REPLAY_GAP = 0.3  # seconds between two sends of one message in replay tests
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -72,6 +74,11 @@ class Harness:
     def unreachable(self) -> BrokerSettings:
         """Settings that point at a port nothing listens on."""
         raise NotImplementedError
+
+    def replay_settings(self, **overrides: Any) -> BrokerSettings:
+        """Settings under which the same message sent twice, ``REPLAY_GAP`` seconds apart,
+        arrives twice (JetStream would otherwise drop the second as a duplicate)."""
+        return self.settings(**overrides)
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         """``settings(**overrides)`` as config.yaml holds them, secrets included."""
@@ -133,6 +140,15 @@ class NatsHarness(Harness):
 
     def unreachable(self) -> BrokerSettings:
         return self.settings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout=1)
+
+    def replay_settings(self, **overrides: Any) -> BrokerSettings:
+        stream = {
+            "name": self.stream,
+            "subjects": [f"c{self.tag}.>"],
+            "storage": "memory",
+            "duplicate_window_seconds": REPLAY_GAP / 2,
+        }
+        return self.settings(stream=stream, **overrides)
 
     def destination(self, label: str = "orders") -> str:
         return f"c{self.tag}.{label}"
@@ -241,12 +257,14 @@ class KafkaHarness(Harness):
                 for records in batch.values():
                     for r in records:
                         headers = {k: v.decode() for k, v in r.headers}
+                        key = r.key.decode() if r.key else None
                         found.append(
                             Arrived(
                                 r.value,
                                 headers,
                                 headers.get("message-id"),
-                                r.key.decode() if r.key else None,
+                                key,
+                                _present(key=key, timestamp=str(r.timestamp)),
                                 position={
                                     "topic": r.topic,
                                     "partition": r.partition,
@@ -306,26 +324,22 @@ class RabbitHarness(Harness):
         found = self.seen.setdefault(destination, [])
         connection = await aio_pika.connect(RABBIT_URL)
         async with connection:
-            channel = await connection.channel()
-            queue = await channel.get_queue(self.queues[destination], ensure=False)
+            # The AMQP channel underneath: aio-pika's messages read an absent priority as 0.
+            channel = await (await connection.channel()).get_underlay_channel()
             deadline = time.monotonic() + timeout
             while len(found) < count and time.monotonic() < deadline:
-                message = await queue.get(fail=False)
-                if message is None:
+                delivered = await channel.basic_get(self.queues[destination], no_ack=True)
+                if isinstance(delivered.delivery, amqp_commands.Basic.GetEmpty):
                     await asyncio.sleep(0.05)
                     continue
-                await message.ack()
+                raw = delivered.header.properties
                 headers = {
                     k: (v.decode() if isinstance(v, bytes) else str(v))
-                    for k, v in (message.headers or {}).items()
+                    for k, v in (raw.headers or {}).items()
                 }
-                properties = _present(
-                    message_id=message.message_id,
-                    correlation_id=message.correlation_id,
-                    content_type=message.content_type,
-                    type=message.type,
+                found.append(
+                    Arrived(delivered.body, headers, raw.message_id, None, _amqp_properties(raw))
                 )
-                found.append(Arrived(message.body, headers, message.message_id, None, properties))
         return list(found)
 
     async def cleanup(self) -> None:
@@ -450,12 +464,16 @@ class ServiceBusHarness(Harness):
                 {k: str(v) for k, v in r.properties.items()},
                 r.message_id,
                 r.session_id,
-                _present(
-                    message_id=r.message_id,
-                    correlation_id=r.correlation_id,
-                    subject=r.subject,
-                    content_type=r.content_type,
-                ),
+                {
+                    **_present(
+                        message_id=r.message_id,
+                        correlation_id=r.correlation_id,
+                        subject=r.subject,
+                        content_type=r.content_type,
+                        session_id=r.session_id,
+                    ),
+                    **r.others,
+                },
             )
             for r in received
         ]
@@ -497,8 +515,41 @@ class ServiceBusHarness(Harness):
                 correlation_id=message.correlation_id,
                 subject=message.subject,
                 content_type=message.content_type,
+                session_id=message.session_id,
             ),
         )
+
+
+# AMQP 0-9-1 properties besides the headers, by the names BrokerSettings.native_properties
+# gives them (pamqp says message_type for type).
+_AMQP_PROPERTIES = {
+    "message_id": "message_id",
+    "correlation_id": "correlation_id",
+    "content_type": "content_type",
+    "content_encoding": "content_encoding",
+    "message_type": "type",
+    "delivery_mode": "delivery_mode",
+    "timestamp": "timestamp",
+    "priority": "priority",
+    "expiration": "expiration",
+    "reply_to": "reply_to",
+    "user_id": "user_id",
+    "app_id": "app_id",
+    "cluster_id": "cluster_id",
+}
+
+
+def _amqp_properties(raw: Any) -> dict[str, str]:
+    """Every AMQP property the message carries, as text (a timestamp in epoch seconds)."""
+    found = {}
+    for attribute, name in _AMQP_PROPERTIES.items():
+        value = getattr(raw, attribute, None)
+        if value is None or value == "":
+            continue
+        if hasattr(value, "timestamp"):
+            value = int(value.timestamp())
+        found[name] = str(value)
+    return found
 
 
 def _present(**properties: str | None) -> dict[str, str]:

@@ -116,3 +116,107 @@ def test_check_names_who_runs_the_embedded_server(tmp_path: Path) -> None:
     assert f"(embedded server of a running router on 127.0.0.1:{port} (pid {pid}))" in (
         beside.stdout
     )
+
+
+EVENTS = """
+from router import Event
+
+class Placed(Event, type="placed", published=True):
+    order_id: str
+
+class Shipped(Event, type="shipped", published=True):
+    order_id: str
+"""
+
+
+async def test_check_fails_a_destination_no_subject_of_the_stream_captures(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    name, subject = nats_streams.stream("uncaptured")
+    write_config(tmp_path, pg_url, (name, subject))
+    config = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(
+        config.replace(f"{subject}.{{event_type}}", "orders.{event_type}")
+    )
+
+    result = await asyncio.to_thread(router, "check", cwd=tmp_path)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broker_line(result.stdout).endswith(
+        f"FAILED  nats nats://127.0.0.1:4222  reachable; stream '{name}' does not exist: serve "
+        "creates it (or run router check --create); destination 'orders.{event_type}': no "
+        f"subject it makes is captured by stream '{name}' (subjects ['{subject}.>']); stage() "
+        "refuses every event sent there"
+    )
+
+
+async def test_check_fails_an_event_whose_subject_the_stream_does_not_capture(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    name, subject = nats_streams.stream("oneevent")
+    (tmp_path / "check_events.py").write_text(EVENTS)
+    broker = {
+        "type": "nats",
+        "url": NATS_URL,
+        "internal": True,
+        "destination": subject + ".{event_type}",
+        "stream": {"name": name, "subjects": [f"{subject}.placed"], "storage": "memory"},
+    }
+    config = {
+        "events": ["check_events"],
+        "databases": {"main": pg_url},
+        "brokers": {"events": broker},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+
+    result = await asyncio.to_thread(router, "check", cwd=tmp_path)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broker_line(result.stdout).endswith(
+        f"destination '{subject}.{{event_type}}' for shipped v1: subject '{subject}.shipped' is "
+        f"not captured by stream '{name}' (subjects ['{subject}.placed']); stage() refuses it"
+    )
+    assert f"{subject}.placed'" not in broker_line(result.stdout).split("for shipped")[0]
+
+
+TWO_VERSIONS = """
+from router import Event
+
+class OrderPlacedV1(Event, type="orders.order_placed", version=1, published=True):
+    order_id: str
+    total: str
+
+class OrderPlaced(Event, type="orders.order_placed", version=2, published=True):
+    order_id: str
+    total_cents: int
+    currency: str
+"""
+
+
+async def test_check_refuses_a_projection_a_published_version_would_lose_fields_to(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    name, subject = nats_streams.stream("projection")
+    (tmp_path / "two_versions.py").write_text(TWO_VERSIONS)
+    stream = {"name": name, "subjects": [f"{subject}.>"], "storage": "memory"}
+    partner = {"type": "nats", "url": NATS_URL, "destination": subject + ".{event_type}"}
+    projection = {"orders.order_placed": ["order_id", "total_cents", "currency"]}
+    config = {
+        "events": ["two_versions"],
+        "databases": {"main": pg_url},
+        "brokers": {"billing": partner | {"stream": stream, "expose": {"payload": projection}}},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+
+    refused = await asyncio.to_thread(router, "check", cwd=tmp_path)
+    projection["orders.order_placed@1"] = ["order_id", "total"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    accepted = await asyncio.to_thread(router, "check", cwd=tmp_path)
+
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr == (
+        "router: brokers.billing.expose.payload.orders.order_placed: version 1 has no field "
+        "'total_cents', 'currency'; its fields: order_id, total; version 1 is still "
+        "published: give it its own projection (orders.order_placed@1: [...])\n"
+    )
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import yaml
 
+from router import Outbox
 from router.ops.migrate import head_revision
-from tests.conftest import NATS_URL, PgDatabases
-from tests.e2e.helpers import router
+from tests.conftest import NATS_URL, PgDatabases, make_config, pg_fetch
+from tests.e2e.helpers import ROOT, router
+from tests.integration.events import OrderPlaced
 from tests.services import NATS, free_port, require
 
 SECRET = "s3cr3t-Pa55"
@@ -196,3 +199,95 @@ async def test_check_covers_every_broker_type_and_hides_every_kind_of_secret(
     assert "rabbitmq amqp://***@127.0.0.1" in lines["dead_rabbit"]
     assert "4 of 10 checks failed" in result.stdout
     assert result.returncode == 1
+
+
+UNKNOWN_NAMES = [
+    ("requeue", "--target", "nope"),
+    ("requeue", "--target", "events", "--target", "nope"),
+    ("requeue", "--database", "nope"),
+    ("requeue", "--group", "g1", "--database", "nope"),
+    ("groups", "--target", "nope"),
+    ("groups", "--database", "nope"),
+    ("discard", "--group", "g1", "--database", "nope"),
+    ("pause", "nope"),
+    ("resume", "nope"),
+    ("pause", "events", "--database", "nope"),
+    ("status", "--database", "nope"),
+    ("cleanup", "--database", "nope"),
+    ("audit", "--database", "nope"),
+    ("replay", "--target", "nope"),
+    ("replay", "--target", "events", "--database", "nope"),
+    ("init-db", "--database", "nope"),
+    ("preview", "order_placed", "--target", "nope"),
+    ("preview", "order_placed", "--database", "nope"),
+]
+
+
+async def test_an_unknown_target_or_database_is_one_line_naming_the_known_ones(
+    pg_databases: PgDatabases, tmp_path: Path
+) -> None:
+    url = await pg_databases.new()
+    write_config(
+        tmp_path,
+        {"main": url},
+        {"events": nats(NATS_URL, internal=True), "partner": nats(NATS_URL)},
+    )
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    config["events"] = ["tests.integration.events"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    for command in UNKNOWN_NAMES:
+        result = router(*command, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+        lines = result.stderr.splitlines()
+        assert (result.returncode, result.stdout, len(lines)) == (2, "", 1), (command, result)
+        assert lines[0].startswith("router: "), (command, lines)
+        known = ("main",) if "--database" in command else ("events", "partner")
+        assert all(name in lines[0] for name in known), (command, lines)
+    shown = router("requeue", "--target", "nope", cwd=tmp_path)
+    assert shown.stderr == "router: unknown target 'nope'; configured: ['events', 'partner']\n"
+    assert await pg_fetch(url, "SELECT * FROM router_audit") == []  # nothing was done
+
+
+async def test_trace_takes_a_prefix_and_refuses_what_is_not_an_id(
+    pg_databases: PgDatabases, tmp_path: Path
+) -> None:
+    url = await pg_databases.new()
+    brokers: dict[str, object] = {"events": nats(NATS_URL, internal=True)}
+    write_config(tmp_path, {"main": url}, brokers)
+    outbox = Outbox(make_config({"main": url}, brokers))
+    async with outbox.transaction() as tx:
+        await tx.stage(OrderPlaced(order_id="o-1", total=Decimal(1)))
+        await tx.stage(OrderPlaced(order_id="o-2", total=Decimal(2)))
+    await outbox.close()
+    # Two ids with the same first 8 digits, as two events of one minute have (UUIDv7).
+    first, second = "01a21902-0000-7000-8000-00000000000a", "01a21902-0000-7000-8000-00000000000b"
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            "UPDATE router_outbox SET message_id = (CASE WHEN seq = (SELECT min(seq) FROM "
+            "router_outbox) THEN $1 ELSE $2 END)::uuid",
+            first,
+            second,
+        )
+    finally:
+        await conn.close()
+
+    ambiguous = router("trace", "01a21902", cwd=tmp_path)
+    assert (ambiguous.returncode, ambiguous.stdout) == (2, "")
+    assert ambiguous.stderr.splitlines() == [
+        "router: 01a21902 matches 2 events; give more of the id:",
+        f"  {first}",
+        f"  {second}",
+    ]
+    for given in (second, second.replace("-", ""), second.upper()):
+        found = router("trace", given, cwd=tmp_path)
+        assert found.returncode == 0, found.stderr
+        assert found.stdout.splitlines()[0] == f"message {second} (order_placed)"
+    for wrong in ("not-a-uuid", "01a2190", f"{second}0"):
+        refused = router("trace", wrong, cwd=tmp_path)
+        assert (refused.returncode, refused.stdout) == (2, "")
+        assert refused.stderr == (
+            f"router: {wrong!r} is not a message id (32 hex digits, dashes optional) nor its "
+            "first 8 digits or more\n"
+        )
+    missing = router("trace", "ffffffff", cwd=tmp_path)
+    assert (missing.returncode, missing.stdout) == (1, "no outbox row has message id ffffffff\n")

@@ -110,7 +110,10 @@ def test_what_preview_shows_the_partner_is_what_the_exported_message_describes()
 
     pointer = f"/components/messages/{MESSAGE}"
     part_of(document, f"{pointer}/payload").validate(sent["body"])
-    part_of(document, f"{pointer}/headers").validate(sent["headers"])
+    # preview lists the rendered headers; the NATS adapter adds Nats-Msg-Id to them
+    # (NatsSettings.native_headers), which the contract declares too.
+    on_the_wire = {**sent["headers"], "Nats-Msg-Id": sent["headers"]["message-id"]}
+    part_of(document, f"{pointer}/headers").validate(on_the_wire)
     # And the contract is strict enough to refuse what the partner does not get.
     broken = {**sent["body"], "payload": {**sent["body"]["payload"], "total": 42.5}}
     assert not part_of(document, f"{pointer}/payload").is_valid(broken)
@@ -229,6 +232,24 @@ def test_a_new_optional_field_passes_the_check_and_is_listed(tmp_path: Path) -> 
     ]
 
 
+def test_a_new_required_field_fails_the_check_with_one_line(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    events = (folder / "shop_events.py").read_text()
+    (folder / "shop_events.py").write_text(
+        events.replace("    total: Decimal", "    coupon: str\n    total: Decimal")
+    )
+
+    result = router("contract", "check", cwd=folder)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)",
+        "breaking  partners  order_placed v1  payload.coupon: new required field: messages "
+        "already sent at this version lack it (make it optional, or add it in a new version)",
+    ]
+
+
 def test_check_without_a_lock_says_how_to_make_one(tmp_path: Path) -> None:
     folder = shop(tmp_path)
 
@@ -245,3 +266,158 @@ def test_contract_help_says_internal_brokers_are_not_in_it() -> None:
 
     assert result.returncode == 0
     assert "Internal brokers are not in it" in " ".join(result.stdout.split())
+
+
+RABBIT_PARTNER = """
+  warehouse:
+    type: rabbitmq
+    url: "amqp://shop:${RABBIT_PASSWORD:-hunter2}@rabbit.example.com:5672/wh"
+    exchange: {name: shop.events, type: topic}
+    destination: "{event_type}"
+"""
+SERVICEBUS_PARTNER = """
+  billing:
+    type: servicebus
+    connection_string: "Endpoint=sb://bus.example.com/;SharedAccessKeyName=k;SharedAccessKey=s"
+    entity: topic
+    destination: shop-events
+  audit:
+    type: redis
+    url: "redis://127.0.0.1:6379/3"
+    destination: "shop:{event_type}"
+"""
+
+
+def with_partners(folder: Path, partners: str) -> Path:
+    config = folder / "config.yaml"
+    config.write_text(config.read_text().replace("\noutbox:", f"{partners}\noutbox:", 1))
+    return folder
+
+
+def test_each_channel_says_where_a_partner_consumes_it(tmp_path: Path) -> None:
+    folder = with_partners(shop(tmp_path), KAFKA_PARTNER + RABBIT_PARTNER + SERVICEBUS_PARTNER)
+
+    document = exported(folder)
+
+    assert_valid_asyncapi(document)
+    channels, messages = document["channels"], document["components"]["messages"]
+    # RabbitMQ: the exchange the partner binds its queue to, with the routing key as address.
+    warehouse = channels["warehouse.order_placed"]
+    assert warehouse["address"] == "order_placed"
+    assert warehouse["bindings"]["amqp"] == {
+        "is": "routingKey",
+        "exchange": {
+            "name": "shop.events",
+            "type": "topic",
+            "durable": True,
+            "autoDelete": False,
+            "vhost": "wh",
+        },
+        "bindingVersion": "0.3.0",
+    }
+    [operation] = [o for o in document["operations"].values() if "amqp" in o.get("bindings", {})]
+    assert operation["bindings"]["amqp"] == {
+        "deliveryMode": 2,
+        "mandatory": True,
+        "bindingVersion": "0.3.0",
+    }
+    assert messages["warehouse.order_placed.v1"]["bindings"]["amqp"]["messageType"] == (
+        "order_placed"
+    )
+    # Kafka: the topic, and the record key (the stream key).
+    analytics = channels["analytics.shop.order_placed.v1"]
+    assert analytics["bindings"]["kafka"] == {
+        "topic": "shop.order_placed.v1",
+        "bindingVersion": "0.5.0",
+    }
+    key = messages["analytics.order_placed.v1"]["bindings"]["kafka"]["key"]
+    assert key["type"] == "string"
+    # NATS: the JetStream stream (the nats binding has no channel fields).
+    assert channels["partners.partners.order_placed"]["x-jetstream"] == {
+        "stream": "PARTNERS",
+        "subject": "partners.order_placed",
+    }
+    # Service Bus and Redis have no binding of their own in AsyncAPI.
+    assert channels["billing.shop-events"]["x-servicebus"] == {
+        "entity": "topic",
+        "sessions": False,
+        "name": "shop-events",
+    }
+    assert channels["audit.shop_order_placed"]["x-redis"] == {
+        "stream": "shop:order_placed",
+        "db": 3,
+    }
+    assert "hunter2" not in json.dumps(document)
+
+
+def test_renaming_the_stream_a_partner_consumes_fails_the_check(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    config = folder / "config.yaml"
+    config.write_text(config.read_text().replace("name: PARTNERS", "name: PARTNERS_V2"))
+
+    result = router("contract", "check", cwd=folder)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)",
+        "breaking  partners  every event  binding.stream: changed: PARTNERS -> PARTNERS_V2; "
+        "a partner bound to the old one receives nothing more",
+    ]
+
+
+def test_renaming_or_retyping_the_exchange_fails_the_check(tmp_path: Path) -> None:
+    folder = with_partners(shop(tmp_path), RABBIT_PARTNER)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    config = folder / "config.yaml"
+    config.write_text(
+        config.read_text().replace(
+            "{name: shop.events, type: topic}", "{name: shop.orders, type: fanout}"
+        )
+    )
+
+    result = router("contract", "check", "--json", cwd=folder)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    changes = json.loads(result.stdout)["changes"]
+    assert [(c["partner"], c["field"], c["change"]) for c in changes] == [
+        (
+            "warehouse",
+            "binding.exchange.name",
+            "changed: shop.events -> shop.orders; a partner bound to the old one receives "
+            "nothing more",
+        ),
+        (
+            "warehouse",
+            "binding.exchange.type",
+            "changed: topic -> fanout; a partner bound to the old one receives nothing more",
+        ),
+    ]
+
+
+def test_an_unwritable_out_or_lock_file_is_one_line(tmp_path: Path) -> None:
+    folder = shop(tmp_path)
+    (folder / "adir").mkdir()
+
+    missing = router("contract", "export", "--out", "nowhere/asyncapi.yaml", cwd=folder)
+    onto_dir = router("contract", "export", "--out", "adir", cwd=folder)
+    lock_missing = router("contract", "lock", "--file", "nowhere/lock.json", cwd=folder)
+    check_dir = router("contract", "check", "--file", "adir", cwd=folder)
+
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        2,
+        "",
+        "router: cannot write nowhere/asyncapi.yaml: its folder nowhere does not exist\n",
+    )
+    assert (onto_dir.returncode, onto_dir.stderr) == (
+        2,
+        "router: cannot write adir: it is a directory\n",
+    )
+    assert (lock_missing.returncode, lock_missing.stderr) == (
+        2,
+        "router: cannot write nowhere/lock.json: its folder nowhere does not exist\n",
+    )
+    assert (check_dir.returncode, check_dir.stderr) == (
+        2,
+        "router: cannot read adir: it is a directory\n",
+    )

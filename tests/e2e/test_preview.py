@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from envelopes import INTERNAL_ONLY_FIELDS
-from tests.e2e.helpers import ROOT, router
+from tests.conftest import NatsStreams, nats_broker
+from tests.e2e.helpers import ROOT, Serving, python, router
 
 
 def test_a_partner_preview_shows_its_destination_headers_and_external_body() -> None:
@@ -107,4 +108,183 @@ def test_a_projection_is_checked_against_the_event_class_and_applied(tmp_path: P
         2,
         "router: brokers.partners.expose.payload.order_placed: version 1 has no field "
         "'price'; its fields: order_id, customer, total",
+    )
+
+
+# --- a partner pinned to an older version ------------------------------------------------------
+
+PINNED_EVENTS = """
+from decimal import Decimal
+
+from pydantic import Field
+
+from router import Event
+
+
+class OrderPlacedV1(Event, type="order_placed", version=1, published=True):
+    order_id: str
+    total: str
+
+
+class OrderPlaced(Event, type="order_placed", version=2, published=True):
+    order_id: str = Field(examples=["o-7"])
+    total_cents: int = Field(examples=[4250])
+    currency: str = Field(examples=["EUR"])
+
+
+@OrderPlaced.downcaster(to=1)
+def _to_v1(event: OrderPlaced) -> OrderPlacedV1:
+    return OrderPlacedV1(order_id=event.order_id, total=f"{Decimal(event.total_cents) / 100:.2f}")
+"""
+
+STAGE = """
+import asyncio
+
+from pinned_events import OrderPlaced
+from router import Outbox
+
+
+async def main() -> None:
+    outbox = Outbox.from_file("config.yaml")
+    async with outbox.transaction() as tx:
+        await tx.stage(
+            OrderPlaced(order_id="o-7", total_cents=4250, currency="EUR"),
+            stream_key="o-7",
+            correlation_id="checkout-7",
+            causation_id="cart-7",
+            tenant="acme",
+        )
+    await outbox.close()
+
+
+asyncio.run(main())
+"""
+
+# What differs from one message of an event to the next: its id and time.
+PER_MESSAGE = {"id", "time"}
+
+
+def pinned_shop(folder: Path, nats_streams: NatsStreams | None = None) -> dict[str, Any]:
+    """A shop whose ``billing`` partner is pinned to version 1 of order_placed, its brokers on
+    the test's NATS streams (made-up ones when nothing is sent); returns the streams by broker."""
+    streams = {
+        label: nats_streams.stream(label) if nats_streams else (label.upper(), label)
+        for label in ("events", "billing")
+    }
+    config = {
+        "service": "shop",
+        "events": ["pinned_events"],
+        "databases": {"main": "sqlite:///./shop.db"},
+        "brokers": {
+            "events": nats_broker(streams["events"], internal=True),
+            "billing": nats_broker(
+                streams["billing"],
+                envelope="external",
+                events={"include": ["*"]},
+                versions={"order_placed": 1},
+            ),
+        },
+        "http": {"enabled": False},
+    }
+    folder.mkdir(exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "pinned_events.py").write_text(PINNED_EVENTS)
+    (folder / "stage.py").write_text(STAGE)
+    return streams
+
+
+async def test_a_pinned_partner_is_shown_the_downcast_message_it_receives(
+    tmp_path: Path, nats_streams: NatsStreams
+) -> None:
+    streams = pinned_shop(tmp_path, nats_streams)
+    metadata = ["--correlation-id", "checkout-7", "--causation-id", "cart-7", "--tenant", "acme"]
+    payload = '{"order_id": "o-7", "total_cents": 4250, "currency": "EUR"}'
+    shown = router(
+        "preview", "order_placed", "--all-targets", "--payload", payload, "--stream-key", "o-7",
+        *metadata, "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stderr == ""  # no --version asked: nothing to note
+    previews = {p["target"]: p for p in json.loads(shown.stdout)}
+
+    assert router("init-db", cwd=tmp_path).returncode == 0
+    staged = python(str(tmp_path / "stage.py"), cwd=tmp_path)
+    assert staged.returncode == 0, staged.stderr
+    serving = Serving(tmp_path)
+    try:
+        serving.wait_for("router.started")
+        received = {
+            target: (await nats_streams.messages(stream[0], 1))[0]
+            for target, stream in streams.items()
+        }
+    finally:
+        serving.stop()
+
+    billing = previews["billing"]
+    assert (billing["staged_version"], billing["pinned_version"]) == (2, 1)
+    assert billing["headers"]["event-version"] == "1"
+    assert billing["body"]["payload"] == {"order_id": "o-7", "total": "42.50"}
+    assert (billing["body"]["correlation_id"], billing["body"]["causation_id"]) == (
+        "checkout-7",
+        "cart-7",
+    )
+    assert "tenant" not in billing["body"]  # internal-only: partners never get it
+    assert previews["events"]["body"]["tenant"] == "acme"
+    assert previews["events"]["body"]["version"] == 2
+    for target, message in received.items():
+        preview = previews[target]
+        body = json.loads(message.data)
+        # The internal envelope's sequence is the row's seq; a preview's is 1.
+        same = PER_MESSAGE | {"sequence"}
+        assert {k: v for k, v in body.items() if k not in same} == {
+            k: v for k, v in preview["body"].items() if k not in same
+        }, target
+        headers = {k: v for k, v in preview["headers"].items() if k != "message-id"}
+        assert {k: message.headers[k] for k in headers} == headers, target
+
+
+def test_a_version_other_than_the_pin_is_shown_downcast_with_a_note(tmp_path: Path) -> None:
+    pinned_shop(tmp_path)
+
+    newer = router("preview", "order_placed", "--target", "billing", "--version", "2", cwd=tmp_path)
+    same = router("preview", "order_placed", "--target", "billing", "--version", "1", cwd=tmp_path)
+    unpinned = router(
+        "preview", "order_placed", "--target", "events", "--version", "1", cwd=tmp_path
+    )
+
+    assert newer.returncode == 0, newer.stderr
+    assert newer.stderr.strip() == (
+        "router: note: target 'billing' is pinned to 'order_placed' version 1: it receives "
+        "version 2 downcast to version 1, as shown"
+    )
+    lines = newer.stdout.splitlines()
+    assert lines[1] == "version      1, pinned (downcast from 2)"
+    assert "  event-version  1" in lines
+    body = json.loads(newer.stdout[newer.stdout.index("{") :])
+    assert (body["version"], body["payload"]) == (1, {"order_id": "o-7", "total": "42.50"})
+    assert (same.returncode, same.stderr) == (0, "")
+    assert same.stdout.splitlines()[1] == "version      1, pinned"
+    assert (unpinned.returncode, unpinned.stderr) == (0, "")
+    assert not unpinned.stdout.splitlines()[1].startswith("version")
+
+
+def test_a_downcaster_that_fails_on_the_previewed_event_is_a_one_line_error(
+    tmp_path: Path,
+) -> None:
+    pinned_shop(tmp_path)
+    events = tmp_path / "pinned_events.py"
+    events.write_text(
+        events.read_text().replace(
+            "    return OrderPlacedV1(",
+            "    raise ValueError('no v1 form')\n    return OrderPlacedV1(",
+        )
+    )
+
+    result = router("preview", "order_placed", "--target", "billing", cwd=tmp_path)
+
+    assert (result.returncode, result.stdout, result.stderr.strip()) == (
+        2,
+        "",
+        "router: target 'billing' is pinned to 'order_placed' version 1, and version 2 cannot "
+        "be downcast to it: no v1 form",
     )

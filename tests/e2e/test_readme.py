@@ -93,6 +93,11 @@ PROVEN_ELSEWHERE = {
     "breaking  partners  order_placed v1  payload.customer: renamed to payload.buyer "
     "(removed, and added with its schema)": "tests/e2e/test_contract.py::"
     "test_renaming_a_field_of_a_published_event_fails_the_check",
+    "$ router contract check          # after renaming the stream PARTNERS to PARTNERS_V2\n"
+    "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)\n"
+    "breaking  partners  every event  binding.stream: changed: PARTNERS -> PARTNERS_V2; a "
+    "partner bound to the old one receives nothing more": "tests/e2e/test_contract.py::"
+    "test_renaming_the_stream_a_partner_consumes_fails_the_check",
     # The web app examples' commands (their pages and READMEs): run on PostgreSQL and NATS.
     FLASK_COMMANDS: "tests/e2e/test_flask_example.py (the app through Flask's test client)",
     FASTAPI_COMMANDS: "tests/e2e/test_fastapi_example.py (the app through TestClient)",

@@ -70,6 +70,8 @@ async def test_replay_from_the_command_line(database: Database) -> None:
     assert json.loads(resumed[-1])["done"] == 0  # its rows were all put back already
 
     unknown = run(database, "replay", "--target", "nobody", code=2)
-    assert unknown.stderr == "router: no target 'nobody' in database 'main' (events, partner)\n"
+    assert unknown.stderr == (
+        "router: unknown target 'nobody' in database 'main'; configured: ['events', 'partner']\n"
+    )
     backfill = run(database, "replay", "--target", "partner", "--backfill", code=2)
     assert "list their modules under events:" in backfill.stderr

@@ -4,6 +4,7 @@ cannot complete ends at once, with one line and nothing left running."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -246,3 +247,69 @@ def test_a_taken_http_port_ends_serve_at_once_with_one_line(tmp_path: Path) -> N
     assert "Traceback" not in served.stderr
     assert "nats.embedded.stopped" in served.stderr
     assert not reachable("127.0.0.1", nats_port)  # no embedded server left behind
+
+
+def circuits(folder: Path) -> dict[str, str]:
+    """``router status --json``: each target's circuit, as the operator reads it."""
+    shown = router("status", "--json", cwd=folder)
+    assert shown.returncode == 0, shown.stderr
+    return {t["target"]: t["circuit"] for t in json.loads(shown.stdout)["targets"]}
+
+
+async def serve_with_an_open_circuit(
+    pg_url: str, nats_streams: NatsStreams, folder: Path
+) -> Serving:
+    """``router serve`` whose partner broker is down (nothing listens on its port), its
+    circuit open at the first failure and probed every half second."""
+    brokers: dict[str, object] = {
+        "events": nats_broker(nats_streams.stream("int"), internal=True),
+        "partner": nats_broker(
+            nats_streams.stream("down"), url=f"nats://127.0.0.1:{free_port()}", connect_timeout=0.5
+        ),
+    }
+    await stage(pg_url, brokers, 2)
+    write(
+        folder,
+        {
+            "service": "shop",
+            "databases": {"main": pg_url},
+            "brokers": brokers,
+            "outbox": {"circuit": {"open_after": 0, "probe_max_delay": 0.5}},
+            "http": {"enabled": False},
+        },
+    )
+    serving = Serving(folder)
+    await asyncio.to_thread(serving.wait_for, "circuit.opened")
+    await asyncio.to_thread(serving.wait_for, "circuit.probe_failed")  # recorded by now
+    return serving
+
+
+async def test_sighup_stops_serve_gracefully_and_leaves_no_open_circuit_behind(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    serving = await serve_with_an_open_circuit(pg_url, nats_streams, tmp_path)
+    try:
+        assert circuits(tmp_path) == {"events": "closed", "partner": "open"}
+    finally:
+        code = await asyncio.to_thread(serving.stop, signal.SIGHUP)
+    log = serving.log.read_text()
+    assert code == 0, log
+    assert "router.stopping signal=SIGHUP" in log
+    assert "router.stopped" in log
+    # Nobody's circuit is open once the process that opened it is gone.
+    assert circuits(tmp_path) == {"events": "closed", "partner": "closed"}
+
+
+async def test_a_killed_routers_open_circuit_shows_as_stale(
+    pg_url: str, nats_streams: NatsStreams, tmp_path: Path
+) -> None:
+    serving = await serve_with_an_open_circuit(pg_url, nats_streams, tmp_path)
+    try:
+        assert circuits(tmp_path)["partner"] == "open"
+        await asyncio.sleep(6)  # a live router keeps renewing it: still open
+        assert circuits(tmp_path)["partner"] == "open"
+    finally:
+        assert await asyncio.to_thread(serving.stop, signal.SIGKILL) == -signal.SIGKILL
+    # Not renewed for two of its longest probe gaps (2 x (0.5 x 1.2 + 2 x 0.5 + 1) = 5.2 s).
+    await asyncio.sleep(6)
+    assert circuits(tmp_path)["partner"] == "stale"

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import psycopg
 import psycopg2
+import psycopg2.extensions
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -29,7 +30,14 @@ from router import Event, Outbox, StagingError, SyncOutbox
 from router.write.staging import MYSQL_MAX_STREAM_KEY
 from tests.conftest import MEMORY_BROKERS, Database, MysqlDatabases, PgDatabases, make_config
 from tests.conftest import make_database as make_database
-from tests.integration.events import OrderPlaced, StockReserved
+from tests.integration.events import (
+    NATS_BROKERS,
+    NO_TABLES,
+    PG_ABORTED,
+    REFUSED_INPUT,
+    OrderPlaced,
+    StockReserved,
+)
 
 Transaction = Callable[[], AbstractContextManager[Any]]
 """Opens the caller's transaction; yields what to stage on; commits, or rolls back on error."""
@@ -404,3 +412,83 @@ async def test_a_scoped_session_stages_and_tracks_flushes(
         ("direct", None),
         ("raised", "o-9"),
     ]
+
+
+def execute(conn: Any, sql: str) -> None:
+    """Run the caller's own statement on any connection a sync client stages on."""
+    if isinstance(conn, Session | sa.Connection):
+        conn.execute(sa.text(sql))
+    elif isinstance(conn, psycopg2.extensions.connection):
+        with conn.cursor() as cursor:
+            cursor.execute(sql)
+    else:  # psycopg 3 and sqlite3 connections execute on their own
+        conn.execute(sql)
+
+
+CALLER_TABLE = "CREATE TABLE caller_orders (id VARCHAR(40))"
+CALLER_INSERT = "INSERT INTO caller_orders (id) VALUES ('o-1')"
+
+
+async def test_refused_input_leaves_the_callers_transaction_to_commit_its_own_rows(
+    client: Client,
+) -> None:
+    await client.database.execute(CALLER_TABLE)
+    outbox = client.outbox(NATS_BROKERS)
+    messages = []
+    with client.transaction() as conn:
+        for events, options, _ in REFUSED_INPUT:
+            with pytest.raises(StagingError) as refused:
+                outbox.stage(conn, *events, **options)
+            messages.append(str(refused.value))
+        execute(conn, CALLER_INSERT)
+        outbox.stage(conn, StockReserved(order_id="after", quantity=1), stream_key="o-1")
+    assert messages == [message for _, _, message in REFUSED_INPUT]
+    assert await client.database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]
+    stored = await client.database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["after"]
+
+
+@pytest.fixture(params=list(CLIENTS))
+async def bare_client(
+    request: pytest.FixtureRequest,
+    pg_databases: PgDatabases,
+    mysql_databases: MysqlDatabases,
+    tmp_path: Path,
+) -> Any:
+    """A client on a database ``router init-db`` never ran on."""
+    kind, make = CLIENTS[request.param]
+    made = make(await make_bare_database(kind, pg_databases, mysql_databases, tmp_path))
+    yield made
+    made.close()
+
+
+async def make_bare_database(
+    kind: str, pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
+) -> Database:
+    """A database of ``kind`` without the router's tables."""
+    if kind == "postgresql":
+        return Database(kind, await pg_databases.new(migrated=False), tmp_path)
+    if kind == "mysql":
+        return Database(kind, await mysql_databases.new(migrated=False), tmp_path)
+    return Database(kind, "sqlite:///outbox.db", tmp_path)
+
+
+async def test_a_database_without_the_router_tables_is_refused_naming_init_db(
+    bare_client: Client,
+) -> None:
+    await bare_client.database.execute(CALLER_TABLE)
+    outbox = bare_client.outbox()
+    if bare_client.database.kind == "postgresql":
+        # The failed INSERT aborted the transaction: the caller rolls back, then goes on.
+        with pytest.raises(StagingError) as refused, bare_client.transaction() as conn:
+            outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+        assert str(refused.value) == NO_TABLES + PG_ABORTED
+        with bare_client.transaction() as conn:
+            execute(conn, CALLER_INSERT)
+    else:  # MySQL and SQLite fail the statement alone: the transaction goes on
+        with bare_client.transaction() as conn:
+            with pytest.raises(StagingError) as refused:
+                outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+            assert str(refused.value) == NO_TABLES
+            execute(conn, CALLER_INSERT)
+    assert await bare_client.database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]

@@ -13,19 +13,26 @@ from typing import Any
 
 import asyncpg
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
 from router.write.staging import MYSQL_MAX_STREAM_KEY
-from tests.conftest import MEMORY_BROKERS, make_config
+from tests.conftest import MEMORY_BROKERS, MysqlDatabases, PgDatabases, make_config
 
 # The database helper moved to tests/conftest.py; test_ordering and test_idle_claims import it
 # from here.
 from tests.conftest import Database as Database
 from tests.conftest import database as database
 from tests.conftest import make_database as make_database
-from tests.integration.events import OrderPlaced, StockReserved
+from tests.integration.events import (
+    NATS_BROKERS,
+    NO_TABLES,
+    PG_ABORTED,
+    REFUSED_INPUT,
+    OrderPlaced,
+    StockReserved,
+)
 
 BROKERS = MEMORY_BROKERS
 
@@ -168,6 +175,103 @@ async def test_rejected_event_leaves_the_callers_transaction_usable(
     await outbox.close()
     stored = await database.rows()
     assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["after"]
+
+
+CALLER_TABLE = "CREATE TABLE caller_orders (id VARCHAR(40))"
+CALLER_INSERT = text("INSERT INTO caller_orders (id) VALUES ('o-1')")
+
+
+async def test_refused_input_leaves_the_callers_session_to_commit_its_own_rows(
+    database: Database,
+) -> None:
+    await database.execute(CALLER_TABLE)
+    outbox = database.outbox(NATS_BROKERS)
+    messages = []
+    try:
+        async with AsyncSession(outbox.engine()) as session, session.begin():
+            for events, options, _ in REFUSED_INPUT:
+                with pytest.raises(StagingError) as refused:
+                    await outbox.stage(session, *events, **options)
+                messages.append(str(refused.value))
+            await session.execute(CALLER_INSERT)
+            await outbox.stage(session, StockReserved(order_id="after", quantity=1))
+    finally:
+        await outbox.close()
+    assert messages == [message for _, _, message in REFUSED_INPUT]
+    assert await database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]
+    assert [r["envelope"]["payload"]["order_id"] for r in await database.rows()] == ["after"]
+
+
+async def test_refused_input_leaves_a_raw_asyncpg_transaction_usable(pg_url: str) -> None:
+    outbox = Outbox(make_config({"main": pg_url}, NATS_BROKERS))
+    conn = await asyncpg.connect(pg_url)
+    try:
+        async with conn.transaction():
+            for events, options, message in REFUSED_INPUT:
+                with pytest.raises(StagingError) as refused:
+                    await outbox.stage(conn, *events, **options)
+                assert str(refused.value) == message
+            await outbox.stage(conn, StockReserved(order_id="after", quantity=1))
+    finally:
+        await conn.close()
+    assert [json.loads(r["envelope"])["payload"]["order_id"] for r in await rows(pg_url)] == [
+        "after"
+    ]
+
+
+@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+async def bare_database(
+    request: pytest.FixtureRequest,
+    pg_databases: PgDatabases,
+    mysql_databases: MysqlDatabases,
+    tmp_path: Path,
+) -> Database:
+    """A database ``router init-db`` never ran on."""
+    if request.param == "postgresql":
+        return Database("postgresql", await pg_databases.new(migrated=False), tmp_path)
+    if request.param == "mysql":
+        return Database("mysql", await mysql_databases.new(migrated=False), tmp_path)
+    return Database("sqlite", "sqlite:///outbox.db", tmp_path)
+
+
+async def test_a_database_without_the_router_tables_is_refused_naming_init_db(
+    bare_database: Database,
+) -> None:
+    await bare_database.execute(CALLER_TABLE)
+    outbox = bare_database.outbox()
+    try:
+        if bare_database.kind == "postgresql":
+            # The failed INSERT aborted the transaction: the caller rolls back, then goes on.
+            with pytest.raises(StagingError) as refused:
+                async with AsyncSession(outbox.engine()) as session, session.begin():
+                    await outbox.stage(session, StockReserved(order_id="o", quantity=1))
+            assert str(refused.value) == NO_TABLES + PG_ABORTED
+            async with AsyncSession(outbox.engine()) as session, session.begin():
+                await session.execute(CALLER_INSERT)
+        else:  # MySQL and SQLite fail the statement alone: the transaction goes on
+            async with AsyncSession(outbox.engine()) as session, session.begin():
+                with pytest.raises(StagingError) as refused:
+                    await outbox.stage(session, StockReserved(order_id="o", quantity=1))
+                assert str(refused.value) == NO_TABLES
+                await session.execute(CALLER_INSERT)
+    finally:
+        await outbox.close()
+    assert await bare_database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]
+
+
+async def test_a_raw_asyncpg_connection_without_the_router_tables_is_refused(
+    pg_databases: PgDatabases,
+) -> None:
+    url = await pg_databases.new(migrated=False)
+    outbox = outbox_for(url)
+    conn = await asyncpg.connect(url)
+    try:
+        with pytest.raises(StagingError) as refused:
+            async with conn.transaction():
+                await outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+        assert str(refused.value) == NO_TABLES + PG_ABORTED
+    finally:
+        await conn.close()
 
 
 async def test_a_published_event_no_broker_takes_is_rejected(database: Database) -> None:

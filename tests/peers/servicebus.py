@@ -82,6 +82,38 @@ class Received:
     content_type: str | None
     session_id: str | None
     properties: dict[str, Any]
+    # Every other AMQP header field, property and annotation the sender set, as text.
+    others: dict[str, str] = field(default_factory=dict)
+
+
+# AMQP 1.0 fields besides those above, with the value proton gives when one is absent.
+_ABSENT = {
+    "durable": False,
+    "priority": 4,
+    "ttl": 0,
+    "first_acquirer": False,
+    "delivery_count": 0,
+    "user_id": b"",
+    "address": None,
+    "reply_to": None,
+    "content_encoding": None,
+    "expiry_time": 0,
+    "creation_time": 0,
+    "group_sequence": 0,
+    "reply_to_group_id": None,
+}
+
+
+def _others(message: Message) -> dict[str, str]:
+    """The fields of ``_ABSENT`` that are set, and every message annotation."""
+    found = {}
+    for name, absent in _ABSENT.items():
+        value = getattr(message, name, absent)
+        if value != absent and value is not None and str(value) != "None":
+            found[name] = str(value)
+    for key, value in (message.annotations or {}).items():
+        found[f"annotation {_text(key)}"] = str(value)
+    return found
 
 
 @dataclass
@@ -480,6 +512,7 @@ class ServiceBusPeer:
             content_type=_text(message.content_type) or None,
             session_id=_session(message),
             properties=properties,
+            others=_others(message),
         )
         with self._lock:
             self._received[address].append(received)

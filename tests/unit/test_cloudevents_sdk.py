@@ -145,6 +145,21 @@ def test_the_sdk_reads_a_binary_cloudevent_from_its_headers(kind: str) -> None:
     assert_the_event(event, binary=True)
 
 
+PREFIXES = {"nats": "ce-", "kafka": "ce_", "rabbitmq": "cloudEvents:", "servicebus": "cloudEvents:"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_binary_mode_carries_the_content_type_as_the_bindings_say(kind: str) -> None:
+    """datacontenttype maps to the message's content type (the content-type header, the AMQP
+    content_type property), not to a prefixed header of its own."""
+    wire = rendered(kind, "binary")
+    prefix = PREFIXES[kind]
+
+    assert wire.headers["content-type"] == wire.content_type == "application/json"
+    assert prefix + "datacontenttype" not in wire.headers
+    assert {prefix + "id", prefix + "specversion", prefix + "type"} <= wire.headers.keys()
+
+
 def test_the_structured_body_is_what_the_sdk_writes_back() -> None:
     wire = rendered("nats", "structured")
     event = parsed("nats", wire)

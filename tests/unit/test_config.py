@@ -223,6 +223,21 @@ def test_every_missing_variable_is_reported_at_once_with_list_positions() -> Non
             "databases are supported",
         ),
         (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: 'postgresql://app@db1:5432,db2:x/shop'",
+            "databases.main.url: host 2 of the URL is not host[:port]",
+        ),
+        (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: 'mysql://root@db1,db2/shop'",
+            "databases.main.url: several hosts in one URL are supported on PostgreSQL only",
+        ),
+        (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            "main: 'postgresql://db1,db2/shop?target_session_attrs=standby'",
+            "databases.main.url: target_session_attrs=standby cannot work",
+        ),
+        (
             "internal: true",
             "internal: true\n    events: {include: ['*']}",
             "brokers.events: 'events' filters external brokers; the internal broker gets all",
@@ -314,6 +329,15 @@ def test_a_mapping_may_override_what_it_merges() -> None:
         ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: nats://u:{SECRET}@h:4222\n    pw: 1"),
         # a secret that is itself the mistake
         ("main: ${DATABASE_URL:-sqlite:///./var/shop.db}", f"main: oracle://app:{SECRET}@db/x"),
+        (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            f"main: 'postgresql://a:{SECRET}@h:1,h:x/d'",
+        ),
+        # a password with an unescaped '/' reads as the end of the host list
+        (
+            "main: ${DATABASE_URL:-sqlite:///./var/shop.db}",
+            f"main: 'postgresql://a,b:{SECRET}/x@h/d'",
+        ),
         ("url: ${NATS_URL:-nats://127.0.0.1:4222}", f"url: [{SECRET}]"),
         ("batch_size: 100", f"batch_size: {SECRET}"),
         ("service: shop", f"service: shop\nhttp: {{bind: '{SECRET}', token: [{SECRET}]}}"),
@@ -405,3 +429,39 @@ def test_absolute_sqlite_paths_stay_where_they_are(tmp_path: Path) -> None:
         tmp_path / "config.yaml", env={"DATABASE_URL": "sqlite:////srv/data/shop.db"}
     )
     assert sqlite_path(config.databases["main"], config.base_dir) == Path("/srv/data/shop.db")
+
+
+MULTI_HOST = f"postgresql://app:{SECRET}@db1:5432,[::1],db3:6432/shop"
+
+
+def test_a_multi_host_postgresql_url_connects_to_the_host_that_accepts_writes() -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from router._db import asyncpg_dsn, sqlalchemy_url
+    from router.config import DatabaseSettings
+
+    database = DatabaseSettings.model_validate({"url": MULTI_HOST})
+    assert database.hosts() == [("db1", 5432), ("::1", 5432), ("db3", 6432)]
+    assert asyncpg_dsn(database) == f"{MULTI_HOST}?target_session_attrs=read-write"
+    # What SQLAlchemy's asyncpg dialect hands asyncpg.connect() for an application's engine.
+    engine = create_async_engine(sqlalchemy_url(database, ROOT))  # connects to nothing yet
+    _, args = engine.dialect.create_connect_args(engine.url)
+    assert args == {
+        "user": "app",
+        "password": SECRET,
+        "database": "shop",
+        "host": ["db1", "::1", "db3"],
+        "port": [5432, 5432, 6432],
+        "target_session_attrs": "read-write",
+    }
+    assert database.public_url() == "postgresql://***@db1:5432,[::1],db3:6432/shop"
+
+
+def test_a_url_that_chose_its_session_attributes_keeps_them() -> None:
+    from router._db import asyncpg_dsn
+    from router.config import DatabaseSettings
+
+    url = "postgresql://app@db1,db2/shop?target_session_attrs=primary"
+    assert asyncpg_dsn(DatabaseSettings.model_validate({"url": url})) == url
+    single = "postgresql://app@db1/shop"  # one host: asyncpg's default, as before
+    assert asyncpg_dsn(DatabaseSettings.model_validate({"url": single})) == single

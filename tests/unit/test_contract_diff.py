@@ -7,6 +7,7 @@ compares the lock of the result with the first one, through the same code the co
 
 from __future__ import annotations
 
+import copy
 from decimal import Decimal
 from enum import Enum
 from typing import Any, Literal
@@ -203,15 +204,26 @@ def test_additive_changes_are_listed_and_do_not_break() -> None:
     class PlacedV2(Event, type="order_placed", version=2, published=True):
         order_id: str
 
-    grown = lock(placed(gift=(bool | None, None), carrier=str), PlacedV2, Shipped)
+    grown = lock(placed(gift=(bool | None, None), carrier=(str | None, None)), PlacedV2, Shipped)
 
     changes = compare(BEFORE, grown)
 
     assert lines(changes) == [
         "additive  billing  order_placed v1  payload.gift: new optional field",
-        "additive  billing  order_placed v1  payload.carrier: new field (in every message)",
+        "additive  billing  order_placed v1  payload.carrier: new optional field",
         "additive  billing  order_placed v2  new version",
         "additive  billing  order_shipped v1  new event type",
+    ]
+
+
+def test_a_new_required_field_at_the_same_version_is_breaking() -> None:
+    # Messages already sent at v1 (and stored rows replayed) lack it: a partner validating
+    # with the new schema rejects them. Only optional fields may be added.
+    grown = lock(placed(carrier=str))
+
+    assert lines(compare(BEFORE, grown)) == [
+        "breaking  billing  order_placed v1  payload.carrier: new required field: messages "
+        "already sent at this version lack it (make it optional, or add it in a new version)"
     ]
 
 
@@ -356,4 +368,34 @@ def test_a_new_service_name_changes_the_source_every_partner_filters_on() -> Non
     assert breaking(BEFORE, renamed) == [
         'breaking  billing  order_placed v1  envelope.source: value changed: "shop" -> "shop2"',
         "breaking  billing  order_placed v1  header source: value changed: shop -> shop2",
+    ]
+
+
+def bound(binding: dict[str, Any] | None) -> dict[str, Any]:
+    """``BEFORE`` with the partner's binding set (None: a lock from before bindings)."""
+    document = copy.deepcopy(BEFORE)
+    partner = document["partners"]["billing"]
+    partner.pop("binding", None)
+    if binding is not None:
+        partner["binding"] = binding
+    return document
+
+
+def test_moving_where_a_partner_consumes_is_breaking() -> None:
+    exchange = {"name": "shop.events", "type": "topic", "durable": True}
+    old = bound({"exchange": exchange, "vhost": "/"})
+    new = bound({"exchange": {**exchange, "durable": False}, "vhost": "orders"})
+
+    assert breaking(old, new) == [
+        "breaking  billing  every event  binding.exchange.durable: changed: True -> False; a "
+        "partner bound to the old one receives nothing more",
+        "breaking  billing  every event  binding.vhost: changed: / -> orders; a partner bound "
+        "to the old one receives nothing more",
+    ]
+    assert compare(old, old) == []
+
+
+def test_a_lock_from_before_bindings_gets_them_as_additive_changes() -> None:
+    assert lines(compare(bound(None), bound({"stream": "PARTNERS"}))) == [
+        "additive  billing  every event  binding.stream: recorded: PARTNERS"
     ]

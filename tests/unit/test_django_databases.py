@@ -47,8 +47,9 @@ def config(tmp_path: Path, **databases: str) -> Any:
             connection("mysql", NAME="shop", HOST="localhost"),
             "mariadb://root@127.0.0.1:3306/shop",
         ),
+        (pg(HOST="db2", PORT="6432"), "postgresql://app@db1:5432,db2:6432/shop"),
     ],
-    ids=["loopback-names", "empty-host-and-port", "host-and-port", "mariadb"],
+    ids=["loopback-names", "empty-host-and-port", "host-and-port", "mariadb", "multi-host"],
 )
 def test_a_django_database_matches_the_router_database_at_the_same_place(
     tmp_path: Path, django: Any, url: str

@@ -20,6 +20,7 @@ from envelopes import (
     Exposure,
     ExternalEnvelope,
     InternalEnvelope,
+    Profile,
     make_internal_envelope,
     message_id_of,
     render,
@@ -302,3 +303,31 @@ def test_uuid7_is_version_7_rfc_4122_and_strictly_increasing() -> None:
     # The first 48 bits are Unix milliseconds; a burst may borrow a few from the future.
     assert before <= ids[0].int >> 80 <= after
     assert before <= ids[-1].int >> 80 <= after + 10
+
+
+@pytest.mark.parametrize(
+    ("profile", "exposure", "carried"),
+    [
+        ("internal", Exposure.NOTHING, 7),
+        ("external", Exposure.NOTHING, None),
+        ("external", Exposure(fields=frozenset({"priority"})), 7),
+        ("cloudevents", Exposure.NOTHING, None),
+    ],
+)
+def test_a_staged_priority_reaches_the_broker_only_where_the_body_carries_it(
+    profile: Profile, exposure: Exposure, carried: int | None
+) -> None:
+    stored = make_internal_envelope(
+        message_id=str(uuid7()),
+        event_type="order_placed",
+        version=1,
+        time=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        source="shop",
+        payload_json=b"{}",
+        priority=7,
+    )
+
+    wire = render(stored, profile, exposure=exposure)
+
+    assert wire.priority == carried
+    assert wire.time == "2026-01-02T03:04:05.000000Z"

@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from envelopes import ConfigError, StagingError, make_internal_envelope
+from envelopes import ConfigError, DowncastError, StagingError, make_internal_envelope
 from router import Event, parse_config
 from router.write.events import downcast, downcast_path
-from router.write.pinning import Pinning, check_pin, check_pins
+from router.write.pinning import Pinning, Received, check_pin, check_pins
 from router.write.staging import Stager
 from tests.conftest import make_config
 
@@ -90,11 +90,30 @@ def test_a_pinned_partner_gets_the_envelope_at_its_version_and_others_pass_throu
     assert pinning(other) is other
 
 
-def test_a_downcaster_that_raises_fails_the_call() -> None:
+def test_a_downcaster_that_raises_fails_the_call_with_its_message() -> None:
     pinning = Pinning({"test.pin.shipped": 1})
 
-    with pytest.raises(ValueError, match="carrier 'broken' has no v1 form"):
+    with pytest.raises(DowncastError, match=r"^carrier 'broken' has no v1 form$") as failed:
         pinning(stored(ShippedV2(order_id="o-1", carrier="broken")))
+    assert isinstance(failed.value.__cause__, ValueError)
+
+
+def test_what_a_target_receives_is_downcast_for_its_pins_then_rendered() -> None:
+    config = make_config(
+        {"main": "sqlite:///:memory:"},
+        {
+            "events": {"type": "memory", "internal": True},
+            "billing": {"type": "memory", "versions": {"test.pin.shipped": 1}},
+        },
+    )
+    current = stored(ShippedV3(order_id="o-1", carrier="ups", parcels=2))
+
+    internal = Received(config.brokers["events"])(current, sequence=7)
+    billing = Received(config.brokers["billing"])(current, sequence=7)
+
+    assert internal == config.brokers["events"].render(current, sequence=7)
+    assert billing.headers["event-version"] == "1"
+    assert orjson.loads(billing.body)["payload"] == {"order_id": "o-1"}
 
 
 def test_stage_time_refuses_a_pin_without_a_path_and_an_upcast() -> None:

@@ -3,10 +3,13 @@ written (``Stager.build_rows`` contacts no database and no broker)."""
 
 from __future__ import annotations
 
+import math
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict
 
 from envelopes import InternalEnvelope
 from router import Event, RouterConfig, StagingError
@@ -249,3 +252,160 @@ def test_stream_keys_give_each_event_its_own_stream_in_the_row_and_the_envelope(
 def test_malformed_stream_keys_are_rejected(options: dict[str, Any], message: str) -> None:
     with pytest.raises(StagingError, match=message):
         build(config(), Reserved(order_id="o"), Reserved(order_id="p"), **options)
+
+
+class Measured(Event, type="orders.measured", published=True):
+    reading: float = 0.0
+    taken_at: datetime | None = None
+    lines: list[Line] = []
+    tags: dict[str, float] = {}
+
+
+class Line(BaseModel):
+    price: float
+
+
+Measured.model_rebuild()
+
+NAN_OR_NAIVE = [
+    (Measured(reading=math.nan), "payload.reading: NaN is not valid JSON"),
+    (Measured(reading=math.inf), "payload.reading: Infinity is not valid JSON"),
+    (Measured(reading=-math.inf), "payload.reading: -Infinity is not valid JSON"),
+    (Measured(lines=[Line(price=1), Line(price=math.nan)]), "payload.lines[1].price: NaN"),
+    (Measured(tags={"eu": -math.inf}), "payload.tags['eu']: -Infinity is not valid JSON"),
+    (
+        Measured(taken_at=datetime(2026, 1, 2, 3, 4, 5)),
+        "payload.taken_at: a datetime without a timezone is ambiguous; give it one, "
+        "e.g. datetime.now(UTC)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("event", "message"), NAN_OR_NAIVE)
+def test_a_payload_value_json_cannot_hold_is_refused_naming_its_path(
+    event: Measured, message: str
+) -> None:
+    # pydantic would write NaN and infinities as null, and a naive datetime without a zone.
+    with pytest.raises(StagingError) as refused:
+        build(config(), event)
+    assert str(refused.value).startswith("event 'orders.measured' cannot be serialised: ")
+    assert message in str(refused.value)
+
+
+def test_finite_floats_and_aware_datetimes_are_staged_as_given() -> None:
+    event = Measured(reading=2.5, taken_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    payload = InternalEnvelope.model_validate_json(build(config(), event)[0].envelope).payload
+    assert payload["reading"] == 2.5
+    assert payload["taken_at"] == "2026-01-02T03:04:05Z"
+
+
+@pytest.mark.parametrize(
+    ("extensions", "message"),
+    [
+        ({"score": math.nan}, "extensions['score']: NaN is not valid JSON"),
+        ({"at": [datetime(2026, 1, 1)]}, "extensions['at'][0]: a datetime without a timezone"),
+    ],
+)
+def test_an_extension_value_json_cannot_hold_is_refused(
+    extensions: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(StagingError, match=re.escape(message)):
+        build(config(), Reserved(order_id="o"), extensions=extensions)
+
+
+NUL = "holds a NUL character (\\x00), which a database text column or a broker header cannot carry"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stream_key": "o\x001"}, f"stream_key 'o\\x001' {NUL}"),
+        ({"stream_keys": ["a", "\x00"]}, f"stream_keys[1] '\\x00' {NUL}"),
+        ({"headers": {"a\x00": "v"}}, f"header 'a\\x00' {NUL}"),
+        ({"headers": {"a": "v\x00"}}, f"header 'a' value 'v\\x00' {NUL}"),
+        ({"correlation_id": "c\x00"}, f"correlation_id 'c\\x00' {NUL}"),
+        ({"causation_id": "\x00"}, f"causation_id '\\x00' {NUL}"),
+        ({"traceparent": "\x00"}, f"traceparent '\\x00' {NUL}"),
+    ],
+)
+def test_a_nul_character_in_text_that_goes_into_a_column_or_header_is_refused(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(StagingError) as refused:
+        build(config(), Reserved(order_id="o"), Reserved(order_id="p"), **options)
+    assert str(refused.value) == message
+
+
+NATS_NAME = (
+    "a NATS header name takes only ASCII letters, digits and !#$%&'*+-.^_`|~ (no spaces, no ':')"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("bad name", NATS_NAME),
+        ("a:b", NATS_NAME),
+        ("", NATS_NAME),
+        ("é", NATS_NAME),
+        ("Nats-Expected-Stream", "NATS header names starting with 'Nats-' are JetStream's own"),
+    ],
+)
+def test_a_header_name_nats_cannot_carry_is_refused_naming_the_broker(
+    name: str, reason: str
+) -> None:
+    with pytest.raises(StagingError) as refused:
+        build(config({"events": NATS_EVENTS}), Reserved(order_id="o"), headers={name: "v"})
+    assert str(refused.value) == f"header {name!r} cannot go to broker 'events' (nats): {reason}"
+
+
+PARTNERS: dict[str, Any] = {
+    "events": {"type": "memory", "internal": True},
+    "cache": {
+        "type": "redis",
+        "expose": {"headers": ["*"]},
+        "destination": "{destination}",
+    },
+    "queue": {
+        "type": "rabbitmq",
+        "expose": {"headers": ["*"]},
+        "exchange": {"name": "events"},
+    },
+    "stream": {"type": "kafka", "expose": {"headers": ["*"]}},
+}
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        (
+            {"body": "x"},
+            "header 'body' cannot go to broker 'cache' (redis): a plain Redis entry's 'body' "
+            "field is the body, so no header may have that name",
+        ),
+        (
+            {"h" * 129: "x"},
+            f"header {'h' * 129!r} cannot go to broker 'queue' (rabbitmq): a RabbitMQ header "
+            "name is at most 128 bytes (UTF-8)",
+        ),
+    ],
+)
+def test_a_header_name_a_partner_broker_cannot_carry_is_refused(
+    headers: dict[str, str], message: str
+) -> None:
+    with pytest.raises(StagingError) as refused:
+        build(config(PARTNERS), Placed(order_id="o"), headers=headers)
+    assert str(refused.value) == message
+
+
+def test_header_names_only_the_broker_that_receives_them_is_asked_about() -> None:
+    # Kafka carries any name; the partners that cannot carry these names never receive them
+    # (not exposed, left out, or the event is not theirs).
+    assert build(config(PARTNERS), Placed(order_id="o"), headers={"h" * 128: "x", "a b": "x"})
+    hidden = {
+        "events": NATS_EVENTS,
+        "cache": {"type": "redis"},
+        "queue": {"type": "rabbitmq", "exchange": {"name": "e"}, "omit": ["headers"]},
+    }
+    assert build(config(hidden), Placed(order_id="o"), headers={"body": "x", "h" * 200: "x"})
+    assert build(config(PARTNERS), Reserved(order_id="o"), headers={"body": "x"})

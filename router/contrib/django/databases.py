@@ -75,9 +75,14 @@ def router_location(database: DatabaseSettings, base_dir: Path) -> Location | No
             return Location("sqlite", name=str(sqlite_path(database, base_dir)))
         except ValueError:
             return None
-    parts = urlsplit(database.url.get_secret_value())
-    port = parts.port or _PORTS[database.kind]
-    return Location(database.kind, _host(parts.hostname), port, unquote(parts.path.lstrip("/")))
+    return _router_locations(database)[0]
+
+
+def _router_locations(database: DatabaseSettings) -> list[Location]:
+    """One per host of a (PostgreSQL multi-host) URL: Django's database is any of them."""
+    name = unquote(urlsplit(database.url.get_secret_value()).path.lstrip("/"))
+    hosts = database.hosts() or [("", _PORTS[database.kind])]
+    return [Location(database.kind, _host(host), port, name) for host, port in hosts]
 
 
 def matching_database(config: RouterConfig, connection: Any) -> str | None:
@@ -89,7 +94,11 @@ def matching_database(config: RouterConfig, connection: Any) -> str | None:
     found = [
         name
         for name, database in config.databases.items()
-        if router_location(database, config.base_dir) == here
+        if (
+            here in _router_locations(database)
+            if database.kind != "sqlite"
+            else router_location(database, config.base_dir) == here
+        )
     ]
     return found[0] if len(found) == 1 else None
 

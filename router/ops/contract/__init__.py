@@ -19,11 +19,19 @@ from typing import Any
 
 import yaml
 
+from envelopes import ConfigError
 from router import __version__
 from router.config import RouterConfig
 from router.ops.contract._asyncapi import ASYNCAPI_VERSION, asyncapi_document
 from router.ops.contract._diff import Change, compare
-from router.ops.contract._lock import LOCK_FILE, LOCK_FORMAT, lock_document, lock_text, read_lock
+from router.ops.contract._lock import (
+    LOCK_FILE,
+    LOCK_FORMAT,
+    lock_document,
+    lock_text,
+    os_reason,
+    read_lock,
+)
 from router.ops.contract._wire import Member, PartnerMessage, partner_messages
 from router.write.catalog import EventCatalog
 
@@ -45,6 +53,7 @@ __all__ = [
     "partner_messages",
     "read_lock",
     "shown",
+    "write",
 ]
 
 
@@ -58,7 +67,7 @@ def export(config: RouterConfig, catalog: EventCatalog, out: str | None = None) 
         text = yaml.safe_dump(document, sort_keys=False, allow_unicode=True)
     else:
         text = json.dumps(document, indent=2, ensure_ascii=False) + "\n"
-    Path(out).write_text(text, encoding="utf-8")
+    write(Path(out), text)
     return (
         f"{out}: AsyncAPI {document['asyncapi']}, {len(document['servers'])} partner(s), "
         f"{len(document['channels'])} channel(s), "
@@ -71,7 +80,7 @@ def lock(config: RouterConfig, catalog: EventCatalog, path: Path) -> str:
     document = lock_document(config.service, partner_messages(config, catalog))
     text = lock_text(document)
     unchanged = path.exists() and path.read_text(encoding="utf-8") == text
-    path.write_text(text, encoding="utf-8")
+    write(path, text)
     partners = document["partners"]
     versions = sum(len(v) for p in partners.values() for v in p["events"].values())
     state = "unchanged" if unchanged else "written"
@@ -134,6 +143,14 @@ def check(config: RouterConfig, catalog: EventCatalog, lock: Path) -> CheckResul
     current = lock_document(config.service, partner_messages(config, catalog))
     stale = lock_text(current) != lock.read_text(encoding="utf-8")
     return CheckResult(lock, compare(locked, current), stale)
+
+
+def write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``; a path that cannot be written is a one-line ConfigError."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {shown(path)}: {os_reason(path, exc)}") from None
 
 
 def shown(path: Path) -> str:

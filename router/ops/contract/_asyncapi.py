@@ -1,6 +1,6 @@
 """The partner contract as an AsyncAPI 3.0 document: a server per partner broker, a channel
-per (partner, destination), a message per event version that partner receives, and a
-``send`` operation per channel."""
+per (partner, destination) with the bindings that say where to consume it, a message per
+event version that partner receives, and a ``send`` operation per channel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.ops.contract._bindings import (
+    channel_bindings,
+    message_bindings,
+    operation_bindings,
+)
 from router.ops.contract._members import named_object
 from router.ops.contract._schema import Schema, glob_pattern, hoist_definitions
 from router.ops.contract._wire import PartnerMessage
@@ -58,6 +63,7 @@ def asyncapi_document(
                 "title": f"{message.destination} on {message.partner}",
                 "servers": [{"$ref": f"#/servers/{server_id}"}],
                 "messages": {},
+                **channel_bindings(message.settings, message.destination),
             },
         )
         key = _id(f"{message.event_type}.v{message.version}")
@@ -71,6 +77,7 @@ def asyncapi_document(
                 "channel": {"$ref": f"#/channels/{channel_id}"},
                 "summary": f"{service} publishes to {message.destination} on {message.partner}.",
                 "messages": [],
+                **_bindings(operation_bindings(message.settings)),
             },
         )
         operation["messages"].append({"$ref": f"#/channels/{channel_id}/messages/{key}"})
@@ -128,7 +135,20 @@ def _message(message: PartnerMessage, schemas: dict[str, Schema]) -> dict[str, A
     document["payload"] = _body(message, payload)
     if any(h.name == "correlation-id" for h in message.headers):
         document["correlationId"] = {"location": "$message.header#/correlation-id"}
+    document.update(_bindings(message_bindings(message.settings, message.event_type)))
+    if message.properties:
+        document["x-properties"] = {
+            "type": "object",
+            "description": "The broker's own message properties besides the headers, each "
+            "derived from the stored event (the same on every publish of it).",
+            "properties": {p.name: p.schema for p in message.properties},
+            "required": [p.name for p in message.properties if p.required],
+        }
     return document
+
+
+def _bindings(bindings: dict[str, Any]) -> dict[str, Any]:
+    return {"bindings": bindings} if bindings else {}
 
 
 def _body(message: PartnerMessage, payload: Schema) -> Schema:

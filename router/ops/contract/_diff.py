@@ -10,13 +10,18 @@ there, of its type, with its values, in every message that had it. So these are 
 - an enum value removed or added (a strict reader rejects an unknown one), a format,
   pattern or bound changed;
 - optional made required, or required made optional (no longer in every message);
+- a new required field or envelope member: the messages already sent at this version (and
+  stored rows replayed) lack it, so a partner validating with the new schema rejects them;
 - a destination, content type, broker kind or envelope profile changed; a staged header or
-  extension name pattern no longer allowed.
+  extension name pattern no longer allowed;
+- a binding changed: the exchange (name, type, durability) or virtual host, the JetStream
+  stream, the Redis database, the Service Bus entity kind or sessions: a partner's queue,
+  consumer or receiver is bound to it by name, and would receive nothing more.
 
-Additive (listed, not breaking): a new partner, event type, version, field, envelope member,
-header, or allowed header or extension pattern. A new version of an event type is a new
-contract beside the old one, never a change of it; titles, descriptions and examples are
-documentation, not contract.
+Additive (listed, not breaking): a new partner, event type, version, optional field or
+envelope member, header, or allowed header or extension pattern. A new version of an event
+type is a new contract beside the old one, never a change of it; titles, descriptions and
+examples are documentation, not contract.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
         if before.get(key) != after.get(key):
             what = f"{'broker kind' if key == 'kind' else 'envelope'} changed: "
             changes.append(Change(True, name, None, None, key, what + _pair(before, after, key)))
+    if before.get("kind") == after.get("kind"):
+        changes.extend(_binding(name, before, after))
     same_envelope = before.get("envelope") == after.get("envelope")
     old_events, new_events = before.get("events", {}), after.get("events", {})
     for event_type, version, entry in _entries(before):
@@ -111,6 +118,37 @@ def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
             what = "new version" if event_type in old_events else "new event type"
             changes.append(Change(False, name, event_type, version, "", what))
     return changes
+
+
+def _binding(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Change]:
+    """Where the partner consumes, besides each destination (an exchange, a stream...)."""
+    new = _flat(after.get("binding", {}))
+    if "binding" not in before:  # a lock written before bindings were recorded
+        return [
+            Change(False, name, None, None, f"binding.{key}", f"recorded: {value}")
+            for key, value in new.items()
+        ]
+    old = _flat(before["binding"])
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        if old.get(key) != new.get(key):
+            what = (
+                f"changed: {old.get(key, '-')} -> {new.get(key, '-')}; a partner bound to the "
+                "old one receives nothing more"
+            )
+            changes.append(Change(True, name, None, None, f"binding.{key}", what))
+    return changes
+
+
+def _flat(binding: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"exchange": {"name": "x"}}`` -> ``{"exchange.name": "x"}``."""
+    flat: dict[str, Any] = {}
+    for key, value in binding.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _pair(before: Mapping[str, Any], after: Mapping[str, Any], key: str) -> str:

@@ -9,23 +9,30 @@ from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError
+from router.ops.contract._bindings import location
 from router.ops.contract._wire import PartnerMessage
 
-__all__ = ["LOCK_FILE", "LOCK_FORMAT", "lock_document", "lock_text", "read_lock"]
+__all__ = ["LOCK_FILE", "LOCK_FORMAT", "lock_document", "lock_text", "os_reason", "read_lock"]
 
 LOCK_FILE = "contracts.lock.json"
 LOCK_FORMAT = "outbox-router partner contract lock, 1"
 
 
 def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str, Any]:
-    """Per partner its broker kind and envelope, then per event type and version: the
+    """Per partner its broker kind, envelope and binding (the exchange, stream... a consumer
+    is bound to), then per event type and version: the
     destination, content type, envelope members, header names (with the values fixed per
     event version, such as source) and payload schema."""
     partners: dict[str, Any] = {}
     for message in messages:
         partner = partners.setdefault(
             message.partner,
-            {"kind": message.settings.type, "envelope": message.profile, "events": {}},
+            {
+                "kind": message.settings.type,
+                "envelope": message.profile,
+                "binding": location(message.settings),
+                "events": {},
+            },
         )
         versions = partner["events"].setdefault(message.event_type, {})
         versions[str(message.version)] = {
@@ -60,6 +67,8 @@ def read_lock(path: Path) -> dict[str, Any] | None:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {os_reason(path, exc)}") from None
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -67,3 +76,12 @@ def read_lock(path: Path) -> dict[str, Any] | None:
     if not isinstance(document, dict) or document.get("contract") != LOCK_FORMAT:
         raise ConfigError(f"{path}: not a contract lock; run `router contract lock`")
     return document
+
+
+def os_reason(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be opened, in words (no errno, no traceback)."""
+    if isinstance(exc, FileNotFoundError):
+        return f"its folder {path.parent} does not exist"
+    if isinstance(exc, IsADirectoryError):
+        return "it is a directory"
+    return (exc.strerror or str(exc)).lower()

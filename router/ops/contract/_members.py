@@ -1,7 +1,7 @@
 """The schemas of a partner message's members: the envelope's fields and CloudEvents
 attributes (from the envelope models, nulls left out as render leaves them out) and the
-transport headers (every value a string), with the values fixed per event version as
-``const``."""
+transport headers (every value a string) and the broker's own message properties, with the
+values fixed per event version as ``const``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ __all__ = [
     "fixed_values",
     "header_schema",
     "named_object",
+    "property_schema",
 ]
 
 EXTENSIONS = "Extension attributes staged with the event, by name (expose.extensions)."
@@ -93,7 +94,45 @@ _HEADER_DESCRIPTIONS = {
     HeaderName.EVENT_VERSION: "Schema version of the payload.",
     HeaderName.SOURCE: "The service that committed the event.",
     HeaderName.CONTENT_TYPE: "The media type of the body.",
+    # Added by the adapters (BrokerSettings.native_headers).
+    "Nats-Msg-Id": "The event's message id again: the key of JetStream's duplicate window.",
+    "correlation_id": "The staged correlation id again, under the name some Kafka client "
+    "frameworks read it by.",
 }
+
+# The broker's own properties (BrokerSettings.native_properties), by kind and name.
+_PROPERTY_DESCRIPTIONS = {
+    "message_id": "The event's message id (UUIDv7): deduplicate on it.",
+    "correlation_id": "The correlation id staged with the event.",
+    "content_type": "The media type of the body.",
+    "type": "The event type name.",
+    "subject": "The event type name.",
+    "delivery_mode": "2: persistent (the broker's persistent setting); 1: not.",
+    "priority": "The priority staged with the event.",
+    "key": "The stream key: a stream stays on one partition, in order.",
+    "session_id": "The stream key (session-enabled entities).",
+}
+_TIMESTAMPS = {
+    "rabbitmq": "The event's time (not the publish time), in seconds since the epoch.",
+    "kafka": "The event's time (not the publish time), in milliseconds since the epoch "
+    "(the record's CreateTime; a topic with LogAppendTime replaces it).",
+}
+
+
+def property_schema(kind: str, name: str, value: str | int, fixed: Mapping[str, Any]) -> Schema:
+    """A native message property's schema, from one sample value of it."""
+    schema: Schema = {"type": "integer" if isinstance(value, int) else "string"}
+    description = _TIMESTAMPS.get(kind) if name == "timestamp" else None
+    description = description or _PROPERTY_DESCRIPTIONS.get(name)
+    if description:
+        schema["description"] = description
+    if name in ("type", "subject"):
+        schema["const"] = fixed["type"]
+    elif name == "content_type":
+        schema["const"] = fixed[HeaderName.CONTENT_TYPE]
+    elif name == "delivery_mode":
+        schema["const"] = value
+    return schema
 
 
 def header_schema(header: str, settings: BrokerSettings, fixed: Mapping[str, Any]) -> Schema:

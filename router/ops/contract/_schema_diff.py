@@ -39,6 +39,14 @@ _STRUCTURE = frozenset(
 )
 
 
+# A field required at a version must be in every message of that version: those already
+# sent (and stored rows replayed) lack it, so a partner validating with the new schema fails.
+_NEW_REQUIRED = (
+    "new required field: messages already sent at this version lack it "
+    "(make it optional, or add it in a new version)"
+)
+
+
 @dataclass
 class _Node:
     """One schema, flattened over its union members."""
@@ -142,8 +150,10 @@ class _Walk:
                 continue
             schema = _union(b.properties[name])
             optional = name not in new_required or "null" in _node(schema, self.new_root).types
-            what = "new optional field" if optional else "new field (in every message)"
-            self.report(False, f"{path}.{name}", what)
+            if optional:
+                self.report(False, f"{path}.{name}", "new optional field")
+            else:
+                self.report(True, f"{path}.{name}", _NEW_REQUIRED)
 
     def _renames(self, a: _Node, b: _Node, removed: list[str], added: list[str]) -> dict[str, str]:
         """Removed fields paired with added ones of the same schema, in order."""

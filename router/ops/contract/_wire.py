@@ -1,11 +1,12 @@
 """What each partner receives of each event version: found by staging and rendering samples.
 
 Which partners get an event and where is what staging resolves (``Stager.build_rows``:
-``BrokerSettings.wants`` and ``destination_for``); which version a partner gets is what the
-processor makes of the row (``Pinning`` for a broker's ``versions:``); which envelope members
-and headers it gets is what ``BrokerSettings.render`` sends, read off two samples: one with
-every metadata field set (what may be sent), one with none (what is always sent). Nothing
-here restates those rules, so the contract cannot drift from the wire. Staged headers and
+``BrokerSettings.wants`` and ``destination_for``); which version a partner gets, and which
+envelope members and headers, is what the processor publishes (``router.write.pinning.Received``:
+downcast for a broker's ``versions:``, then rendered), with the headers and native properties
+the adapter adds (``native_headers``, ``native_properties``), read off two samples: one with
+every metadata field set (what may be sent), one with none (what is always sent). Nothing here
+restates those rules, so the contract cannot drift from the wire. Staged headers and
 extensions are allowed by name globs (``expose.headers``, ``expose.extensions``) and are
 described by those globs.
 """
@@ -20,6 +21,7 @@ from typing import cast
 from brokers import BrokerSettings
 from envelopes import (
     ConfigError,
+    DowncastError,
     Metadata,
     StageOptions,
     StagingError,
@@ -34,12 +36,13 @@ from router.ops.contract._members import (
     fixed_values,
     header_schema,
     named_object,
+    property_schema,
 )
 from router.ops.contract._schema import Schema, payload_schema, project
 from router.ops.preview import example_of
 from router.write.catalog import EventCatalog, check_partners
 from router.write.events import Event, EventSpec
-from router.write.pinning import Pinning, check_pin
+from router.write.pinning import Received, check_pin
 from router.write.staging import Row, Stager
 
 __all__ = ["Member", "PartnerMessage", "partner_messages"]
@@ -68,7 +71,8 @@ class PartnerMessage:
     envelope: tuple[Member, ...]  # body members besides the payload (none in binary mode)
     payload_member: str | None  # the body member holding the payload; None: it is the body
     payload: Schema  # the event's JSON schema after the partner's projection, with $defs
-    headers: tuple[Member, ...]  # the transport headers the router sets
+    headers: tuple[Member, ...]  # every header on the wire: transport headers, adapter's own
+    properties: tuple[Member, ...]  # the broker's own message properties (AMQP, Kafka, ...)
     staged_headers: tuple[str, ...]  # globs: the staged headers sent as transport headers
     extensions: tuple[str, ...]  # globs: the extensions sent
 
@@ -158,17 +162,12 @@ def _sample_event(event_class: type[Event]) -> Event:
 
 
 def _render(settings: BrokerSettings, stored: str) -> WireMessage:
-    """As the processor publishes a row to this broker: downcast to a pinned version
-    (``router.serve.runner`` gives a pinned broker's processor this transform), then
-    rendered."""
-    if settings.versions:
-        try:
-            stored = Pinning(settings.versions)(stored)
-        except Exception as exc:  # the user's downcaster: any error is theirs to see
-            raise ConfigError(
-                f"cannot downcast an example event for a pinned partner: {exc}"
-            ) from exc
-    return settings.render(stored, sequence=1)
+    """As the processor publishes a row to this broker (``Received``: downcast to a pinned
+    version, then rendered)."""
+    try:
+        return Received(settings)(stored, sequence=1)
+    except DowncastError as exc:  # the user's downcaster: any error is theirs to see
+        raise ConfigError(f"cannot downcast an example event for a pinned partner: {exc}") from exc
 
 
 def _message(
@@ -197,11 +196,17 @@ def _message(
             if key != payload_member
         )
         envelope += _allow_listed_members(settings.profile, staged, extensions)
+    on_wire, always = settings.native_headers(wide), settings.native_headers(bare)
     headers = tuple(
-        Member(header, header in bare.headers, header_schema(header, settings, fixed))
-        for header in wide.headers
+        Member(header, header in always, header_schema(header, settings, fixed))
+        for header in on_wire
     )
-    kept = settings.exposure.payload.get(spec.type)
+    bare_properties = settings.native_properties(bare)
+    properties = tuple(
+        Member(name, name in bare_properties, property_schema(settings.type, name, value, fixed))
+        for name, value in settings.native_properties(wide).items()
+    )
+    kept = settings.exposure.kept(spec.type, spec.version)
     return PartnerMessage(
         partner=name,
         settings=settings,
@@ -212,6 +217,7 @@ def _message(
         payload_member=payload_member,
         payload=project(payload_schema(event_class), kept),
         headers=headers,
+        properties=properties,
         staged_headers=tuple(staged),
         extensions=tuple(extensions),
     )

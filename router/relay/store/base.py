@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from envelopes import DatabaseError, SchemaError
+from router.relay.store.outage import Outage
 
 __all__ = [
     "OPEN_STATUSES",
@@ -122,6 +123,9 @@ class OutboxStore(Protocol):
     """One database's outbox, as the processors of its targets use it."""
 
     kind: str
+    outage: Outage
+    """Whether the database is down, shared by its processors and its watcher, which log
+    only when that changes."""
     holds_batches: bool
     """True when a claim holds its rows in a transaction until its batch is marked, and only
     one transaction of a target is open at a time (PostgreSQL): the processor then claims the

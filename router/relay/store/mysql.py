@@ -37,6 +37,7 @@ from router.relay.store.base import (
     new_token,
     schema_problem,
 )
+from router.relay.store.outage import Outage
 
 __all__ = ["MysqlStore", "unsupported_server"]
 
@@ -82,6 +83,7 @@ class MysqlStore:
         watch_interval: float = WATCH_IDLE,
     ) -> None:
         self.name = name
+        self.outage = Outage(name)
         self.watch_interval = watch_interval
         self._connect_args = connect_args
         self._pool_size = pool_size
@@ -219,14 +221,12 @@ class MysqlStore:
             try:
                 seq, pending, *paused = await self._look()
             except DatabaseError as exc:
-                log.warning(
-                    "db.watch.failed",
-                    extra={"database": self.name, "error": str(exc), "retry_in": interval},
-                )
+                self.outage.failed(str(exc), retry_in=interval)
                 seen = _UNKNOWN  # wake everyone once the database answers again
                 await asyncio.sleep(interval)
                 interval = min(interval * 2, self.watch_interval)
                 continue
+            self.outage.recovered()
             rose = pending is not None and (high is None or pending > high)
             high = pending if rose else high
             changed = (seq, *paused) != seen or rose

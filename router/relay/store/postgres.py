@@ -32,6 +32,7 @@ from router.relay.store.base import (
     new_token,
     schema_problem,
 )
+from router.relay.store.outage import Outage
 from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_upkeep import Upkeep
 
@@ -40,6 +41,12 @@ __all__ = ["CHANNEL", "PostgresStore"]
 log = logging.getLogger(__name__)
 
 CHANNEL = "router_outbox"
+
+# The LISTEN connection's longest pause between tries while the database is away. Its return
+# wakes every processor of the database, whose own pauses grow to 30 s: so after an outage of
+# any length (a failover: the replica promoted), delivery resumes within this of the server
+# accepting writes again. One connection attempt per 2 s and worker costs nothing.
+LISTEN_RETRY_MAX = 2.0
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
@@ -94,6 +101,7 @@ class PostgresStore:
         durable: bool = False,
     ) -> None:
         self.name = name
+        self.outage = Outage(name)
         self._async_commit = not durable  # see migration 0006
         self._dsn = dsn
         self._pool_size = pool_size
@@ -134,7 +142,11 @@ class PostgresStore:
             await run.end()  # cancelled (stop) or failed: nothing of it is kept
             _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:  # nothing due, or busy (a NULL seq)
-            await run.commit()
+            try:
+                await run.commit()
+            except BaseException as exc:  # the session ended under it (database dropped...)
+                await run.end()
+                _raise_as_database_error(self.name, exc)
             return Claim(token, [], busy=bool(records))
         return self._held_claim(run, token, records)
 
@@ -266,14 +278,12 @@ class PostgresStore:
             try:
                 conn = await asyncpg.connect(self._dsn, timeout=10)
             except DB_ERRORS as exc:
-                log.warning(
-                    "db.listen.failed",
-                    extra={"database": self.name, "error": describe_error(exc), "retry_in": delay},
-                )
+                self.outage.failed(describe_error(exc), retry_in=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay = min(delay * 2, LISTEN_RETRY_MAX)
                 continue
             delay = 0.5
+            self.outage.recovered()
             closed = asyncio.Event()
             try:
                 conn.add_termination_listener(lambda _conn, ev=closed: ev.set())
@@ -283,9 +293,7 @@ class PostgresStore:
                 await closed.wait()
                 log.warning("db.listen.lost", extra={"database": self.name})
             except DB_ERRORS as exc:
-                log.warning(
-                    "db.listen.failed", extra={"database": self.name, "error": describe_error(exc)}
-                )
+                self.outage.failed(describe_error(exc))
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)

@@ -9,4 +9,12 @@ import asyncpg
 
 __all__ = ["DB_ERRORS"]
 
-DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# TargetServerAttributeNotMatched: every host of a multi-host URL answered, none accepts
+# writes (mid-failover: the primary is down, the standby not promoted yet).
+DB_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.TargetServerAttributeNotMatched,
+    OSError,
+    TimeoutError,
+)

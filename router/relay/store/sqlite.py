@@ -31,6 +31,7 @@ from router.relay.store.base import (
     new_token,
     schema_problem,
 )
+from router.relay.store.outage import Outage
 
 __all__ = ["SqliteStore"]
 
@@ -124,6 +125,7 @@ class SqliteStore:
 
     def __init__(self, name: str, path: Path, *, watch_interval: float = 0.05) -> None:
         self.name = name
+        self.outage = Outage(name)
         self.path = path
         self.watch_interval = watch_interval
         self._db: aiosqlite.Connection | None = None

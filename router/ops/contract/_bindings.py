@@ -1,0 +1,101 @@
+"""Where a partner consumes, besides the destination: the RabbitMQ exchange (and virtual host),
+the JetStream stream, the Redis database, the Service Bus entity kind. A partner binds its
+queue, consumer or receiver to these by name, so renaming one cuts it off as surely as
+changing the destination: the lock records them (``location``) and ``_diff`` calls a change
+breaking. The AsyncAPI document carries them as the protocol's bindings where the spec has
+one (amqp, kafka) and as ``x-`` extensions where it has none (a JetStream stream, Redis,
+Service Bus).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from brokers import BrokerSettings
+from brokers.settings import (
+    KafkaSettings,
+    NatsSettings,
+    RabbitSettings,
+    RedisSettings,
+    ServiceBusSettings,
+)
+
+__all__ = ["channel_bindings", "location", "message_bindings", "operation_bindings"]
+
+_AMQP = "0.3.0"  # the AsyncAPI amqp binding's version
+_KAFKA = "0.5.0"  # the AsyncAPI kafka binding's version
+_STREAM_KEY = {
+    "type": "string",
+    "description": "The event's stream key (absent when staged without one): the events of "
+    "one stream share a partition, in commit order.",
+}
+
+
+def location(settings: BrokerSettings) -> dict[str, Any]:
+    """What a partner's consumer is bound to on this broker, besides each destination."""
+    if isinstance(settings, RabbitSettings):
+        exchange = settings.exchange
+        return {
+            "exchange": {"name": exchange.name, "type": exchange.type, "durable": exchange.durable},
+            "vhost": _vhost(settings),
+        }
+    if isinstance(settings, NatsSettings):
+        return {"stream": settings.stream.name}
+    if isinstance(settings, RedisSettings):
+        return {"db": _redis_db(settings)}
+    if isinstance(settings, ServiceBusSettings):
+        return {"entity": settings.entity, "sessions": settings.sessions}
+    return {}
+
+
+def channel_bindings(settings: BrokerSettings, destination: str) -> dict[str, Any]:
+    """The channel's members that say where it is: ``bindings`` and ``x-`` extensions."""
+    where = location(settings)
+    if isinstance(settings, RabbitSettings):
+        exchange = {**where["exchange"], "autoDelete": False, "vhost": where["vhost"]}
+        amqp = {"is": "routingKey", "exchange": exchange, "bindingVersion": _AMQP}
+        return {"bindings": {"amqp": amqp}}
+    if isinstance(settings, KafkaSettings):
+        return {"bindings": {"kafka": {"topic": destination, "bindingVersion": _KAFKA}}}
+    # The nats binding has no channel fields (its operation binding names a queue group
+    # only), and redis and amqp1 have none at all: what a partner needs goes in extensions.
+    if isinstance(settings, NatsSettings):
+        return {"x-jetstream": {"stream": where["stream"], "subject": destination}}
+    if isinstance(settings, RedisSettings):
+        return {"x-redis": {"stream": destination, "db": where["db"]}}
+    if isinstance(settings, ServiceBusSettings):
+        return {"x-servicebus": {**where, "name": destination}}
+    return {}
+
+
+def operation_bindings(settings: BrokerSettings) -> dict[str, Any]:
+    """How the router sends: persistent and mandatory on RabbitMQ (none elsewhere)."""
+    if isinstance(settings, RabbitSettings):
+        amqp = {
+            "deliveryMode": 2 if settings.persistent else 1,
+            "mandatory": settings.mandatory,
+            "bindingVersion": _AMQP,
+        }
+        return {"amqp": amqp}
+    return {}
+
+
+def message_bindings(settings: BrokerSettings, event_type: str) -> dict[str, Any]:
+    """The AMQP message type (the event type) and the Kafka record key (the stream key)."""
+    if isinstance(settings, RabbitSettings):
+        return {"amqp": {"messageType": event_type, "bindingVersion": _AMQP}}
+    if isinstance(settings, KafkaSettings):
+        return {"kafka": {"key": dict(_STREAM_KEY), "bindingVersion": _KAFKA}}
+    return {}
+
+
+def _vhost(settings: RabbitSettings) -> str:
+    # As aio-pika reads the URL: the path without its slash, "/" when empty.
+    path = urlsplit(settings.url.get_secret_value()).path
+    return unquote(path[1:]) or "/"
+
+
+def _redis_db(settings: RedisSettings) -> int:
+    path = urlsplit(settings.url.get_secret_value()).path.strip("/")
+    return int(path) if path.isdigit() else 0
