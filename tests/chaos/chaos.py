@@ -20,7 +20,9 @@ What happens:
 - during the run a worker is killed with SIGKILL every ``--kill-every`` seconds (the router's
   parent restarts it), the NATS server is restarted (SIGTERM; SIGKILL in the harsh size), and
   the database crashes once (twice in the harsh size: an immediate stop of PostgreSQL, a
-  SIGKILL of mariadbd, then crash recovery). With ``--graceful-stops N`` a worker is also
+  SIGKILL of mariadbd, then crash recovery). Once, the router's path to NATS stops passing
+  packets for five seconds while its connections stay open (a gray partition). With
+  ``--graceful-stops N`` a worker is also
   stopped with SIGTERM N times, which must cause no duplicate at all. On PostgreSQL
   the router's own claims and marks commit without waiting for the WAL flush, so the most
   recent of them are lost, as in a real crash: a repeat whose first copy reached the broker
@@ -77,6 +79,8 @@ STREAM, SUBJECT = "CHAOS", "chaos"
 # How long a dead worker's rows wait when no parent gives them back (a database crash that
 # lost the release): a batch still being published has its lease extended past this.
 LEASE_SECONDS = 10
+# How long the router's path to NATS passes nothing, once per run (see _partition).
+PARTITION_SECONDS = 5.0
 
 
 class Tick(Event, type="chaos.tick"):
@@ -382,7 +386,8 @@ class Chaos:
         graceful stops, in order of time; the worker kills come between them."""
         expected = self.events / self.rate
         plan: list[tuple[float, Callable[[], Awaitable[None]]]] = [
-            (expected * 0.35, self._restart_broker)
+            (expected * 0.35, self._restart_broker),
+            (expected * 0.8, self._partition),
         ]
         # One crash at 0.6 of the run, as always; more are spread from 0.15 up to it.
         crashes = self.database_restarts
@@ -450,6 +455,31 @@ class Chaos:
         # What it claimed between the note and the signal, while it winds down.
         await self._note_in_flight(f"%:{pid}:%", into=self.ledger.graceful_in_flight)
         self.report.graceful_stops += 1
+
+    async def _partition(self) -> None:
+        """The router's path to NATS stops passing packets, its connections open, for
+        PARTITION_SECONDS: its workers find the path silent, give their batches back untried
+        and probe until it heals. Acks it swallowed explain repeats, as a broker restart's do."""
+        self._disrupted_at("partition")
+        await self._note_in_flight("%")
+        self.proxy.hold()
+        # Workers go on sending into the silence until they find it silent, batches claimed
+        # after the first note among them; each goes back untried and is sent again after the
+        # heal, while the proxy then passes on what it held. So note what is in flight all
+        # along.
+        await self._note_all_along(PARTITION_SECONDS)
+        self.proxy.release()
+        self._disrupted_at("partition healed")
+        self.report.partitions += 1
+        # Then what the proxy held reaches NATS at once, a burst whose acks may come too late
+        # for a worker on trial, which gives its batch back again: the aftermath counts too.
+        await self._note_all_along(3.0)
+
+    async def _note_all_along(self, seconds: float) -> None:
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            await self._note_in_flight("%", failed_too=True)
+            await asyncio.sleep(0.05)
 
     async def _restart_broker(self) -> None:
         self._disrupted_at(f"broker {'kill' if self.broker_kill else 'stop'}")

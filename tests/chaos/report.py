@@ -169,6 +169,8 @@ class Report:
     duplicates_after_graceful_stop: int = 0
     broker_restarts: int = 0
     broker_stop: str = "SIGTERM"
+    partitions: int = 0
+    """Times the router's path to the broker went silent (connections open)."""
     database_restarts: int = 0
     producer_retries: int = 0
     workers_started: int = 0
@@ -249,6 +251,7 @@ class Report:
             ("worker kills (SIGKILL)", self.worker_kills),
             ("graceful stops (SIGTERM)", self.graceful_stops),
             (f"broker restarts ({self.broker_stop})", self.broker_restarts),
+            ("partitions (path to the broker silent)", self.partitions),
             ("database restarts", self.database_restarts),
             ("producer retries (unknown commit)", self.producer_retries),
             ("workers started / ready", f"{self.workers_started} / {self.workers_ready}"),

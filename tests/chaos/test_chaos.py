@@ -31,6 +31,7 @@ async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
     assert report.committed >= 4000
     assert report.worker_kills >= 10
     assert report.broker_restarts == 1
+    assert report.partitions == 1
     assert report.database_restarts == 1
     assert report.lost == 0, report.lost_ids
     assert report.order_violations == 0, report.violations
