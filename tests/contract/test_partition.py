@@ -51,8 +51,7 @@ async def test_a_host_cut_off_from_the_broker_hands_its_work_over_and_rejoins(
     gray: tuple[Harness, GrayProxy], pg_url: str, tmp_path: Path
 ) -> None:
     harness, proxy = gray
-    rate = float(os.environ.get("PARTITION_RATE", "200"))
-    outcome = await run(harness, proxy, pg_url, tmp_path, Plan(path="broker", rate=rate))
+    outcome = await run(harness, proxy, pg_url, tmp_path, plan_from_environment("broker"))
     assert outcome.cut_off_logged_after is not None, "host A never noticed the cut"
     assert outcome.rejoined_after is not None, "host A never delivered again"
     assert outcome.rejoined_after <= 5.0, outcome.table()
@@ -67,7 +66,7 @@ async def test_a_host_cut_off_from_the_database_hands_its_work_over(
         proxy = GrayProxy(*upstream_of(harness))  # not cut: the database's proxy is
         await proxy.start()
         try:
-            plan = Plan(path="database")
+            plan = plan_from_environment("database")
             outcome = await PartitionRun(harness, proxy, pg_url, tmp_path, plan).run()
         finally:
             await proxy.stop()
@@ -91,6 +90,18 @@ async def run(harness: Harness, proxy: GrayProxy, pg_url: str, folder: Path, pla
     assert outcome.longest_stall <= 2.0, outcome.table()
     assert outcome.by_host["host-b"] > 0, outcome.table()
     return outcome
+
+
+def plan_from_environment(path: str) -> Plan:
+    """The suite's size, or a larger one: PARTITION_SECONDS, PARTITION_RATE and
+    PARTITION_STREAMS (the issue's figures: 30, 400 and 200)."""
+    environ = os.environ
+    return Plan(
+        path=path,
+        seconds=float(environ.get("PARTITION_SECONDS", Plan.seconds)),
+        rate=float(environ.get("PARTITION_RATE", Plan.rate)),
+        streams=int(environ.get("PARTITION_STREAMS", Plan.streams)),
+    )
 
 
 def assert_nothing_lost_or_reordered(outcome: Outcome) -> None:
