@@ -9,13 +9,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from brokers import OutgoingMessage
+from brokers import OutgoingMessage, PublishResult
 from envelopes import DatabaseError
 from router.relay.store import Marks
 from tests.unit.conftest import (
     EVENTS_BROKER,
     OpenOutbox,
     OutboxFile,
+    number_of,
     numbers,
     read_time,
     refusing,
@@ -148,6 +149,36 @@ async def test_a_down_broker_costs_no_attempt_and_opens_the_circuit_until_it_is_
     assert outbox_file.statuses() == ["published"] * 3
     assert numbers(outbox_file.broker) == [1, 2, 3]
     assert not processor.circuit.is_open
+
+
+async def test_a_message_unanswered_even_on_trial_backs_off_and_is_abandoned(
+    open_outbox: OpenOutbox,
+) -> None:
+    # Every publish of event 1 goes unanswered (a message the broker drops the connection
+    # over), though the broker answers probes: a path fault the first time, but unanswered
+    # again on trial it counts as an attempt, so it cannot circle between hosts for ever.
+    outbox_file = await open_outbox(
+        retry={"base_delay": 0.01, "max_delay": 0.01, "jitter": 0, "max_attempts": 3},
+        circuit={"probe_max_delay": 0.01},
+    )
+    outbox_file.broker.handler = lambda m: (
+        PublishResult.cut_off("connection lost") if number_of(m) == 1 else None
+    )
+    await outbox_file.stage(1, 2)
+    processor = outbox_file.processor()
+
+    for _ in range(200):
+        await processor.drain()
+        if outbox_file.statuses() == ["abandoned", "published"]:
+            break
+        await asyncio.sleep(0.01)
+
+    first, second = outbox_file.rows()
+    assert (first["status"], first["attempts"]) == ("abandoned", 3)
+    assert first["last_error"] == "gave up after 3 attempts: connection lost"
+    assert (second["status"], second["attempts"]) == ("published", 1)
+    # Tried once more than counted: the first time it went back untried (a path fault).
+    assert sum(1 for m in outbox_file.broker.attempts if number_of(m) == 1) >= 4
 
 
 async def test_a_hanging_broker_is_found_silent_within_twice_the_silence_timeout(
