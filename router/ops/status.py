@@ -41,7 +41,7 @@ class TargetStatus:
     circuit: str = "closed"
     circuit_since: str | None = None
     paused: bool = False
-    last_error: str | None = None
+    last_error: str | None = None  # the latest row error; else an open circuit's reason
     # The last minute (router.ops.flow), and the target's limits from the config.
     staged_per_second: float = 0.0
     published_per_second: float = 0.0
@@ -144,6 +144,12 @@ async def _status_of(
         settings = configured.get(target)
         queued = sum(int(row[i] or 0) for i in (1, 2, 3)) if row else 0
         paused = bool(state.paused) if state else False
+        circuit = _circuit(state, settings, outbox_settings or OutboxSettings(), now)
+        # Rows behind an open circuit wait untried, with no error of their own: the circuit's
+        # reason is why they wait.
+        error = errors.get(target)
+        if error is None and circuit == "open" and state is not None:
+            error = state.circuit_error
         result.append(
             TargetStatus(
                 database=database,
@@ -155,10 +161,10 @@ async def _status_of(
                 published=(int(row[5] or 0) if row else 0) if published else None,
                 oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
                 retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
-                circuit=_circuit(state, settings, outbox_settings or OutboxSettings(), now),
+                circuit=circuit,
                 circuit_since=connections.iso(state.circuit_since) if state else None,
                 paused=paused,
-                last_error=errors.get(target),
+                last_error=error,
                 staged_per_second=flow.staged_per_second,
                 published_per_second=flow.published_per_second,
                 time_to_empty_seconds=time_to_empty(queued, flow, paused),
