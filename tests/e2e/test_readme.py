@@ -373,9 +373,14 @@ def partner_down(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cop
 
         def settled() -> bool:
             targets = status_of(copy)
-            return targets["events"]["published"] == 6 and targets["partners"]["failed"] == 3
+            partners = targets["partners"]
+            return bool(
+                targets["events"]["published"] == 6
+                and partners["pending"] == 3
+                and partners["circuit"] == "open"
+            )
 
-        wait_for(settled, "6 events published and 3 partner rows retrying")
+        wait_for(settled, "6 events published and 3 partner rows waiting, its circuit open")
         with sqlite3.connect(copy.folder / "var/shop.db") as db:
             (message_id,) = db.execute(
                 "SELECT message_id FROM router_outbox WHERE target = 'partners' LIMIT 1"
