@@ -22,30 +22,20 @@ import os
 __all__ = ["DelayingProxy", "GrayProxy"]
 
 
-class DelayingProxy:
-    """Listens on 127.0.0.1:port and forwards to upstream, server->client ``delay`` late."""
+class _Proxy:
+    """Listens on 127.0.0.1:port and forwards each connection to upstream through two pipes
+    (client to server, server to client) that subclasses write."""
 
-    def __init__(self, upstream_host: str, upstream_port: int, delay: float) -> None:
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
-        self.delay = delay
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._flowing = asyncio.Event()
-        self._flowing.set()
 
     async def start(self) -> None:
         """Listen on a free port (``self.port``)."""
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
-
-    def hold(self) -> None:
-        """Keep what either side sends, unsent, until ``release()`` (or ``stop()`` drops it)."""
-        self._flowing.clear()
-
-    def release(self) -> None:
-        """Send what was held, and go on forwarding."""
-        self._flowing.set()
 
     async def stop(self) -> None:
         """Stop listening and drop every connection."""
@@ -58,13 +48,14 @@ class DelayingProxy:
     async def _accept(
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:
+        client_port: int = client_writer.get_extra_info("peername")[1]
         try:
             server_reader, server_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             client_writer.close()
             return
-        up = asyncio.create_task(self._pipe(client_reader, server_writer, 0.0))
-        down = asyncio.create_task(self._pipe(server_reader, client_writer, self.delay))
+        up = asyncio.create_task(self._pipe(client_reader, server_writer, client_port, False))
+        down = asyncio.create_task(self._pipe(server_reader, client_writer, client_port, True))
         self._tasks.update((up, down))
         try:
             await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
@@ -74,10 +65,46 @@ class DelayingProxy:
                 self._tasks.discard(task)
             for writer in (client_writer, server_writer):
                 writer.close()
+            self._closed(client_port)
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client_port: int,
+        to_client: bool,
     ) -> None:
+        raise NotImplementedError
+
+    def _closed(self, client_port: int) -> None:
+        """A connection ended."""
+
+
+class DelayingProxy(_Proxy):
+    """Forwards to upstream, server->client ``delay`` late."""
+
+    def __init__(self, upstream_host: str, upstream_port: int, delay: float) -> None:
+        super().__init__(upstream_host, upstream_port)
+        self.delay = delay
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    def hold(self) -> None:
+        """Keep what either side sends, unsent, until ``release()`` (or ``stop()`` drops it)."""
+        self._flowing.clear()
+
+    def release(self) -> None:
+        """Send what was held, and go on forwarding."""
+        self._flowing.set()
+
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client_port: int,
+        to_client: bool,
+    ) -> None:
+        delay = self.delay if to_client else 0.0
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -102,7 +129,7 @@ class DelayingProxy:
             sender.cancel()
 
 
-class GrayProxy:
+class GrayProxy(_Proxy):
     """Forwards to upstream until ``cut(session)``: from then on, the connections of that
     process session (a host's ``router serve`` and its workers) pass nothing either way, and
     its new connections are accepted and then left silent, while every other client's go on.
@@ -115,19 +142,11 @@ class GrayProxy:
     """
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self.port = 0
+        super().__init__(upstream_host, upstream_port)
         self.cut_session: int | None = None
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._open = asyncio.Event()  # set while nothing is cut
         self._open.set()
         self._owners: dict[int, int | None] = {}  # client port -> session id (None: unknown)
-
-    async def start(self) -> None:
-        """Listen on a free port (``self.port``)."""
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
 
     def cut(self, session: int) -> None:
         """Stop forwarding for every connection of process session ``session``."""
@@ -140,38 +159,19 @@ class GrayProxy:
         self._open.set()
 
     async def stop(self) -> None:
-        """Stop listening and drop every connection."""
+        """Heal, stop listening and drop every connection."""
         self.heal()
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().stop()
 
-    async def _accept(
-        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
-    ) -> None:
-        client_port: int = client_writer.get_extra_info("peername")[1]
-        try:
-            server_reader, server_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
-            client_writer.close()
-            return
-        up = asyncio.create_task(self._pipe(client_reader, server_writer, client_port))
-        down = asyncio.create_task(self._pipe(server_reader, client_writer, client_port))
-        self._tasks.update((up, down))
-        try:
-            await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (up, down):
-                task.cancel()
-                self._tasks.discard(task)
-            for writer in (client_writer, server_writer):
-                writer.close()
-            self._owners.pop(client_port, None)
+    def _closed(self, client_port: int) -> None:
+        self._owners.pop(client_port, None)
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client_port: int
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client_port: int,
+        to_client: bool,
     ) -> None:
         while data := await reader.read(65536):
             while self._is_cut(client_port):
