@@ -113,14 +113,16 @@ def _pin(item: Preview) -> str | None:
 
 def preview_block(item: Preview) -> str:
     """One target's message, as it would be sent."""
-    width = max((len(name) for name in item.wire.headers), default=0)
+    width = max((len(name) for name in (*item.headers, *item.properties)), default=0)
     pin = _pin(item)
+    properties = [f"  {name.ljust(width)}  {value}" for name, value in item.properties.items()]
     lines = [
         f"target       {item.target} ({item.kind}, {item.profile} profile)",
         *([f"version      {pin}"] if pin else []),
         f"destination  {item.destination}",
         "headers",
-        *(f"  {name.ljust(width)}  {value}" for name, value in item.wire.headers.items()),
+        *(f"  {name.ljust(width)}  {value}" for name, value in item.headers.items()),
+        *(["properties", *properties] if properties else []),
         f"body ({item.wire.content_type}, {len(item.wire.body):,} bytes)",
         json.dumps(item.body_document(), indent=2, ensure_ascii=False),
     ]
@@ -142,8 +144,10 @@ def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
         put("profile", column, item.profile)
         if (pin := _pin(item)) is not None:
             put("version", column, pin)
-        for name, value in item.wire.headers.items():
+        for name, value in item.headers.items():
             put(f"header {name}", column, value)
+        for name, native in item.properties.items():
+            put(f"property {name}", column, str(native))
         for path, value in _flatten(item.body_document()):
             put(f"body {path}", column, value)
     header = ["", *(f"{item.target} ({item.kind})" for item in items)]

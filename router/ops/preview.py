@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from enum import Enum
@@ -20,7 +20,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, ValidationError
 
-from brokers import BrokerSettings
+from brokers import BrokerSettings, NativeProperties
 from envelopes import ConfigError, DowncastError, WireMessage
 from router.config import RouterConfig
 from router.write.catalog import EventCatalog
@@ -47,6 +47,11 @@ class Preview:
     pinned_version: int | None = None
     """The version the target is pinned to for this event type (``versions:``), if any: the
     version it receives."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Every header the message carries on the broker: the rendered ones and what the adapter
+    adds (``BrokerSettings.native_headers``)."""
+    properties: NativeProperties = field(default_factory=dict)
+    """The broker's own message properties (``BrokerSettings.native_properties``)."""
 
     def body_document(self) -> Any:
         """The body parsed as JSON (every profile's body is JSON)."""
@@ -62,7 +67,8 @@ class Preview:
             "staged_version": self.staged_version,
             "pinned_version": self.pinned_version,
             "content_type": self.wire.content_type,
-            "headers": self.wire.headers,
+            "headers": self.headers,
+            "properties": self.properties,
             "body": self.body_document(),
         }
 
@@ -128,7 +134,15 @@ def _preview(settings: BrokerSettings, target: str, spec: EventSpec, row: Row) -
             f"{spec.version} cannot be downcast to it: {exc}"
         ) from None
     return Preview(
-        target, settings.type, settings.profile, row.destination, wire, spec.version, pinned
+        target,
+        settings.type,
+        settings.profile,
+        row.destination,
+        wire,
+        spec.version,
+        pinned,
+        headers=settings.native_headers(wire),
+        properties=settings.native_properties(wire),
     )
 
 
