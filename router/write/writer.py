@@ -66,7 +66,7 @@ class Writer:
         rows = self._rows(name, events, stream_key, stream_keys, options or {})
         driver = sync_driver(connection)
         self._expect(name, self.config.databases[name].kind, driver.dialect)
-        for statement in self._stager.statements(driver.dialect, rows):
+        for statement in self._stager.statements(driver.dialect, rows, copy=driver.copies):
             driver.execute(statement)
         return message_ids(rows)
 
