@@ -220,5 +220,6 @@ def _unlocked(sql: str, notify: bool) -> str | None:
     nothing left to run."""
     if not _LOCK.search(sql):  # the bulk's statement of locks and NOTIFY
         return _NOTIFY if notify else None
-    sql = _LOCK.sub("", sql)
-    return sql if notify else sql.replace(_NOTIFY, "SELECT 1")
+    if not notify:  # the small form without its gate: a plain insert
+        return sql.partition(" WHERE (SELECT true FROM")[0]
+    return _LOCK.sub("", sql)

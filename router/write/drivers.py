@@ -183,6 +183,7 @@ def _psycopg_execute(connection: Any, statement: Statement | Copy) -> None:
     with _cursor_class()(connection) as cursor:
         if isinstance(statement, Copy):
             with cursor.copy(statement.sql) as copy:
+                copy.set_types(statement.types)
                 for row in statement.rows:
                     copy.write_row(row)
             return
