@@ -14,8 +14,8 @@ from typing import Any
 
 import psycopg
 
-from router.write.drivers import pyformat
-from router.write.staging import Row, Stager
+from router.write.drivers import sync_driver
+from router.write.staging import Copy, Row, Stager, Statement
 
 HandInsert = Callable[[Any, Sequence[Row]], None]
 """Writes the rows on the connection (a psycopg connection, or Django's)."""
@@ -31,6 +31,10 @@ UNNEST_TEXT = UNNEST.format(p="%s")
 # array of JSON strings is escaped in Python, quote by quote (see the profile).
 UNNEST_BINARY = UNNEST.format(p="%b")
 COPY = f"COPY router_outbox ({COLUMNS}) FROM STDIN"
+COPY_BINARY = f"COPY router_outbox ({COLUMNS}) FROM STDIN (FORMAT BINARY)"
+# In binary COPY a uuid is its 16 bytes and json its text: sent as bytea and text, psycopg
+# dumps them in C, where uuid.UUID objects would cost a parse of each id in Python first.
+BINARY_TYPES = ["bytea", "text", "text", "text", "text", "text"]
 
 
 @functools.cache
@@ -59,6 +63,15 @@ def copy_rows(cursor: Any, rows: Sequence[Row]) -> None:
             )
 
 
+def copy_binary_rows(cursor: Any, rows: Sequence[Row]) -> None:
+    """``COPY ... FROM STDIN (FORMAT BINARY)`` on a psycopg cursor."""
+    with cursor.copy(COPY_BINARY) as copy:
+        copy.set_types(BINARY_TYPES)
+        for r in rows:
+            uuid = bytes.fromhex(r.message_id.replace("-", ""))
+            copy.write_row((uuid, r.target, r.destination, r.event_type, r.stream_key, r.envelope))
+
+
 def psycopg_values(prepare: bool | None) -> HandInsert:
     """VALUES on the connection; ``prepare=None`` is psycopg's default, which prepares a
     statement from its 6th run on (``prepare_threshold=5``)."""
@@ -84,6 +97,12 @@ def psycopg_copy(conn: psycopg.Connection[Any], rows: Sequence[Row]) -> None:
         copy_rows(cursor, rows)
 
 
+def psycopg_copy_binary(conn: psycopg.Connection[Any], rows: Sequence[Row]) -> None:
+    """Binary COPY on a cursor of the connection."""
+    with conn.cursor() as cursor:
+        copy_binary_rows(cursor, rows)
+
+
 def django_values(connection: Any, rows: Sequence[Row]) -> None:
     """VALUES on Django's cursor (client-side binding: the values are quoted in the SQL)."""
     with connection.cursor() as cursor:
@@ -102,6 +121,12 @@ def django_copy(connection: Any, rows: Sequence[Row]) -> None:
     """COPY on Django's cursor (its wrapper hands ``copy`` to psycopg's cursor)."""
     with connection.cursor() as cursor:
         copy_rows(cursor, rows)
+
+
+def django_copy_binary(connection: Any, rows: Sequence[Row]) -> None:
+    """Binary COPY on Django's cursor."""
+    with connection.cursor() as cursor:
+        copy_binary_rows(cursor, rows)
 
 
 def django_unnest(connection: Any, rows: Sequence[Row]) -> None:
@@ -124,6 +149,7 @@ HAND: dict[tuple[str, bool], dict[str, HandInsert]] = {
     },
     ("psycopg", True): {
         "COPY": psycopg_copy,
+        "COPY, binary": psycopg_copy_binary,
         "unnest, binary arrays": psycopg_unnest(UNNEST_BINARY),
         "unnest, text arrays": psycopg_unnest(UNNEST_TEXT),
     },
@@ -133,10 +159,18 @@ HAND: dict[tuple[str, bool], dict[str, HandInsert]] = {
     },
     ("django", True): {
         "COPY, Django cursor": django_copy,
+        "COPY, binary, Django cursor": django_copy_binary,
         "unnest, Django cursor": django_unnest,
         "unnest, binary arrays, psycopg cursor": django_unnest_binary,
     },
+    # Django's own settings: psycopg's preparing off (prepare_threshold None), so the psycopg
+    # cursor's statement is not prepared either, as stage()'s is not.
+    ("django-default", False): {
+        "VALUES, Django cursor": django_values,
+        "VALUES, psycopg cursor (not prepared)": django_values_prepared,
+    },
 }
+HAND[("django-default", True)] = HAND[("django", True)]
 """The hand-written inserts, by (driver, bulk case): each takes the driver's connection and
 the rows the router's stager built."""
 
@@ -144,64 +178,48 @@ the rows the router's stager built."""
 def steps(driver: str, stager: Stager, bulk: bool) -> dict[str, HandInsert]:
     """From stage() to the hand inserts (of the bulk case's or not), one piece off at a time.
 
-    stage()'s own statement as its driver sends it (without the writer's checks and option
-    handling around it); with its SQL converted to ``%(name)s`` once instead of per call;
-    (Django: on a server-binding psycopg cursor, so prepared from its 6th run, instead of
-    Django's client-binding one;) with binary arrays; without the locks and the NOTIFY (a
-    plain unnest insert of binary arrays); and the hand inserts.
+    stage()'s own statements as its driver runs them (without the writer's checks and option
+    handling around them); without the stream-key locks; without the NOTIFY too (for the
+    bulk: its COPY alone); and the hand inserts.
     """
 
-    def statement(rows: Sequence[Row]) -> tuple[str, dict[str, Any]]:
-        (first,) = stager.statements("postgresql", rows)
-        assert isinstance(first.params, dict)
-        return first.sql, first.params
+    def statements(rows: Sequence[Row]) -> list[Statement | Copy]:
+        return stager.statements("postgresql", rows, copy=True)
 
     def as_driver(conn: Any, rows: Sequence[Row]) -> None:
-        sql, params = statement(rows)
-        with conn.cursor() as cursor:
-            cursor.execute(pyformat(sql), params)
+        run = sync_driver(conn)
+        for statement in statements(rows):
+            run.execute(statement)
 
-    def converted_once(conn: Any, rows: Sequence[Row]) -> None:
-        sql, params = statement(rows)
-        with conn.cursor() as cursor:
-            cursor.execute(_pyformat(sql), params)
-
-    def server_binding(conn: Any, rows: Sequence[Row]) -> None:
-        sql, params = statement(rows)
-        with psycopg.Cursor(_raw(conn)) as cursor:
-            cursor.execute(_pyformat(sql), params)
-
-    def binary(conn: Any, rows: Sequence[Row]) -> None:
-        sql, params = statement(rows)
-        with psycopg.Cursor(_raw(conn)) as cursor:
-            cursor.execute(_binary(sql), params)
-
-    def plain(conn: Any, rows: Sequence[Row]) -> None:
-        with psycopg.Cursor(_raw(conn)) as cursor:
-            cursor.execute(UNNEST_BINARY, columns(rows))
+    def without(conn: Any, rows: Sequence[Row], notify: bool) -> None:
+        run = sync_driver(conn)
+        for statement in statements(rows):
+            if isinstance(statement, Statement) and "pg_advisory_xact_lock" in statement.sql:
+                sql = _unlocked(statement.sql, notify)
+                if sql is None:  # the bulk's locks (and NOTIFY): COPY alone
+                    continue
+                statement = Statement(sql, statement.params)
+            run.execute(statement)
 
     ladder: dict[str, HandInsert] = {
-        "stage()'s statement, as its driver sends it": as_driver,
-        "... its SQL converted once": converted_once,
+        "stage()'s statements, as its driver runs them": as_driver,
+        "... no stream-key lock": functools.partial(without, notify=True),
+        "... no NOTIFY either": functools.partial(without, notify=False),
     }
-    if driver == "django":
-        ladder["... on a server-binding psycopg cursor, prepared"] = server_binding
-    ladder["... binary arrays"] = binary
-    ladder["... no locks, no NOTIFY (unnest, binary arrays)"] = plain
     for name, insert in HAND[(driver, bulk)].items():
         ladder[f"hand: {name}"] = insert
     return ladder
 
 
-_pyformat = functools.cache(pyformat)
+_LOCK = re.compile(r"pg_advisory_xact_lock\(\d+, hashtext\(:k\)\) AS held, ")
+_NOTIFY = "SELECT pg_notify('router_outbox', :notify)"
 
 
-@functools.cache
-def _binary(sql: str) -> str:
-    """stage()'s SQL with every parameter sent in binary (``%(name)b``)."""
-    return re.sub(r"%\((\w+)\)s", r"%(\1)b", pyformat(sql))
-
-
-def _raw(conn: Any) -> psycopg.Connection[Any]:
-    """The psycopg connection: itself, or Django's underneath."""
-    return conn if isinstance(conn, psycopg.Connection) else conn.connection
+def _unlocked(sql: str, notify: bool) -> str | None:
+    """stage()'s statement without its locks (and its NOTIFY unless ``notify``); None for
+    nothing left to run."""
+    if not _LOCK.search(sql):  # the bulk's statement of locks and NOTIFY
+        return _NOTIFY if notify else None
+    if not notify:  # the small form without its gate: a plain insert
+        return sql.partition(" WHERE (SELECT true FROM")[0]
+    return _LOCK.sub("", sql)

@@ -1,29 +1,32 @@
 """stage_sync: what SyncOutbox.stage() adds to a sync application's transaction.
 
     python -m bench.stage_sync [--transactions 3000] [--bulk-transactions 100] [--repeat 3]
-                               [--driver psycopg|django|both] [--output stage-sync]
-                               [--profile]
+                               [--driver psycopg|django|django-default|both]
+                               [--output stage-sync] [--profile]
 
-``bench.stage``'s method on the sync writer, for two drivers, each on a fresh migrated
+``bench.stage``'s method on the sync writer, for three drivers, each on a fresh migrated
 PostgreSQL database of its own: a raw psycopg 3 connection, and Django's connection (the
-postgresql backend on psycopg 3, settings configured in-process: Django's defaults, so its
-cursors bind client-side and never prepare, but for OPTIONS ``prepare_threshold`` 5,
-psycopg's own default where Django's is None, which only a server-binding psycopg cursor
-opened by hand on Django's connection uses). Each transaction is BEGIN, the rows, COMMIT (``with
+postgresql backend on psycopg 3, settings configured in-process) twice: ``django`` with
+OPTIONS ``prepare_threshold`` 5, psycopg's own default, so a server-binding psycopg cursor on
+Django's connection (stage()'s, a hand insert's) prepares, and ``django-default`` with
+Django's defaults, where nothing is prepared (Django's cursors bind client-side in both).
+``both`` runs all three. Each transaction is BEGIN, the rows, COMMIT (``with
 conn.transaction()``; ``with transaction.atomic()``), written either by
-``SyncOutbox.stage()`` (one INSERT with the NOTIFY and the stream-key locks) or by hand. The
-cases are ``bench.stage``'s: one event per transaction with 1 and 3 targets, and keyed bulk,
-1,000 events over 1,000 stream keys, 1 target.
+``SyncOutbox.stage()`` (one statement with the NOTIFY and the stream-key lock; for the bulk,
+one of the locks and the NOTIFY, then COPY) or by hand. The cases are ``bench.stage``'s: one
+event per transaction with 1 and 3 targets, and keyed bulk, 1,000 events over 1,000 stream
+keys, 1 target.
 
 By hand, the very same rows are built by the router's own stager (the same envelope bytes
 but for each event's own id and time; checked at start) and written by each hand-written
 insert of ``bench._sync_inserts.HAND`` on the same connection: for one event, a plain
-``INSERT ... VALUES`` (prepared or not); for the bulk, ``COPY`` and ``INSERT ... SELECT *
-FROM unnest(...)`` with text or binary arrays; on Django, on its cursor and on a
-server-binding psycopg cursor of its connection. They all take turns with stage(), and the
-fastest of them (lowest median of the rounds) is the baseline of its line; the others are
-printed under the table. The hand inserts take no stream-key advisory lock and send no
-NOTIFY: those are what stage() adds. Each run checks that every variant wrote its rows.
+``INSERT ... VALUES`` (prepared or not); for the bulk, ``COPY`` (text and binary) and
+``INSERT ... SELECT * FROM unnest(...)`` with text or binary arrays; on Django, on its
+cursor and on a server-binding psycopg cursor of its connection. They all take turns with
+stage(), and the fastest of them (lowest median of the rounds) is the baseline of its line;
+the others are printed under the table. The hand inserts take no stream-key advisory lock
+and send no NOTIFY: those are what stage() adds. Each run checks that every variant wrote
+its rows.
 
 Variants take turns every block of transactions (50 single-event ones, 5 bulk ones), in
 forward then reverse order, after an uncounted warm-up block of each; the drivers take turns
@@ -65,7 +68,10 @@ from router import Event, SyncOutbox
 from router.write.staging import Row, Stager
 from tests.conftest import make_config
 
-DRIVERS = ("psycopg", "django")
+DRIVERS = ("psycopg", "django", "django-default")
+# Django's database alias per driver: "default" with psycopg's prepare_threshold back,
+# "plain" with Django's own settings (preparing off).
+DJANGO_ALIASES = {"django": "default", "django-default": "plain"}
 ROUTER = "stage()"
 TARGET_SPEED = 0.9
 
@@ -96,36 +102,53 @@ def session(driver: str, url: str) -> Iterator[Session]:
         with psycopg.connect(url) as conn:
             yield Session(driver, conn, conn.transaction)
         return
-    from django.db import DatabaseError, connection, transaction
+    from django.db import DatabaseError, connections, transaction
 
-    configure_django(url)
+    alias = DJANGO_ALIASES[driver]
+    connection = connections[alias]
+    if connection.settings_dict["NAME"] != urlsplit(url).path.lstrip("/"):
+        raise RuntimeError(f"Django's {alias!r} is not {url}: configure_django() first")
     try:
-        yield Session(driver, connection, transaction.atomic)
+        yield Session(driver, connection, functools.partial(transaction.atomic, using=alias))
     finally:
         with contextlib.suppress(DatabaseError):  # the server may have gone away
             connection.close()
 
 
-@functools.cache
-def configure_django(url: str) -> None:
-    """Django's settings, in-process: one postgresql database, nothing else."""
+def configure_django(urls: dict[str, str]) -> None:
+    """Django's settings, in-process: a postgresql database per Django driver in ``urls``,
+    nothing else (Django wants a "default" alias: the plain one's database if alone)."""
     import django
     from django.conf import settings
 
+    databases = {
+        DJANGO_ALIASES[driver]: django_database(url, prepare=driver == "django")
+        for driver, url in urls.items()
+        if driver in DJANGO_ALIASES
+    }
+    if not databases:
+        return
+    databases.setdefault("default", databases["plain"])
+    settings.configure(DATABASES=databases)
+    django.setup()
+
+
+def django_database(url: str, *, prepare: bool) -> dict[str, Any]:
+    """A ``DATABASES`` entry for ``url``; ``prepare``: psycopg's prepare_threshold back."""
     where = urlsplit(url)
-    database = {
+    database: dict[str, Any] = {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": where.path.lstrip("/"),
         "USER": where.username or "",
         "HOST": where.hostname or "",
         "PORT": str(where.port or 5432),
-        # Django turns psycopg's prepared statements off (None); with psycopg's default back,
-        # a server-binding cursor opened by hand on Django's connection may prepare.
-        # Django's own cursors bind client-side and never prepare, so stage() is unaffected.
-        "OPTIONS": {"prepare_threshold": 5},
     }
-    settings.configure(DATABASES={"default": database})
-    django.setup()
+    if prepare:
+        # Django turns psycopg's prepared statements off (None); with psycopg's default back,
+        # a server-binding psycopg cursor on Django's connection (stage()'s, the hand
+        # insert's) prepares. Django's own cursors bind client-side and never prepare.
+        database["OPTIONS"] = {"prepare_threshold": 5}
+    return database
 
 
 Variant = Callable[[Any, Sequence[Event], dict[str, Any]], None]
@@ -496,7 +519,12 @@ def main() -> None:
     parser.add_argument("--transactions", type=int, default=3000)
     parser.add_argument("--bulk-transactions", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--driver", choices=[*DRIVERS, "both"], default="both")
+    parser.add_argument(
+        "--driver",
+        choices=[*DRIVERS, "both"],
+        default="both",
+        help="both: psycopg, and Django with and without prepared statements",
+    )
     parser.add_argument("--output", default="stage-sync", help="bench/results/OUTPUT.json")
     parser.add_argument("--profile", action="store_true", help="profile stage() instead")
     args = parser.parse_args()
@@ -511,6 +539,7 @@ def main() -> None:
             return url
 
         urls = {driver: fresh(driver) for driver in drivers}
+        configure_django(urls)
         check_same_rows(urls[drivers[0]])
         parameters = {
             "transactions": args.transactions,

@@ -6,15 +6,29 @@ unless the caller passes one to ``stage()``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 __all__ = ["current_traceparent"]
 
 
 def current_traceparent() -> str | None:
     """The active span's traceparent from OpenTelemetry's context, if any."""
-    try:
-        from opentelemetry.propagate import inject
-    except ImportError:
+    inject = _inject()
+    if inject is None:
         return None
     carrier: dict[str, str] = {}
     inject(carrier)
     return carrier.get("traceparent")
+
+
+@functools.cache
+def _inject() -> Callable[[dict[str, str]], Any] | None:
+    """OpenTelemetry's ``inject``, or None without it: looked up once, as an import that
+    fails is searched for again on every try (a stage() would pay it per call)."""
+    try:
+        from opentelemetry.propagate import inject
+    except ImportError:
+        return None
+    return inject

@@ -21,7 +21,7 @@ import sqlite3
 from typing import Any, Protocol
 
 from envelopes import StagingError
-from router.write.staging import Statement, clause
+from router.write.staging import Copy, Statement, clause
 
 __all__ = ["SyncDriver", "sync_driver"]
 
@@ -32,7 +32,10 @@ class SyncDriver(Protocol):
     dialect: str
     """``postgresql``, ``mysql`` or ``sqlite``: which statements it takes."""
 
-    def execute(self, statement: Statement) -> None:
+    copies: bool
+    """Whether it runs a ``Copy`` too (psycopg 3), or only ``Statement``s."""
+
+    def execute(self, statement: Statement | Copy) -> None:
         """Run one statement in the caller's transaction."""
 
 
@@ -44,6 +47,9 @@ _AUTOCOMMIT = (
 
 def sync_driver(connection: Any) -> SyncDriver:
     """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
+    kind = type(connection)
+    if kind.__module__.partition(".")[0] == "psycopg" and "Async" not in kind.__name__:
+        return PsycopgDriver(connection)  # the common case first, without SQLAlchemy's import
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session, scoped_session
 
@@ -94,6 +100,8 @@ _NAMED = re.compile(r"(?<![:\w]):(\w+)")
 class SqlAlchemyDriver:
     """A SQLAlchemy sync ``Connection`` (a ``Session``'s, in its transaction)."""
 
+    copies = False
+
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.dialect: str = connection.dialect.name
@@ -106,8 +114,9 @@ class SqlAlchemyDriver:
                 )
             )
 
-    def execute(self, statement: Statement) -> None:
+    def execute(self, statement: Statement | Copy) -> None:
         """Run one statement on the connection."""
+        assert isinstance(statement, Statement)
         if statement.named:
             self.connection.execute(clause(statement.sql), statement.params)
         else:
@@ -136,8 +145,10 @@ class DjangoDriver:
                     fix="stage inside `with transaction.atomic():` (or ATOMIC_REQUESTS)",
                 )
             )
+        self._raw = self._psycopg()
+        self.copies = self._raw is not None
 
-    def execute(self, statement: Statement) -> None:
+    def execute(self, statement: Statement | Copy) -> None:
         """Run one statement in the connection's transaction.
 
         On PostgreSQL with psycopg 3 it goes on a server-binding cursor of the connection
@@ -146,12 +157,10 @@ class DjangoDriver:
         a stage() take 1.8x a plain prepared INSERT. Django's query log (``DEBUG``) and
         ``execute_wrapper``s do not see this statement; the transaction is the same.
         """
-        raw = self._psycopg()
-        if raw is not None:
-            sql = pyformat(statement.sql, "b") if statement.named else statement.sql
-            with _psycopg_cursor(raw) as cursor:
-                cursor.execute(sql, statement.params, prepare=True)
+        if self._raw is not None:
+            _psycopg_execute(self._raw, statement)
             return
+        assert isinstance(statement, Statement)
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
@@ -165,26 +174,40 @@ class DjangoDriver:
         return raw if type(raw).__module__.partition(".")[0] == "psycopg" else None
 
 
-def _psycopg_cursor(connection: Any) -> Any:
-    """A server-binding cursor on a psycopg 3 connection, whatever cursor class the
-    connection makes by default. Its statements are prepared on their first run
-    (``prepare=True``): the few statements stage() sends repeat on every connection, and a
-    connection may have preparing off (Django's default)."""
+def _psycopg_execute(connection: Any, statement: Statement | Copy) -> None:
+    """Run ``statement`` on a server-binding cursor of a psycopg 3 connection, whatever
+    cursor class the connection makes by default, its arrays sent in binary (psycopg's text
+    arrays cost the server a parse of every element). A statement is prepared on its first
+    run (``prepare=True``): the few statements stage() sends repeat on every connection
+    (unless the connection has preparing off, as Django's has by default)."""
+    with _cursor_class()(connection) as cursor:
+        if isinstance(statement, Copy):
+            with cursor.copy(statement.sql) as copy:
+                copy.set_types(statement.types)
+                for row in statement.rows:
+                    copy.write_row(row)
+            return
+        sql = pyformat(statement.sql, "b") if statement.named else statement.sql
+        cursor.execute(sql, statement.params, prepare=True)
+
+
+@functools.cache
+def _cursor_class() -> Any:
+    """psycopg's ``Cursor``, imported on first use (an application may not have psycopg)."""
     import psycopg
 
-    return psycopg.Cursor(connection)
+    return psycopg.Cursor
 
 
 class PsycopgDriver:
     """A psycopg 3 connection: in a transaction unless autocommit and idle."""
 
     dialect = "postgresql"
+    copies = True
 
     def __init__(self, connection: Any) -> None:
-        from psycopg.pq import TransactionStatus
-
         self.connection = connection
-        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
+        if connection.autocommit and _idle(connection):
             raise StagingError(
                 _AUTOCOMMIT.format(
                     what="the psycopg connection is in autocommit mode",
@@ -193,18 +216,23 @@ class PsycopgDriver:
                 )
             )
 
-    def execute(self, statement: Statement) -> None:
-        """Run one statement on a cursor of the connection, its arrays sent in binary
-        (psycopg's text arrays cost the server a parse of every element)."""
-        sql = pyformat(statement.sql, "b") if statement.named else statement.sql
-        with _psycopg_cursor(self.connection) as cursor:
-            cursor.execute(sql, statement.params, prepare=True)
+    def execute(self, statement: Statement | Copy) -> None:
+        """Run one statement on a cursor of the connection (``_psycopg_execute``)."""
+        _psycopg_execute(self.connection, statement)
+
+
+def _idle(connection: Any) -> bool:
+    """Whether a psycopg 3 connection is outside any transaction."""
+    from psycopg.pq import TransactionStatus
+
+    return bool(connection.info.transaction_status == TransactionStatus.IDLE)
 
 
 class Psycopg2Driver:
     """A psycopg2 connection: in a transaction unless autocommit and idle."""
 
     dialect = "postgresql"
+    copies = False
 
     def __init__(self, connection: Any) -> None:
         from psycopg2.extensions import TRANSACTION_STATUS_IDLE
@@ -219,8 +247,9 @@ class Psycopg2Driver:
                 )
             )
 
-    def execute(self, statement: Statement) -> None:
+    def execute(self, statement: Statement | Copy) -> None:
         """Run one statement on a cursor of the connection."""
+        assert isinstance(statement, Statement)
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
@@ -230,6 +259,7 @@ class Sqlite3Driver:
     """A sqlite3 connection: it opens a transaction before an INSERT unless it autocommits."""
 
     dialect = "sqlite"
+    copies = False
 
     def __init__(self, connection: sqlite3.Connection) -> None:
         self.connection = connection
@@ -246,6 +276,7 @@ class Sqlite3Driver:
                 )
             )
 
-    def execute(self, statement: Statement) -> None:
+    def execute(self, statement: Statement | Copy) -> None:
         """Run one statement on the connection."""
+        assert isinstance(statement, Statement)
         self.connection.execute(statement.sql, statement.params)

@@ -67,7 +67,7 @@ class Writer:
         rows = self._rows(name, events, stream_key, stream_keys, options or {})
         driver = sync_driver(connection)
         self._expect(name, self.config.databases[name].kind, driver.dialect)
-        statements = self._stager.statements(driver.dialect, rows)
+        statements = self._stager.statements(driver.dialect, rows, copy=driver.copies)
         try:
             for statement in statements:
                 driver.execute(statement)

@@ -197,6 +197,14 @@ async def test_a_named_alias_stages_in_its_own_transaction(project: Project) -> 
     assert {r["message_id"] for r in rows} == set(done["ids"])
 
 
+async def test_a_large_batch_goes_in_whole_and_in_order(project: Project) -> None:
+    done = project.run("batch")["batch"]
+    rows = await project.database.rows()
+    assert [r["message_id"] for r in rows] == done["ids"]
+    assert [r["stream_key"] for r in rows] == done["keys"]
+    assert [r["envelope"]["payload"]["order_id"] for r in rows] == done["order_ids"]
+
+
 async def test_a_models_raised_events_are_staged_with_its_save_once(project: Project) -> None:
     done = project.run("migrate", "entity")["entity"]
     assert done["waiting"] == 0

@@ -302,6 +302,63 @@ async def test_a_second_writer_on_the_same_stream_waits_for_the_first_to_commit(
     assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["first", "second"]
 
 
+# Enough events for the bulk form (COPY on psycopg 3), over many streams and none, with the
+# characters a text COPY must escape in their payloads.
+BATCH_KEYS = [f"s-{n % 40}" if n % 7 else None for n in range(100)]
+TRICKY = 'tab\there, new\nline, back\\slash, "quoted", \\N'
+
+
+async def test_a_large_batch_goes_in_whole_in_order_and_holds_its_streams(
+    client: Client,
+) -> None:
+    outbox = client.outbox()
+    events = [StockReserved(order_id=f"{n} {TRICKY}", quantity=n) for n in range(100)]
+    staged, release, second_done = threading.Event(), threading.Event(), threading.Event()
+    ids: list[str] = []
+
+    def first() -> None:
+        with client.transaction() as conn:
+            ids.extend(outbox.stage(conn, *events, stream_keys=BATCH_KEYS))
+            staged.set()
+            release.wait(10)
+
+    def second() -> None:  # on one of the batch's streams: waits for the batch's commit
+        staged.wait(10)
+        with client.transaction() as conn:
+            outbox.stage(conn, StockReserved(order_id="after", quantity=0), stream_key="s-39")
+        second_done.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    assert staged.wait(10)
+    assert not second_done.wait(0.5), "the second writer did not wait for the batch"
+    release.set()
+    for thread in threads:
+        thread.join(15)
+    stored = await client.database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == [
+        *(e.order_id for e in events),
+        "after",
+    ]
+    assert [r["message_id"] for r in stored[:100]] == ids
+    assert [r["stream_key"] for r in stored] == [*BATCH_KEYS, "s-39"]
+    assert {(r["target"], r["status"]) for r in stored} == {("events", "pending")}
+
+
+async def test_a_large_batch_notifies_at_commit(pg_databases: PgDatabases, tmp_path: Path) -> None:
+    database = Database("postgresql", await pg_databases.new(), tmp_path)
+    outbox = psycopg_client(database).outbox()
+    events = [StockReserved(order_id=str(n), quantity=n) for n in range(100)]
+    with psycopg.connect(database.url, autocommit=True) as listener:
+        listener.execute("LISTEN router_outbox")
+        with psycopg.connect(database.url) as conn:
+            outbox.stage(conn, *events, stream_keys=BATCH_KEYS)
+            assert list(listener.notifies(timeout=0.3)) == []  # not before COMMIT
+        heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert heard == ["events"]
+
+
 class Numbered(Event, type="numbered"):
     """A writer thread's n-th event."""
 

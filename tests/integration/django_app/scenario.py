@@ -113,6 +113,21 @@ def entity_rollback() -> dict[str, Any]:
     return {"raised": None}
 
 
+BATCH_ORDER_ID = 'n {n}: tab\there, new\nline, back\\slash, "quoted", \\N'
+"""A batch event's order id, with what a text COPY must escape."""
+
+
+def batch() -> dict[str, Any]:
+    """100 events over many streams (and none) in one ``stage()``: the bulk form."""
+    from django.db import transaction
+
+    events = [StockReserved(order_id=BATCH_ORDER_ID.format(n=n), quantity=n) for n in range(100)]
+    keys = [f"s-{n % 40}" if n % 7 else None for n in range(100)]
+    with transaction.atomic():
+        ids = stage(*events, stream_keys=keys)
+    return {"ids": ids, "keys": keys, "order_ids": [e.order_id for e in events]}
+
+
 def init() -> dict[str, Any]:
     """``init_db("default")``, and the revision read with Django's connection after it."""
     from django.db import connections
@@ -134,6 +149,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "init_db": init,
     "entity": entity,
     "entity_rollback": entity_rollback,
+    "batch": batch,
 }
 
 
