@@ -201,8 +201,15 @@ class ServiceBusBroker:
             probe = self._client.get_topic_sender(entity)
         else:
             probe = self._client.get_queue_sender(entity)
+
+        async def attach() -> None:
+            try:
+                await probe.create_message_batch()
+            finally:
+                await probe.close()
+
         try:
-            await asyncio.wait_for(probe.create_message_batch(), self.settings.connect_timeout)
+            await asyncio.wait_for(attach(), self.settings.connect_timeout)
         except (MessagingEntityNotFoundError, MessagingEntityDisabledError):
             return
         except (ServiceBusAuthenticationError, ServiceBusAuthorizationError) as exc:
@@ -214,10 +221,6 @@ class ServiceBusBroker:
             raise BrokerUnavailable(
                 f"{self.name}: Service Bus does not answer: {describe(exc)}"
             ) from exc
-        finally:
-            # Detached in the background: on a silent connection the detach waits too.
-            closing = asyncio.ensure_future(probe.close())
-            closing.add_done_callback(_quiet)
 
     async def close(self) -> None:
         """Close senders and the client."""
@@ -229,12 +232,6 @@ class ServiceBusBroker:
         if client is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
-
-
-def _quiet(task: asyncio.Future[None]) -> None:
-    """Read a background close's outcome, so that asyncio does not report it."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _properties(headers: dict[str, str]) -> dict[str | bytes, Any]:

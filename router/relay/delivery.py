@@ -80,6 +80,7 @@ class Delivery:
         # must go back first.)
         self._suspect = False
         self._answer = AnswerTime(settings.silence_timeout, settings.publish_timeout)
+        self._timing: asyncio.Future[None] | None = None  # the ping timing a new connection
 
     async def deliver(
         self,
@@ -159,6 +160,8 @@ class Delivery:
     async def disconnect(self) -> None:
         """Drop the connection; the next publish connects again."""
         self._answer.reconnected()
+        if self._timing is not None:
+            self._timing.cancel()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.broker.close(), 5)
 
@@ -257,8 +260,10 @@ class Delivery:
             return results
         if answer.known:
             answer.observe(time.monotonic() - started)
-        else:  # the first publish on this connection: time a round trip instead
-            await self._time_ping()
+        elif self._timing is None or self._timing.done():
+            # The first publish on this connection: time a round trip instead, beside the
+            # batches (they are not watched until it is known).
+            self._timing = asyncio.ensure_future(self._time_ping())
         return results
 
     async def _time_ping(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 from router import Outbox
 from router.relay.store import BatchLost, Marks
 from router.relay.store.postgres import PostgresStore
+from tests.chaos.proxy import DelayingProxy
 from tests.conftest import PgDatabases, make_config
 from tests.integration.events import OrderPlaced
 
@@ -108,15 +109,22 @@ async def test_a_batch_whose_connection_closes_is_queued_again_at_once(url: str)
 
 async def test_a_silent_worker_loses_its_batch_after_its_lease_and_cannot_mark_it(url: str) -> None:
     await staged(url, {"A": 1})
-    silent, healthy = PostgresStore("main", url), PostgresStore("main", url)
+    # The silent worker reaches the database through a proxy that stops passing anything, as
+    # when its host is cut off or frozen (a live one says it is there every half second).
+    host, port = url.split("@", 1)[1].split("/", 1)[0].split(":")
+    proxy = DelayingProxy(host, int(port), 0.0)
+    await proxy.start()
+    via_proxy = url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}")
+    silent, healthy = PostgresStore("main", via_proxy), PostgresStore("main", url)
     try:
         stale = await silent.claim("events", 10, "silent", 0.3)
         assert (await healthy.claim("events", 10, "healthy", 30)).busy
-        # The silent worker sends nothing for longer than its lease: the server ends its
-        # session, and with it the batch.
-        await asyncio.sleep(0.6)
+        proxy.hold()
+        # Silent for longer than its lease: the server ends its session, and the batch.
+        await asyncio.sleep(0.8)
         fresh = await healthy.claim("events", 10, "healthy", 30)
         assert [r.seq for r in fresh.rows] == [r.seq for r in stale.rows]
+        proxy.release()
         with pytest.raises(BatchLost):
             await silent.mark(
                 "events", stale.token, Marks(failed=[(stale.rows[0].seq, 60, "late")])
@@ -125,6 +133,7 @@ async def test_a_silent_worker_loses_its_batch_after_its_lease_and_cannot_mark_i
     finally:
         await silent.close()
         await healthy.close()
+        await proxy.stop()
     assert await rows(url) == [("A", "published", 1)]
 
 
