@@ -51,7 +51,12 @@ async def test_a_host_cut_off_from_the_broker_hands_its_work_over_and_rejoins(
     gray: tuple[Harness, GrayProxy], pg_url: str, tmp_path: Path
 ) -> None:
     harness, proxy = gray
-    outcome = await run(harness, proxy, pg_url, tmp_path, plan_from_environment("broker"))
+    plan = plan_from_environment("broker")
+    if harness.kind == "servicebus" and "PARTITION_RATE" not in os.environ:
+        # The Service Bus peer is one Python process speaking AMQP 1.0 (tests/peers): at 200
+        # events/s from two hosts it, not the router, sets the pace on a loaded machine.
+        plan.rate = 100.0
+    outcome = await run(harness, proxy, pg_url, tmp_path, plan)
     assert outcome.cut_off_logged_after is not None, "host A never noticed the cut"
     assert outcome.rejoined_after is not None, "host A never delivered again"
     assert outcome.rejoined_after <= 5.0, outcome.table()
