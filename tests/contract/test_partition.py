@@ -52,11 +52,16 @@ async def test_a_host_cut_off_from_the_broker_hands_its_work_over_and_rejoins(
 ) -> None:
     harness, proxy = gray
     plan = plan_from_environment("broker")
-    if harness.kind == "servicebus" and "PARTITION_RATE" not in os.environ:
+    bound = 2.0
+    if harness.kind == "servicebus":
         # The Service Bus peer is one Python process speaking AMQP 1.0 (tests/peers): at 200
-        # events/s from two hosts it, not the router, sets the pace on a loaded machine.
-        plan.rate = 100.0
-    outcome = await run(harness, proxy, pg_url, tmp_path, plan)
+        # events/s from two hosts it, not the router, sets the pace on a loaded machine, and
+        # it answers in about a second, so the silence limit, which follows the broker's own
+        # answer time, is that long: a cut-off host is found within twice it.
+        if "PARTITION_RATE" not in os.environ:
+            plan.rate = 100.0
+        bound = 6.0
+    outcome = await run(harness, proxy, pg_url, tmp_path, plan, bound=bound)
     assert outcome.cut_off_logged_after is not None, "host A never noticed the cut"
     assert outcome.rejoined_after is not None, "host A never delivered again"
     assert outcome.rejoined_after <= 5.0, outcome.table()
@@ -84,15 +89,18 @@ async def test_a_host_cut_off_from_the_database_hands_its_work_over(
     assert outcome.by_host["host-b"] > 0, outcome.table()
 
 
-async def run(harness: Harness, proxy: GrayProxy, pg_url: str, folder: Path, plan: Plan) -> Outcome:
-    """One partition run; what must hold whatever was cut."""
+async def run(
+    harness: Harness, proxy: GrayProxy, pg_url: str, folder: Path, plan: Plan, *, bound: float
+) -> Outcome:
+    """One partition run; what must hold whatever was cut. ``bound``: the p99 and the
+    longest stall allowed (seconds)."""
     outcome = await PartitionRun(harness, proxy, pg_url, folder, plan).run()
     (folder / "partition.json").write_text(json.dumps(outcome.to_json(), indent=2))
     print(f"\n{outcome.table()}")
     assert_nothing_lost_or_reordered(outcome)
     # The healthy host kept delivering while the other was cut off.
-    assert outcome.p99 <= 2.0, outcome.table()
-    assert outcome.longest_stall <= 2.0, outcome.table()
+    assert outcome.p99 <= bound, outcome.table()
+    assert outcome.longest_stall <= bound, outcome.table()
     assert outcome.by_host["host-b"] > 0, outcome.table()
     return outcome
 
