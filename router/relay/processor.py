@@ -160,6 +160,11 @@ class Processor:
                 await self._record_circuit()
                 if timeout is None or self._stopping:
                     continue
+                if self.circuit.is_open:
+                    # Cut off at the end of a pump: probe when due, not at the next poll (a
+                    # minute by default), or an outage with nothing staged after it would
+                    # outlast the broker's return by that long.
+                    timeout = min(timeout, self.circuit.probe_in())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
         finally:

@@ -151,6 +151,29 @@ async def test_a_down_broker_costs_no_attempt_and_opens_the_circuit_until_it_is_
     assert not processor.circuit.is_open
 
 
+async def test_a_circuit_opened_by_the_last_batch_is_probed_without_a_wake_up(
+    outbox_file: OutboxFile,
+) -> None:
+    """The broker goes away under the last batch staged: nothing wakes the processor again
+    (the poll interval is 60 s), yet it probes on schedule and delivers once the broker is
+    back."""
+    outbox_file.broker.down = True
+    await outbox_file.stage(1, 2)
+    processor = outbox_file.processor()
+    task = asyncio.create_task(processor.run())
+    try:
+        processor.wake()
+        await wait_until(lambda: processor.circuit.is_open)
+        outbox_file.broker.down = False
+        await outbox_file.broker.wait_for(2, timeout=3)
+        assert numbers(outbox_file.broker) == [1, 2]
+        processor.stop()
+        await asyncio.wait_for(task, 2)
+    finally:
+        task.cancel()
+    assert outbox_file.statuses() == ["published", "published"]
+
+
 async def test_a_message_unanswered_even_on_trial_backs_off_and_is_abandoned(
     open_outbox: OpenOutbox,
 ) -> None:
@@ -199,8 +222,47 @@ async def test_a_hanging_broker_is_found_silent_within_twice_the_silence_timeout
     rows = outbox_file.rows()
     assert [(r["status"], r["attempts"]) for r in rows] == [("published", 1)] + [("pending", 0)] * 2
     assert processor.circuit.reason == (
-        "events: no answer within 0.25 s, nor to a ping: the path to the broker is silent"
+        "events: no answer within 0.25 s, nor to a ping within 0.25 s: "
+        "the path to the broker is silent"
     )
+
+
+async def test_a_slow_publish_on_a_broker_whose_pings_are_slow_is_not_found_silent(
+    open_outbox: OpenOutbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pings that take longer than publishes (a Service Bus ping attaches a link) are timed
+    on their own: a publish that outlasts its limit is answered for by a ping within the
+    pings' limit, not the publishes' one, and the healthy broker keeps its circuit closed."""
+    timeouts = {"connect_timeout": 2, "publish_timeout": 2}
+    outbox_file = await open_outbox(brokers={"events": {**EVENTS_BROKER, **timeouts}})
+    broker = outbox_file.broker
+    publish, ping = broker.publish, broker.ping
+    slow = {"publish": 0.0}
+
+    async def slow_ping() -> None:
+        await asyncio.sleep(0.3)
+        await ping()
+
+    async def slow_publish(batch: list[OutgoingMessage]) -> list[PublishResult]:
+        await asyncio.sleep(slow["publish"])
+        return await publish(batch)
+
+    monkeypatch.setattr(broker, "ping", slow_ping)
+    monkeypatch.setattr(broker, "publish", slow_publish)
+    processor = outbox_file.processor()
+    await outbox_file.stage(1)
+    assert await processor.drain() == 1
+    await asyncio.sleep(0.4)  # the ping timing the new connection: 0.3 s
+    for n in range(2, 22):  # quick publishes bring their limit down to silence_timeout
+        await outbox_file.stage(n)
+        assert await processor.drain() == 1
+
+    slow["publish"] = 0.6  # past its 0.25 s limit: pinged, and the ping answers in 0.3 s
+    await outbox_file.stage(22)
+    assert await processor.drain() == 1
+
+    assert not processor.circuit.is_open
+    assert outbox_file.statuses() == ["published"] * 22
 
 
 async def test_a_broker_that_never_answered_gets_the_whole_publish_timeout(
