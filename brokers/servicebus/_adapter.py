@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
@@ -59,6 +59,7 @@ class ServiceBusBroker:
         # The SDK's senders are not safe to open or use from two tasks at once, and the
         # processor publishes the next batch while the current one is in flight: one at a time.
         self._sending = asyncio.Lock()
+        self._detaching: set[asyncio.Task[Any]] = set()  # ping links closing in the background
 
     async def connect(self) -> None:
         """Create the client (connections open with the first sender)."""
@@ -206,7 +207,11 @@ class ServiceBusBroker:
             try:
                 await probe.create_message_batch()
             finally:
-                await probe.close()
+                # The attach was the round trip; the SDK's detach takes half a second more of
+                # polling, which would only lengthen the ping and with it the silence limit.
+                closing = asyncio.ensure_future(asyncio.wait_for(probe.close(), 5))
+                self._detaching.add(closing)
+                closing.add_done_callback(_forget(self._detaching))
 
         try:
             await asyncio.wait_for(attach(), self.settings.connect_timeout)
@@ -226,12 +231,25 @@ class ServiceBusBroker:
         """Close senders and the client."""
         senders, self._senders = list(self._senders.values()), {}
         client, self._client = self._client, None
+        for closing in list(self._detaching):  # closing the client closes their links
+            closing.cancel()
         for sender in senders:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sender.close(), 5)
         if client is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
+
+
+def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    """A done callback: drop the task from ``tasks``, its outcome read (never raised)."""
+
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
 
 
 def _properties(headers: dict[str, str]) -> dict[str | bytes, Any]:

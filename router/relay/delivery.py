@@ -79,7 +79,12 @@ class Delivery:
         # closed at once: closing a silent connection can itself hang, and the batch's rows
         # must go back first.)
         self._suspect = False
+        # How long publishes take, and how long pings do: apart, since a ping can cost far
+        # more than a publish (a Service Bus ping attaches a link and puts a token: ~0.5 s
+        # where a publish takes 15 ms), and a healthy broker must not be found silent because
+        # its ping took longer than its publishes do.
         self._answer = AnswerTime(settings.silence_timeout, settings.publish_timeout)
+        self._pings = AnswerTime(settings.silence_timeout, settings.publish_timeout)
         self._timing: asyncio.Future[None] | None = None  # the ping timing a new connection
 
     async def deliver(
@@ -155,11 +160,12 @@ class Delivery:
             await self.broker.connect()
             pinged = time.monotonic()
             await self.broker.ping()
-        self._answer.observe(time.monotonic() - pinged)
+        self._pinged(time.monotonic() - pinged)
 
     async def disconnect(self) -> None:
         """Drop the connection; the next publish connects again."""
         self._answer.reconnected()
+        self._pings.reconnected()
         if self._timing is not None:
             self._timing.cancel()
         with contextlib.suppress(Exception):
@@ -220,14 +226,15 @@ class Delivery:
 
         Once the broker's answer time is known (``router.relay.silence``), a publish still
         unanswered after its limit has the connection asked for a round trip (``ping``);
-        when that is not answered within the limit either, the path is silent (``_Silent``).
-        So a host cut off from its broker knows within twice the limit (half a second on a
-        quick broker), instead of holding its batch, and on PostgreSQL the target, for the
-        whole publish timeout; a broker that answers the ping but acknowledges slowly gets
-        the publish timeout.
+        when that is not answered within the pings' own limit, the path is silent
+        (``_Silent``). So a host cut off from its broker knows within the two limits (half a
+        second on a quick broker), instead of holding its batch, and on PostgreSQL the
+        target, for the whole publish timeout; a broker that answers the ping but
+        acknowledges slowly gets the publish timeout.
         """
         answer = self._answer
         silence = answer.limit
+        patience = self._pings.limit
         started = time.monotonic()
         publish = asyncio.ensure_future(self.broker.publish(messages))
         ping: asyncio.Future[None] | None = None
@@ -238,14 +245,14 @@ class Delivery:
                     pinged = time.monotonic()
                     ping = asyncio.ensure_future(self.broker.ping())
                     await asyncio.wait(
-                        {publish, ping}, timeout=silence, return_when=asyncio.FIRST_COMPLETED
+                        {publish, ping}, timeout=patience, return_when=asyncio.FIRST_COMPLETED
                     )
                     if ping.done() and ping.exception() is None:
-                        answer.observe(time.monotonic() - pinged)
+                        self._pings.observe(time.monotonic() - pinged)
                     elif not publish.done():
                         raise _Silent(
-                            f"{self.target}: no answer within {silence:.2g} s, nor to a ping: "
-                            "the path to the broker is silent"
+                            f"{self.target}: no answer within {silence:.2g} s, nor to a ping "
+                            f"within {patience:.2g} s: the path to the broker is silent"
                         )
             left = self.settings.publish_limit - (time.monotonic() - started)
             results = await asyncio.wait_for(asyncio.shield(publish), max(left, 0.0))
@@ -273,7 +280,14 @@ class Delivery:
             await asyncio.wait_for(self.broker.ping(), self.settings.connect_timeout)
         except Exception:  # the next publish will tell
             return
-        self._answer.observe(time.monotonic() - pinged)
+        self._pinged(time.monotonic() - pinged)
+
+    def _pinged(self, seconds: float) -> None:
+        """A ping on a new connection answered: it times the pings, and is the publishes'
+        first estimate until they are timed themselves."""
+        self._pings.observe(seconds)
+        if not self._answer.known:
+            self._answer.observe(seconds)
 
     def _cut_off(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
         """This host could not use the broker: no verdict on any message. The connection is
