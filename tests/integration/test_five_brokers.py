@@ -37,7 +37,9 @@ async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local
         arrived = {name: await h.arrived(destinations[name], 1) for name, h in partners.items()}
 
         # Service Bus goes away; the other four keep delivering everything meanwhile.
-        servicebus.peer.stop()
+        # The peer runs on a thread of this process: stopping it waits for that thread, which
+        # must not stall the event loop the router runs on (a stall of 2 s ends its batches).
+        await asyncio.to_thread(servicebus.peer.stop)
         async with outbox.transaction() as tx:
             later = await tx.stage(
                 *(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in range(2, 7))
@@ -59,7 +61,7 @@ async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local
             raise AssertionError(await statuses(pg_url)) from None
         assert len(servicebus.peer.messages(destinations["servicebus"])) == 1
 
-        servicebus.peer.start()  # back: its rows go out
+        await asyncio.to_thread(servicebus.peer.start)  # back: its rows go out
         everything = await servicebus.arrived(destinations["servicebus"], 6, timeout=30)
         await asyncio.sleep(0.5)
         final = await statuses(pg_url)

@@ -45,11 +45,14 @@ no session-enabled entities (a plain receiver gets every message, whatever its s
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -531,6 +534,89 @@ class ServiceBusPeer:
                 return found
             time.sleep(0.02)
         return self.messages(address)
+
+
+class ServiceBusPeerProcess(ServiceBusPeer):
+    """The peer in a process of its own (``main()``), for a test whose own event loop is busy
+    enough (a load generator and a TCP proxy, say) to slow a peer that shares its interpreter,
+    and with it the answer times the router's silence limit follows. What arrived is read
+    back with the SDK's receiver (and kept: each call returns all that was read so far).
+    ``reject`` is not passed on."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 5673) -> None:
+        super().__init__(host, port)
+        self.process: subprocess.Popen[str] | None = None
+        self._read: dict[str, list[Received]] = defaultdict(list)
+
+    def start(self) -> None:
+        """Start the process; return once it listens."""
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.peers.servicebus", "--port", str(self.port)],
+            cwd=Path(__file__).resolve().parents[2],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()  # "listening; ..." once ready, "" if it died
+        if not line.startswith("listening"):
+            self.stop()
+            raise RuntimeError(f"the Service Bus peer process did not start: {line!r}")
+
+    def stop(self) -> None:
+        """Stop the process."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def messages(self, address: str) -> list[Received]:
+        """What was read from ``address`` so far, and whatever waits there now."""
+        return self.wait_for(address, sys.maxsize, timeout=1.0)
+
+    def wait_for(self, address: str, count: int, timeout: float = 10.0) -> list[Received]:
+        """Read (and complete) from the queue ``address`` until ``count`` messages were read
+        in all, or ``timeout`` passes."""
+        from azure.servicebus import ServiceBusClient
+
+        got = self._read[address]
+        deadline = time.monotonic() + timeout
+        with (
+            ServiceBusClient.from_connection_string(self.connection_string) as client,
+            client.get_queue_receiver(address) as receiver,
+        ):
+            while len(got) < count and (left := deadline - time.monotonic()) > 0:
+                wanted = min(count - len(got), 500)
+                for message in receiver.receive_messages(wanted, max_wait_time=left):
+                    receiver.complete_message(message)
+                    got.append(_received_by_sdk(address, message))
+        return list(got)
+
+
+def _received_by_sdk(address: str, message: Any) -> Received:
+    """A message the SDK's receiver read, as ``messages()`` lists it."""
+
+    def text(value: Any) -> str | None:
+        return (
+            value.decode() if isinstance(value, bytes) else (None if value is None else str(value))
+        )
+
+    return Received(
+        address=address,
+        body=b"".join(message.body),
+        message_id=text(message.message_id),
+        correlation_id=text(message.correlation_id),
+        subject=text(message.subject),
+        content_type=text(message.content_type),
+        session_id=text(message.session_id),
+        properties={
+            text(k) or "": text(v) for k, v in (message.application_properties or {}).items()
+        },
+        others={},
+    )
 
 
 class _Call:
