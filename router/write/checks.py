@@ -9,7 +9,10 @@ explains: each check once, for the async and the sync writer alike.
 - A NUL character in a stream key, a staged header, or an id that travels as a transport
   header (correlation, causation, traceparent): PostgreSQL cannot store one in text, and
   broker headers cannot carry one. Refused on every database, so the same call stages on all.
-- No router tables (``missing_schema``): a database ``router init-db`` never ran on.
+- No router tables: a database ``router init-db`` never ran on. On PostgreSQL, asked before
+  the first INSERT (``needs_schema_probe``, ``SCHEMA_PROBE``, ``check_schema_probe``), as a
+  failed INSERT there would abort the caller's transaction; elsewhere, and on PostgreSQL
+  should the tables go after that, the INSERT's error is explained (``missing_schema``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,24 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from pydantic import BaseModel
 
 from envelopes import StagingError
 
-__all__ = ["check_no_nul", "json_problem", "missing_schema"]
+if TYPE_CHECKING:
+    from router.config import DatabaseSettings
+
+__all__ = [
+    "SCHEMA_PROBE",
+    "check_no_nul",
+    "check_schema_probe",
+    "json_problem",
+    "missing_schema",
+    "needs_schema_probe",
+]
 
 # Types that are JSON as they are: most fields of most events stop at the first test.
 _PLAIN: frozenset[type] = frozenset({str, int, bool, type(None), Decimal, UUID})
@@ -90,28 +104,63 @@ def check_no_nul(value: str | None, what: str) -> None:
         )
 
 
+# Whether PostgreSQL has the router's outbox table, named as the INSERT names it: unqualified,
+# so resolved on the caller's search_path as the INSERT's name is. to_regclass answers NULL for
+# a missing table where the INSERT fails, and a failed statement aborts PostgreSQL's whole
+# transaction, the caller's own work with it, and nothing but a rollback ends that.
+SCHEMA_PROBE = "SELECT to_regclass('router_outbox') IS NOT NULL"
+
+# The databases this process has found the tables on, by configured URL: two URLs of one
+# database cost a probe each, where a coarser key (host and name) could take a second server
+# for the first and skip its probe. Only a yes is kept: after a no, `router init-db` may run
+# while the application does.
+_schema_found: set[str] = set()
+
+
+def needs_schema_probe(dialect: str, database: DatabaseSettings) -> bool:
+    """Whether stage() asks ``SCHEMA_PROBE`` before its INSERT: on PostgreSQL, until this
+    process has found the tables on ``database`` once.
+
+    One round trip, once per database per process. A SAVEPOINT around every stage() would
+    keep the transaction usable too, but costs two round trips on each call to serve a
+    mistake made once at setup: ``bench.stage_sync --driver psycopg --repeat 3`` put stage()
+    at 1.26x (1.24-1.32) a hand INSERT with it against 1.12x (1.04-1.23) without.
+    """
+    return dialect == "postgresql" and database.url.get_secret_value() not in _schema_found
+
+
+def check_schema_probe(present: object, database: DatabaseSettings, name: str) -> None:
+    """Take ``SCHEMA_PROBE``'s answer on ``database`` (configured as ``name``): StagingError
+    naming `router init-db` when the tables are not there, the caller's transaction
+    untouched; else remember that they are."""
+    if not present:
+        raise StagingError(_no_tables(name, "router_outbox"))
+    _schema_found.add(database.url.get_secret_value())
+
+
 def missing_schema(error: BaseException, database: str, dialect: str) -> StagingError | None:
     """A StagingError saying what to do when ``error`` is the database's answer to a missing
     router table; None for any other error.
 
-    On PostgreSQL the failed statement has aborted the caller's transaction: only a rollback
-    ends it, and the message says so. MySQL and SQLite fail the statement alone, so there the
-    transaction goes on. A SAVEPOINT around every stage() would keep PostgreSQL's usable too,
-    but it costs two round trips on each call to serve a mistake made once at setup:
-    ``bench.stage_sync --driver psycopg --repeat 3`` put stage() at 1.26x (1.24-1.32) a hand
-    INSERT with it against 1.12x (1.04-1.23) without, one event, one target; far over the
-    3% such a check may cost. So the error is caught and explained instead.
+    MySQL and SQLite fail the statement alone, so there the transaction goes on. PostgreSQL
+    aborts the caller's transaction: there the tables are asked for first
+    (``needs_schema_probe``), so this explains an INSERT only on tables gone since they were
+    found, and the message says that only a rollback ends the transaction.
     """
     table = _missing_table(error)
     if table is None:
         return None
-    message = (
-        f"database {database!r} has no table {table} (the router's tables are not "
-        "there): run `router init-db`"
-    )
+    message = _no_tables(database, table)
     if dialect == "postgresql":
         message += "; PostgreSQL has aborted this transaction, so roll it back"
     return StagingError(message)
+
+
+def _no_tables(database: str, table: str) -> str:
+    return (
+        f"database {database!r} has no table {table} (the router's tables are not "
+        "there): run `router init-db`"
+    )
 
 
 _TABLES = ("router_outbox", "router_streams")

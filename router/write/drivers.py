@@ -7,6 +7,9 @@
   ``transaction.atomic()``: its cursor takes ``%(name)s`` and ``%s`` on every backend.
 - Raw DB-API connections of psycopg 3, psycopg2 and sqlite3.
 
+Each also answers one read-only query (``scalar``), for the check before the first
+INSERT (``router.write.checks.needs_schema_probe``).
+
 ``sync_driver`` refuses, before anything is written, a connection that would commit each
 statement on its own (autocommit outside a transaction), and async connections, which
 ``Outbox.stage`` takes. Nothing here imports a driver: a connection is recognised by its
@@ -37,6 +40,10 @@ class SyncDriver(Protocol):
 
     def execute(self, statement: Statement | Copy) -> None:
         """Run one statement in the caller's transaction."""
+
+    def scalar(self, sql: str) -> object:
+        """The first value of a read-only query without parameters, in the caller's
+        transaction."""
 
 
 _AUTOCOMMIT = (
@@ -122,6 +129,10 @@ class SqlAlchemyDriver:
         else:
             self.connection.exec_driver_sql(statement.sql, statement.params)
 
+    def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row."""
+        return self.connection.exec_driver_sql(sql).scalar()
+
 
 class DjangoDriver:
     """Django's connection for one database alias, inside ``transaction.atomic()``."""
@@ -164,6 +175,12 @@ class DjangoDriver:
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
+
+    def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row, on Django's cursor."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql)
+            return cursor.fetchone()[0]
 
     def _psycopg(self) -> Any:
         """The psycopg 3 connection under Django's PostgreSQL one, or None."""
@@ -220,6 +237,14 @@ class PsycopgDriver:
         """Run one statement on a cursor of the connection (``_psycopg_execute``)."""
         _psycopg_execute(self.connection, statement)
 
+    def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row, as a tuple whatever the connection's
+        ``row_factory``."""
+        from psycopg.rows import tuple_row
+
+        with _cursor_class()(self.connection, row_factory=tuple_row) as cursor:
+            return cursor.execute(sql).fetchone()[0]
+
 
 def _idle(connection: Any) -> bool:
     """Whether a psycopg 3 connection is outside any transaction."""
@@ -254,6 +279,15 @@ class Psycopg2Driver:
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
 
+    def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row, as a tuple whatever the connection's
+        ``cursor_factory`` (``RealDictCursor``, say)."""
+        from psycopg2.extensions import cursor as plain
+
+        with self.connection.cursor(cursor_factory=plain) as cursor:
+            cursor.execute(sql)
+            return cursor.fetchone()[0]
+
 
 class Sqlite3Driver:
     """A sqlite3 connection: it opens a transaction before an INSERT unless it autocommits."""
@@ -280,3 +314,8 @@ class Sqlite3Driver:
         """Run one statement on the connection."""
         assert isinstance(statement, Statement)
         self.connection.execute(statement.sql, statement.params)
+
+    def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row."""
+        row: tuple[object, ...] = self.connection.execute(sql).fetchone()
+        return row[0]

@@ -30,7 +30,12 @@ from envelopes import StageOptions, StagingError
 from router._db import create_engine
 from router._local import announce, listening
 from router.config import RouterConfig
-from router.write.checks import missing_schema
+from router.write.checks import (
+    SCHEMA_PROBE,
+    check_schema_probe,
+    missing_schema,
+    needs_schema_probe,
+)
 from router.write.events import Event
 from router.write.staging import Row
 from router.write.writer import Writer, message_ids
@@ -79,7 +84,8 @@ class Outbox(Writer):
 
     async def _insert(self, connection: Any, name: str, rows: Sequence[Row]) -> None:
         """One INSERT of ``rows`` in the caller's transaction, refused outside of one."""
-        kind = self.config.databases[name].kind
+        database = self.config.databases[name]
+        kind = database.kind
         if _is_asyncpg(connection):
             self._expect(name, kind, "postgresql")
             if not connection.is_in_transaction():
@@ -87,6 +93,8 @@ class Outbox(Writer):
                     "stage() needs the connection inside a transaction "
                     "(async with connection.transaction(): ...)"
                 )
+            if needs_schema_probe("postgresql", database):
+                check_schema_probe(await connection.fetchval(SCHEMA_PROBE), database, name)
             try:
                 await self._stager.insert_postgres_raw(connection, rows)
             except Exception as exc:
@@ -102,6 +110,9 @@ class Outbox(Writer):
                 "without AUTOCOMMIT, in a transaction (async with session.begin(): ... "
                 "or async with engine.begin() as connection: ...)"
             )
+        if needs_schema_probe(conn.dialect.name, database):
+            probed = await conn.exec_driver_sql(SCHEMA_PROBE)
+            check_schema_probe(probed.scalar(), database, name)
         try:
             await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
         except Exception as exc:

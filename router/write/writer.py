@@ -15,7 +15,12 @@ from router._yaml import load_config
 from router.config import RouterConfig
 from router.write import entities
 from router.write._tracing import current_traceparent
-from router.write.checks import missing_schema
+from router.write.checks import (
+    SCHEMA_PROBE,
+    check_schema_probe,
+    missing_schema,
+    needs_schema_probe,
+)
 from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
 from router.write.staging import Row, Stager
@@ -66,7 +71,10 @@ class Writer:
         name = self._database(database)
         rows = self._rows(name, events, stream_key, stream_keys, options or {})
         driver = sync_driver(connection)
-        self._expect(name, self.config.databases[name].kind, driver.dialect)
+        settings = self.config.databases[name]
+        self._expect(name, settings.kind, driver.dialect)
+        if needs_schema_probe(driver.dialect, settings):
+            check_schema_probe(driver.scalar(SCHEMA_PROBE), settings, name)
         statements = self._stager.statements(driver.dialect, rows, copy=driver.copies)
         try:
             for statement in statements:

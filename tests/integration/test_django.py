@@ -7,7 +7,9 @@ Each kind: an order and its event commit together (a row per target), an excepti
 ``atomic()`` block leaves neither, staging outside one is refused, a second alias stages in
 its own transaction, and ``manage.py check --database default`` (and ``migrate``) fails
 (``router.E001``) on a database without the router's tables or behind them, and passes at head
-and after ``init_db()``. Once, on SQLite: the check's other two errors.
+and after ``init_db()``; on a database without them, ``stage()`` is refused naming
+``router init-db`` and the block goes on to commit its own rows. Once, on SQLite: the check's
+other two errors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 from router.config import DatabaseSettings
 from router.ops.migrate import head_revision, migrate_to
 from tests.conftest import MEMORY_BROKERS, Database, MysqlDatabases, PgDatabases, make_database
+from tests.integration.events import NO_TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = head_revision()
@@ -260,6 +263,16 @@ async def test_the_check_fails_without_the_router_tables_until_init_db(
         f"(router.E001) Django database 'default' (router database 'main') is at router "
         f"schema {previous}; this router needs {HEAD}"
     ) in checked.stderr
+
+
+async def test_staging_without_the_router_tables_is_refused_and_the_block_goes_on(
+    bare_project: Project,
+) -> None:
+    # On PostgreSQL too: stage() asked for the tables before an INSERT that would have
+    # failed and aborted the block's transaction.
+    done = bare_project.run("migrate_bare", "refused")["refused"]
+    assert done["error"] == NO_TABLES
+    assert await bare_project.orders() == done["orders"]
 
 
 @pytest.mark.parametrize("bare_project", ["sqlite"], indirect=True)

@@ -533,19 +533,31 @@ async def make_bare_database(
 async def test_a_database_without_the_router_tables_is_refused_naming_init_db(
     bare_client: Client,
 ) -> None:
+    # On PostgreSQL too the caller's transaction goes on: stage() asked for the tables
+    # before an INSERT that would have failed and aborted it.
     await bare_client.database.execute(CALLER_TABLE)
     outbox = bare_client.outbox()
-    if bare_client.database.kind == "postgresql":
-        # The failed INSERT aborted the transaction: the caller rolls back, then goes on.
-        with pytest.raises(StagingError) as refused, bare_client.transaction() as conn:
+    with bare_client.transaction() as conn:
+        execute(conn, "INSERT INTO caller_orders (id) VALUES ('before')")
+        with pytest.raises(StagingError) as refused:
             outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+        assert str(refused.value) == NO_TABLES
+        execute(conn, "INSERT INTO caller_orders (id) VALUES ('after')")
+    found = await bare_client.database.fetch("SELECT id FROM caller_orders")
+    assert sorted(row["id"] for row in found) == ["after", "before"]
+
+
+@pytest.mark.parametrize(
+    "client", [name for name, (kind, _) in CLIENTS.items() if kind == "postgresql"], indirect=True
+)
+async def test_the_tables_are_asked_for_once_per_database_and_process(client: Client) -> None:
+    # Found once, the tables are not asked for again, by this outbox or another on the same
+    # database: gone since, the INSERT itself fails, and aborts the transaction.
+    first = client.outbox()
+    with client.transaction() as conn:
+        first.stage(conn, StockReserved(order_id="o-1", quantity=1))
+    await client.database.execute("ALTER TABLE router_outbox RENAME TO router_outbox_gone")
+    for outbox in (first, client.outbox()):
+        with pytest.raises(StagingError) as refused, client.transaction() as conn:
+            outbox.stage(conn, StockReserved(order_id="o-2", quantity=1))
         assert str(refused.value) == NO_TABLES + PG_ABORTED
-        with bare_client.transaction() as conn:
-            execute(conn, CALLER_INSERT)
-    else:  # MySQL and SQLite fail the statement alone: the transaction goes on
-        with bare_client.transaction() as conn:
-            with pytest.raises(StagingError) as refused:
-                outbox.stage(conn, StockReserved(order_id="o", quantity=1))
-            assert str(refused.value) == NO_TABLES
-            execute(conn, CALLER_INSERT)
-    assert await bare_client.database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]

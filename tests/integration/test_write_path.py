@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,8 @@ from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
+from router.config import DatabaseSettings
+from router.ops.migrate import upgrade
 from router.write.staging import MYSQL_MAX_STREAM_KEY
 from tests.conftest import MEMORY_BROKERS, MysqlDatabases, PgDatabases, make_config
 
@@ -219,7 +221,52 @@ async def test_refused_input_leaves_a_raw_asyncpg_transaction_usable(pg_url: str
     ]
 
 
-@pytest.fixture(params=["postgresql", "sqlite", "mysql"])
+def _caller_id(value: object) -> str:
+    return str(getattr(value, "__name__", value))
+
+
+Execute = Callable[[str], Awaitable[Any]]
+"""Runs the caller's own SQL in its open transaction."""
+
+Caller = Callable[[Outbox, str], AbstractAsyncContextManager[tuple[Any, Execute]]]
+"""Opens the caller's transaction on the outbox's database (its URL): yields what to stage on
+and how to run the caller's SQL; commits, or rolls back on error."""
+
+
+@asynccontextmanager
+async def in_session(outbox: Outbox, _url: str) -> AsyncIterator[tuple[Any, Execute]]:
+    async with AsyncSession(outbox.engine()) as session, session.begin():
+        yield session, lambda sql: session.execute(text(sql))
+
+
+@asynccontextmanager
+async def in_connection(outbox: Outbox, _url: str) -> AsyncIterator[tuple[Any, Execute]]:
+    async with outbox.engine().begin() as conn:
+        yield conn, lambda sql: conn.execute(text(sql))
+
+
+@asynccontextmanager
+async def in_asyncpg(_outbox: Outbox, url: str) -> AsyncIterator[tuple[Any, Execute]]:
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            yield conn, conn.execute
+    finally:
+        await conn.close()
+
+
+CALLERS = [
+    ("postgresql", in_session),
+    ("postgresql", in_connection),
+    ("postgresql", in_asyncpg),
+    ("sqlite", in_session),
+    ("sqlite", in_connection),
+    ("mysql", in_session),
+    ("mysql", in_connection),
+]
+
+
+@pytest.fixture
 async def bare_database(
     request: pytest.FixtureRequest,
     pg_databases: PgDatabases,
@@ -234,44 +281,73 @@ async def bare_database(
     return Database("sqlite", "sqlite:///outbox.db", tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("bare_database", "caller"), CALLERS, indirect=["bare_database"], ids=_caller_id
+)
 async def test_a_database_without_the_router_tables_is_refused_naming_init_db(
-    bare_database: Database,
+    bare_database: Database, caller: Caller
 ) -> None:
+    # On PostgreSQL too the caller's transaction goes on: stage() asked for the tables
+    # before an INSERT that would have failed and aborted it.
     await bare_database.execute(CALLER_TABLE)
     outbox = bare_database.outbox()
     try:
-        if bare_database.kind == "postgresql":
-            # The failed INSERT aborted the transaction: the caller rolls back, then goes on.
+        async with caller(outbox, bare_database.url) as (conn, execute):
+            await execute("INSERT INTO caller_orders (id) VALUES ('before')")
             with pytest.raises(StagingError) as refused:
-                async with AsyncSession(outbox.engine()) as session, session.begin():
-                    await outbox.stage(session, StockReserved(order_id="o", quantity=1))
-            assert str(refused.value) == NO_TABLES + PG_ABORTED
-            async with AsyncSession(outbox.engine()) as session, session.begin():
-                await session.execute(CALLER_INSERT)
-        else:  # MySQL and SQLite fail the statement alone: the transaction goes on
-            async with AsyncSession(outbox.engine()) as session, session.begin():
-                with pytest.raises(StagingError) as refused:
-                    await outbox.stage(session, StockReserved(order_id="o", quantity=1))
-                assert str(refused.value) == NO_TABLES
-                await session.execute(CALLER_INSERT)
+                await outbox.stage(conn, StockReserved(order_id="o", quantity=1))
+            assert str(refused.value) == NO_TABLES
+            await execute("INSERT INTO caller_orders (id) VALUES ('after')")
     finally:
         await outbox.close()
-    assert await bare_database.fetch("SELECT id FROM caller_orders") == [{"id": "o-1"}]
+    found = await bare_database.fetch("SELECT id FROM caller_orders")
+    assert sorted(row["id"] for row in found) == ["after", "before"]
 
 
-async def test_a_raw_asyncpg_connection_without_the_router_tables_is_refused(
-    pg_databases: PgDatabases,
+@pytest.mark.parametrize("caller", [in_session, in_connection, in_asyncpg], ids=_caller_id)
+async def test_the_tables_are_asked_for_once_per_database_and_process(
+    pg_url: str, caller: Caller
+) -> None:
+    # Found once, the tables are not asked for again, by this outbox or another on the same
+    # database: gone since, the INSERT itself fails, and aborts the transaction.
+    first, second = outbox_for(pg_url), outbox_for(pg_url)
+    try:
+        async with counting(first) as statements, caller(first, pg_url) as (conn, _):
+            await first.stage(conn, StockReserved(order_id="o-1", quantity=1))
+            await first.stage(conn, StockReserved(order_id="o-2", quantity=1))
+        admin = await asyncpg.connect(pg_url)
+        try:
+            await admin.execute("ALTER TABLE router_outbox RENAME TO router_outbox_gone")
+        finally:
+            await admin.close()
+        for outbox in (first, second):
+            with pytest.raises(StagingError) as refused:
+                async with caller(outbox, pg_url) as (conn, _):
+                    await outbox.stage(conn, StockReserved(order_id="o-3", quantity=1))
+            assert str(refused.value) == NO_TABLES + PG_ABORTED
+    finally:
+        await first.close()
+        await second.close()
+    if caller is not in_asyncpg:  # the statements counted are SQLAlchemy's
+        assert sum("to_regclass" in statement for statement in statements) == 1
+
+
+async def test_a_refusal_is_not_remembered_so_staging_works_after_init_db(
+    pg_databases: PgDatabases, tmp_path: Path
 ) -> None:
     url = await pg_databases.new(migrated=False)
     outbox = outbox_for(url)
-    conn = await asyncpg.connect(url)
     try:
-        with pytest.raises(StagingError) as refused:
-            async with conn.transaction():
-                await outbox.stage(conn, StockReserved(order_id="o", quantity=1))
-        assert str(refused.value) == NO_TABLES + PG_ABORTED
+        with pytest.raises(StagingError, match="run `router init-db`"):
+            async with outbox.transaction() as tx:
+                await tx.stage(StockReserved(order_id="early", quantity=1))
+        await upgrade("main", DatabaseSettings.model_validate({"url": url}), tmp_path)
+        async with outbox.transaction() as tx:
+            await tx.stage(StockReserved(order_id="o-1", quantity=1))
     finally:
-        await conn.close()
+        await outbox.close()
+    stored = await rows(url)
+    assert [json.loads(r["envelope"])["payload"]["order_id"] for r in stored] == ["o-1"]
 
 
 async def test_a_published_event_no_broker_takes_is_rejected(database: Database) -> None:

@@ -43,6 +43,32 @@ def migrate() -> dict[str, Any]:
     return {}
 
 
+def migrate_bare() -> dict[str, Any]:
+    """Django's own tables (and the app's) on a database without the router's, whose check
+    would stop ``migrate``."""
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0, skip_checks=True)
+    return {}
+
+
+def refused() -> dict[str, Any]:
+    """An order, a ``stage()`` refused (no router tables), another order: one block."""
+    from django.db import transaction
+
+    from tests.integration.django_app.orders.models import Order
+
+    error = None
+    with transaction.atomic():
+        before = Order.objects.create(customer="ada", total=Decimal(1))
+        try:
+            stage(OrderPlaced(order_id=str(before.pk), total=before.total))
+        except StagingError as exc:
+            error = str(exc)
+        after = Order.objects.create(customer="bob", total=Decimal(2))
+    return {"error": error, "orders": [int(before.pk), int(after.pk)]}
+
+
 def commit() -> dict[str, Any]:
     """An order and its event in one ``atomic()`` block that commits."""
     from django.db import transaction
@@ -142,6 +168,8 @@ def init() -> dict[str, Any]:
 
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "migrate": migrate,
+    "migrate_bare": migrate_bare,
+    "refused": refused,
     "commit": commit,
     "rollback": rollback,
     "outside": outside,
