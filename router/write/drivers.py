@@ -55,8 +55,18 @@ _AUTOCOMMIT = (
 def sync_driver(connection: Any) -> SyncDriver:
     """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
     kind = type(connection)
-    if kind.__module__.partition(".")[0] == "psycopg" and "Async" not in kind.__name__:
-        return PsycopgDriver(connection)  # the common case first, without SQLAlchemy's import
+    root = kind.__module__.partition(".")[0]
+    # The DB-API connections first, without SQLAlchemy's import (a third of a second at a
+    # script's start).
+    if "Async" not in kind.__name__:
+        if root == "psycopg":
+            return PsycopgDriver(connection)
+        if root == "psycopg2":
+            return Psycopg2Driver(connection)
+        if root == "django":
+            return DjangoDriver(connection)
+        if isinstance(connection, sqlite3.Connection):
+            return Sqlite3Driver(connection)
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session, scoped_session
 
@@ -73,14 +83,6 @@ def sync_driver(connection: Any) -> SyncDriver:
             f"{type(connection).__name__}: stage on an AsyncSession or AsyncConnection with "
             "`await Outbox.stage(...)`"
         )
-    if root == "django":
-        return DjangoDriver(connection)
-    if root == "psycopg" and "Async" not in type(connection).__name__:
-        return PsycopgDriver(connection)
-    if root == "psycopg2":
-        return Psycopg2Driver(connection)
-    if isinstance(connection, sqlite3.Connection):
-        return Sqlite3Driver(connection)
     raise StagingError(
         "SyncOutbox.stage() takes a SQLAlchemy Session or Connection, Django's connection, "
         f"or a psycopg, psycopg2 or sqlite3 connection; got {type(connection).__name__}"

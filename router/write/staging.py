@@ -18,11 +18,10 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
-from sqlalchemy import text
 
 from brokers import EventRoute
 from envelopes import (
@@ -38,6 +37,9 @@ from router.config import RouterConfig
 from router.write.checks import check_no_nul, json_problem
 from router.write.events import Event, EventSpec
 from router.write.pinning import check_pin
+
+if TYPE_CHECKING:
+    from sqlalchemy import TextClause
 
 __all__ = ["Copy", "Route", "Row", "Stager", "Statement", "clause"]
 
@@ -199,9 +201,15 @@ class Statement:
         return isinstance(self.params, dict)
 
 
-# One compiled text() per statement text: the texts are few (PostgreSQL's one, a MySQL
-# chunk's per row count, SQLite's per row count), and compiling one costs more than a row.
-clause = functools.lru_cache(maxsize=512)(text)
+@functools.lru_cache(maxsize=512)
+def clause(sql: str) -> TextClause:
+    """SQLAlchemy's ``text(sql)``, one per statement text: the texts are few (PostgreSQL's
+    one, a MySQL chunk's per row count, SQLite's per row count), and compiling one costs more
+    than a row. SQLAlchemy is imported at the first call: a script staging on a raw psycopg
+    connection never needs it, and its import costs a third of a second at start."""
+    from sqlalchemy import text
+
+    return text(sql)
 
 
 class Stager:

@@ -13,7 +13,6 @@ from envelopes import StageOptions, StagingError
 from router._local import database_key
 from router._yaml import load_config
 from router.config import RouterConfig
-from router.write import entities
 from router.write._tracing import current_traceparent
 from router.write.checks import (
     SCHEMA_PROBE,
@@ -52,6 +51,10 @@ class Writer:
         stages nothing.
         """
         name = self._database(database)
+        # Imported here: it needs SQLAlchemy's ORM, half a second of imports that a script
+        # staging on a raw psycopg connection should not pay at its start.
+        from router.write import entities
+
         entities.stage_on_flush(sessions, functools.partial(self._stage_sync, database=name))
 
     def _stage_sync(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,20 @@ def _loaded_after(code: str, packages: tuple[str, ...] = SDKS) -> list[str]:
 )
 def test_no_broker_sdk_is_imported(code: str) -> None:
     assert _loaded_after(code) == []
+
+
+def test_a_sync_script_on_a_db_api_connection_loads_no_sqlalchemy(tmp_path: Path) -> None:
+    """SQLAlchemy is for the SQLAlchemy connections: importing the writer, loading a config
+    and choosing the driver of a DB-API connection leave it unimported (its import is a third
+    of a second at a script's start)."""
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    code = (
+        "import sqlite3\nfrom router import Event, SyncOutbox\n"
+        "from router.write.drivers import sync_driver\n"
+        f"SyncOutbox.from_file({str(tmp_path / 'config.yaml')!r})\n"
+        "sync_driver(sqlite3.connect(':memory:'))"
+    )
+    assert _loaded_after(code, ("sqlalchemy",)) == []
 
 
 def test_help_loads_no_broker_sdk() -> None:
