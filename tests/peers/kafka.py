@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.peers import end
+
 __all__ = ["TansuPeer", "tansu_binary"]
 
 
@@ -73,13 +75,7 @@ class TansuPeer:
     def stop(self) -> None:
         """Stop the process."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        end(process)
 
 
 def main() -> None:

@@ -60,6 +60,8 @@ from proton import Condition, Data, Delivery, Link, Message, symbol
 from proton.handlers import MessagingHandler
 from proton.reactor import Container
 
+from tests.peers import end
+
 CONNECTION_STRING = (
     "Endpoint=sb://localhost:{port};SharedAccessKeyName=x;SharedAccessKey=y;"
     "UseDevelopmentEmulator=true;"
@@ -565,13 +567,7 @@ class ServiceBusPeerProcess(ServiceBusPeer):
     def stop(self) -> None:
         """Stop the process."""
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        end(process)
 
     def messages(self, address: str) -> list[Received]:
         """What was read from ``address`` so far, and whatever waits there now."""
