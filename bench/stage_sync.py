@@ -2,7 +2,7 @@
 
     python -m bench.stage_sync [--transactions 3000] [--bulk-transactions 100] [--repeat 3]
                                [--driver psycopg|django|django-default|both]
-                               [--output stage-sync] [--profile]
+                               [--output stage-sync] [--profile] [--cold-rounds 9]
 
 ``bench.stage``'s method on the sync writer, for three drivers, each on a fresh migrated
 PostgreSQL database of its own: a raw psycopg 3 connection, and Django's connection (the
@@ -35,6 +35,14 @@ transaction, the ratio of stage() to the baseline (median of the rounds' ratios,
 lowest and highest) and the speed, baseline time over stage() time (the same per round, so
 ">= 0.9x its speed" reads directly).
 
+Then, from process start (``--cold-rounds``, 9 by default; 0 skips it): new processes commit
+one event each on psycopg 3, through ``SyncOutbox.from_file()`` and stage() or by the
+strongest hand-written alternative (psycopg and pydantic only, a plain INSERT of the same
+row: ``bench._stage_sync_cold``), taking turns after one uncounted round. Per process: the
+interpreter's start, the imports (and the config), the connect, the transaction, their sum
+(to the first commit) and the exit, median and lowest-highest; and the speed to the first
+commit, hand over stage(), per round.
+
 ``--profile`` measures where stage()'s time goes instead, per driver: cProfile of
 ``--transactions`` single-event transactions (1 target) through stage() (the top 10
 functions by cumulative and by own time) and through the first hand insert; then, on that
@@ -50,8 +58,12 @@ import asyncio
 import contextlib
 import cProfile
 import functools
+import json
 import pstats
 import re
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +72,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
+import yaml
 
-from bench._common import ROOT, fresh_database, median, order, print_table, write_results
+from bench._common import (
+    NATS_URL,
+    ROOT,
+    fresh_database,
+    median,
+    order,
+    print_table,
+    write_results,
+)
 from bench._sync_inserts import HAND, HandInsert, steps
 from bench.stage import BROKERS, BULK_EVENTS, CASES, Case, work
 from router import Event, SyncOutbox
@@ -513,6 +534,102 @@ def short(path: str) -> str:
     return path
 
 
+COLD = ROOT / "bench" / "_stage_sync_cold.py"
+COLD_STEPS = ("interpreter", "imports", "connect", "transaction", "first_commit", "exit")
+
+
+def cold_start(url: str, rounds: int) -> dict[str, Any]:
+    """From process start: a new process commits one event through stage(), or by hand
+    (``bench._stage_sync_cold``), the two taking turns for ``rounds`` rounds after one
+    uncounted round. Per process, in ms: the interpreter's start (the bench's clock before
+    the spawn to the script's first line), the imports (and, for stage(), loading the
+    config), the connect, the transaction, the sum of these (to the first commit) and the
+    interpreter's exit."""
+    samples: dict[str, list[dict[str, float]]] = {"stage": [], "hand": []}
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "config.yaml"
+        brokers = {
+            "events": {
+                "type": "nats",
+                "url": NATS_URL,
+                "internal": True,
+                "destination": "shop.{event_type}",
+                "stream": {"name": "SHOP", "subjects": ["shop.>"]},
+            }
+        }
+        config.write_text(
+            yaml.safe_dump({"service": "shop", "databases": {"main": url}, "brokers": brokers})
+        )
+        for round_ in range(rounds + 1):
+            for variant in ("stage", "hand") if round_ % 2 == 0 else ("hand", "stage"):
+                before = time.time()
+                done = subprocess.run(
+                    [sys.executable, str(COLD), variant, url, str(config)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=folder,
+                )
+                exited = time.time()
+                marks = json.loads(done.stdout)
+                if round_ == 0:
+                    continue  # the page cache's warm-up
+                samples[variant].append(
+                    {
+                        "interpreter": marks["started"] - before,
+                        "imports": marks["imported"] - marks["started"],
+                        "connect": marks["connected"] - marks["imported"],
+                        "transaction": marks["committed"] - marks["connected"],
+                        "first_commit": marks["committed"] - before,
+                        "exit": exited - marks["committed"],
+                    }
+                )
+    figures: dict[str, Any] = {"rounds": rounds}
+    for variant, runs in samples.items():
+        figures[variant] = {
+            step: {
+                "median_ms": round(median([r[step] for r in runs]) * 1e3, 1),
+                "min_ms": round(min(r[step] for r in runs) * 1e3, 1),
+                "max_ms": round(max(r[step] for r in runs) * 1e3, 1),
+            }
+            for step in COLD_STEPS
+        }
+    speeds = [
+        h["first_commit"] / s["first_commit"]
+        for s, h in zip(samples["stage"], samples["hand"], strict=True)
+    ]
+    figures["speed"] = round(median(speeds), 3)
+    figures["speed_min"] = round(min(speeds), 3)
+    figures["speed_max"] = round(max(speeds), 3)
+    return figures
+
+
+def report_cold(cold: dict[str, Any]) -> None:
+    """The from-process-start table."""
+    rows = []
+    for variant, name in (("stage", ROUTER), ("hand", "by hand (psycopg + pydantic)")):
+        f = cold[variant]
+        rows.append(
+            [name]
+            + [
+                f"{f[step]['median_ms']:,.0f} ({f[step]['min_ms']:,.0f}-{f[step]['max_ms']:,.0f})"
+                for step in COLD_STEPS
+            ]
+        )
+    print_table(
+        f"stage_sync from process start: one event committed by a new process, psycopg 3, "
+        f"median (lowest-highest) ms of {cold['rounds']} rounds",
+        ["variant", *COLD_STEPS],
+        rows,
+    )
+    print(
+        f"  speed to the first commit, hand time / stage() time: {cold['speed']:.2f}x "
+        f"({cold['speed_min']:.2f}-{cold['speed_max']:.2f}x). The imports are the router's"
+        "\n  own and pydantic's; stage() also loads config.yaml and asks once whether the"
+        "\n  router's tables are there."
+    )
+
+
 def main() -> None:
     """Measure (or profile), print, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -527,6 +644,12 @@ def main() -> None:
     )
     parser.add_argument("--output", default="stage-sync", help="bench/results/OUTPUT.json")
     parser.add_argument("--profile", action="store_true", help="profile stage() instead")
+    parser.add_argument(
+        "--cold-rounds",
+        type=int,
+        default=9,
+        help="rounds of new processes committing one event each, from process start (0: none)",
+    )
     args = parser.parse_args()
     drivers = DRIVERS if args.driver == "both" else (args.driver,)
 
@@ -568,6 +691,10 @@ def main() -> None:
             results, repeated = measure(urls, args)
             parameters["repeated_runs"] = repeated
             output = args.output
+            cold = None
+            if args.cold_rounds:
+                parameters["cold_rounds"] = args.cold_rounds
+                cold = cold_start(urls.get("psycopg") or fresh("psycopg"), args.cold_rounds)
 
     if not args.profile:
         figures = {
@@ -575,6 +702,9 @@ def main() -> None:
             for driver in drivers
         }
         report(figures, args)
+        if cold is not None:
+            report_cold(cold)
+            figures["from_process_start"] = cold
     path = write_results(output, parameters, figures)
     print(f"written to {path.relative_to(ROOT)}")
 

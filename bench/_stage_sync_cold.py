@@ -1,0 +1,104 @@
+"""One process of ``bench.stage_sync``'s from-process-start rounds: import what a sync script
+imports, connect, commit one transaction staging one event (one target), print the wall clock
+at each step as JSON, exit.
+
+    python bench/_stage_sync_cold.py stage|hand URL CONFIG
+
+``stage``: ``SyncOutbox.from_file(CONFIG)`` and ``stage()`` on a psycopg 3 connection, as
+docs/frameworks.md shows it. ``hand``: the strongest hand-written alternative a script has:
+psycopg and pydantic only, the event a pydantic model, the envelope a dict of the same fields
+dumped with ``json``, one row of the same columns by a plain ``INSERT``; no stream-key lock,
+no NOTIFY, no checks. Run as a file, not ``-m``: the ``bench`` package (and what it imports)
+is no part of either.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()
+
+import json  # noqa: E402  (after the clock: the imports are what is measured)
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+INSERT = (
+    "INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, "
+    "envelope) VALUES (%s, %s, %s, %s, %s, %s)"
+)
+
+
+def staged(url: str, config: str, marks: dict[str, float]) -> None:
+    """Through ``SyncOutbox.stage()``."""
+    import psycopg
+
+    from router import Event, SyncOutbox
+
+    class OrderPlaced(Event, type="order_placed", published=True):
+        order_id: str
+        customer: str
+        total: str
+        lines: int
+
+    outbox = SyncOutbox.from_file(config)
+    marks["imported"] = time.time()
+    with psycopg.connect(url) as conn:
+        marks["connected"] = time.time()
+        with conn.transaction():
+            event = OrderPlaced(order_id="order-1", customer="customer-1", total="1.99", lines=2)
+            outbox.stage(conn, event, stream_key="order-1")
+        marks["committed"] = time.time()
+
+
+def by_hand(url: str, marks: dict[str, float]) -> None:
+    """The same row, written by hand."""
+    import hashlib
+    import uuid
+    from datetime import UTC, datetime
+
+    import psycopg
+    from pydantic import BaseModel
+
+    class OrderPlaced(BaseModel):
+        order_id: str
+        customer: str
+        total: str
+        lines: int
+
+    marks["imported"] = time.time()
+    with psycopg.connect(url) as conn:
+        marks["connected"] = time.time()
+        with conn.transaction():
+            event = OrderPlaced(order_id="order-1", customer="customer-1", total="1.99", lines=2)
+            payload = event.model_dump_json()
+            message_id = str(uuid.uuid4())
+            envelope: dict[str, Any] = {
+                "id": message_id,
+                "type": "order_placed",
+                "version": 1,
+                "time": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                "source": "shop",
+                "stream": "order-1",
+                "asynchronous": True,
+                "checksum": "sha256:" + hashlib.sha256(payload.encode()).hexdigest(),
+                "event_class": "__main__.OrderPlaced",
+                "payload": json.loads(payload),
+            }
+            row = (message_id, "events", "shop.order_placed", "order_placed", "order-1")
+            conn.execute(INSERT, (*row, json.dumps(envelope, separators=(",", ":"))))
+        marks["committed"] = time.time()
+
+
+def main() -> None:
+    """``stage`` or ``hand``, then the marks on stdout."""
+    variant, url, config = sys.argv[1:4]
+    marks = {"started": STARTED}
+    if variant == "stage":
+        staged(url, config, marks)
+    else:
+        by_hand(url, marks)
+    print(json.dumps(marks))
+
+
+if __name__ == "__main__":
+    main()
