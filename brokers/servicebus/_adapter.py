@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
@@ -209,9 +209,9 @@ class ServiceBusBroker:
             finally:
                 # The attach was the round trip; the SDK's detach takes half a second more of
                 # polling, which would only lengthen the ping and with it the silence limit.
-                closing = asyncio.ensure_future(asyncio.wait_for(probe.close(), 5))
+                closing = asyncio.ensure_future(_close_quietly(probe))
                 self._detaching.add(closing)
-                closing.add_done_callback(_forget(self._detaching))
+                closing.add_done_callback(self._detaching.discard)
 
         try:
             await asyncio.wait_for(attach(), self.settings.connect_timeout)
@@ -241,15 +241,10 @@ class ServiceBusBroker:
                 await asyncio.wait_for(client.close(), 5)
 
 
-def _forget(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
-    """A done callback: drop the task from ``tasks``, its outcome read (never raised)."""
-
-    def done(task: asyncio.Task[Any]) -> None:
-        tasks.discard(task)
-        if not task.cancelled():
-            task.exception()
-
-    return done
+async def _close_quietly(sender: ServiceBusSender) -> None:
+    """Close a ping's sender in the background: whatever it raises, the ping is answered."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(sender.close(), 5)
 
 
 def _properties(headers: dict[str, str]) -> dict[str | bytes, Any]:
