@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -235,8 +236,14 @@ async def test_an_unknown_target_or_database_is_one_line_naming_the_known_ones(
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
     config["events"] = ["tests.integration.events"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    for command in UNKNOWN_NAMES:
-        result = router(*command, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    # Side by side: each is a process start (a second or more), and none of them writes.
+    results = await asyncio.gather(
+        *(
+            asyncio.to_thread(router, *command, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+            for command in UNKNOWN_NAMES
+        )
+    )
+    for command, result in zip(UNKNOWN_NAMES, results, strict=True):
         lines = result.stderr.splitlines()
         assert (result.returncode, result.stdout, len(lines)) == (2, "", 1), (command, result)
         assert lines[0].startswith("router: "), (command, lines)

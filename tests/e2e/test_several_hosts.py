@@ -34,7 +34,7 @@ from tests.e2e.test_worker_recovery import (
 )
 
 HOSTS = ("host-a", "host-b", "host-c")
-TOTAL = 300
+TOTAL = 120  # 30 batches of 4, each held 0.5 s by the late acks
 BATCH = 4
 # Acks come back late: a host holds each batch at least this long, so the stop lands while
 # the victim's batch is in flight.

@@ -32,14 +32,13 @@ async def staged(url: str, events: int, per_stream: int) -> None:
     try:
         for start in range(0, events, 500):
             async with outbox.transaction() as tx:
-                for first in range(start, min(start + 500, events), per_stream):
-                    await tx.stage(
-                        *(
-                            OrderPlaced(order_id=f"o-{i}", total=Decimal(i))
-                            for i in range(first, first + per_stream)
-                        ),
-                        stream_key=f"s-{first}",
-                    )
+                # One INSERT per transaction (stream_keys), not one per stream: the same
+                # rows, a tenth of the fixture's time.
+                numbers = range(start, min(start + 500, events))
+                await tx.stage(
+                    *(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in numbers),
+                    stream_keys=[f"s-{i - i % per_stream}" for i in numbers],
+                )
     finally:
         await outbox.close()
 
