@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from router.write.drivers import sync_driver
+from router.write.drivers import SyncDriver, sync_driver
 from router.write.staging import Copy, Row, Stager, Statement
 
 HandInsert = Callable[[Any, Sequence[Row]], None]
@@ -183,22 +183,22 @@ def steps(driver: str, stager: Stager, bulk: bool) -> dict[str, HandInsert]:
     bulk: its COPY alone); and the hand inserts.
     """
 
-    def statements(rows: Sequence[Row]) -> list[Statement | Copy]:
-        return stager.statements("postgresql", rows, copy=True)
+    def statements(run: SyncDriver, rows: Sequence[Row]) -> list[Statement | Copy]:
+        return stager.statements("postgresql", rows, copy=run.copies, simple=run.simple)
 
     def as_driver(conn: Any, rows: Sequence[Row]) -> None:
         run = sync_driver(conn)
-        for statement in statements(rows):
+        for statement in statements(run, rows):
             run.execute(statement)
 
     def without(conn: Any, rows: Sequence[Row], notify: bool) -> None:
         run = sync_driver(conn)
-        for statement in statements(rows):
+        for statement in statements(run, rows):
             if isinstance(statement, Statement) and "pg_advisory_xact_lock" in statement.sql:
                 sql = _unlocked(statement.sql, notify)
                 if sql is None:  # the bulk's locks (and NOTIFY): COPY alone
                     continue
-                statement = Statement(sql, statement.params)
+                statement = Statement(sql, statement.params, statement.simple)
             run.execute(statement)
 
     ladder: dict[str, HandInsert] = {
@@ -211,13 +211,15 @@ def steps(driver: str, stager: Stager, bulk: bool) -> dict[str, HandInsert]:
     return ladder
 
 
-_LOCK = re.compile(r"pg_advisory_xact_lock\(\d+, hashtext\(:k\)\) AS held, ")
+_LOCK = re.compile(r"pg_advisory_xact_lock\(\d+, hashtext\(:k\)\)(?: AS held)?, ")
 _NOTIFY = "SELECT pg_notify('router_outbox', :notify)"
 
 
 def _unlocked(sql: str, notify: bool) -> str | None:
     """stage()'s statement without its locks (and its NOTIFY unless ``notify``); None for
     nothing left to run."""
+    if sql.startswith("SELECT pg_advisory_xact_lock"):  # the simple form: two statements
+        return _LOCK.sub("", sql) if notify else sql.partition("; ")[2]
     if not _LOCK.search(sql):  # the bulk's statement of locks and NOTIFY
         return _NOTIFY if notify else None
     if not notify:  # the small form without its gate: a plain insert

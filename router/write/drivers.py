@@ -38,6 +38,9 @@ class SyncDriver(Protocol):
     copies: bool
     """Whether it runs a ``Copy`` too (psycopg 3), or only ``Statement``s."""
 
+    simple: bool
+    """Whether it prepares nothing and runs a ``simple`` statement (``Stager.statements``)."""
+
     def execute(self, statement: Statement | Copy) -> None:
         """Run one statement in the caller's transaction."""
 
@@ -110,6 +113,7 @@ class SqlAlchemyDriver:
     """A SQLAlchemy sync ``Connection`` (a ``Session``'s, in its transaction)."""
 
     copies = False
+    simple = False
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -160,6 +164,11 @@ class DjangoDriver:
             )
         self._raw = self._psycopg()
         self.copies = self._raw is not None
+        # psycopg 3 as Django sets it up by default (prepare_threshold None), or psycopg2,
+        # whose cursors Django's are: nothing is prepared.
+        self.simple = dialect == "postgresql" and (
+            self._raw is None or self._raw.prepare_threshold is None
+        )
 
     def execute(self, statement: Statement | Copy) -> None:
         """Run one statement in the connection's transaction.
@@ -198,7 +207,12 @@ def _psycopg_execute(connection: Any, statement: Statement | Copy) -> None:
     cursor class the connection makes by default, its arrays sent in binary (psycopg's text
     arrays cost the server a parse of every element). A statement is prepared on its first
     run (``prepare=True``): the few statements stage() sends repeat on every connection
-    (unless the connection has preparing off, as Django's has by default)."""
+    (unless the connection has preparing off, as Django's has by default). A ``simple`` one
+    goes on a client-binding cursor, which sends it as a simple query."""
+    if isinstance(statement, Statement) and statement.simple:
+        with _cursor_class(client=True)(connection) as cursor:
+            cursor.execute(pyformat(statement.sql), statement.params)
+        return
     with _cursor_class()(connection) as cursor:
         if isinstance(statement, Copy):
             with cursor.copy(statement.sql) as copy:
@@ -211,11 +225,12 @@ def _psycopg_execute(connection: Any, statement: Statement | Copy) -> None:
 
 
 @functools.cache
-def _cursor_class() -> Any:
-    """psycopg's ``Cursor``, imported on first use (an application may not have psycopg)."""
+def _cursor_class(*, client: bool = False) -> Any:
+    """psycopg's ``Cursor`` (``ClientCursor``), imported on first use (an application may
+    not have psycopg)."""
     import psycopg
 
-    return psycopg.Cursor
+    return psycopg.ClientCursor if client else psycopg.Cursor
 
 
 class PsycopgDriver:
@@ -226,6 +241,7 @@ class PsycopgDriver:
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        self.simple = connection.prepare_threshold is None
         if connection.autocommit and _idle(connection):
             raise StagingError(
                 _AUTOCOMMIT.format(
@@ -260,6 +276,7 @@ class Psycopg2Driver:
 
     dialect = "postgresql"
     copies = False
+    simple = True  # it binds on the client and never prepares
 
     def __init__(self, connection: Any) -> None:
         from psycopg2.extensions import TRANSACTION_STATUS_IDLE
@@ -296,6 +313,7 @@ class Sqlite3Driver:
 
     dialect = "sqlite"
     copies = False
+    simple = False
 
     def __init__(self, connection: sqlite3.Connection) -> None:
         self.connection = connection

@@ -78,7 +78,9 @@ class Writer:
         self._expect(name, settings.kind, driver.dialect)
         if needs_schema_probe(driver.dialect, settings):
             check_schema_probe(driver.scalar(SCHEMA_PROBE), settings, name)
-        statements = self._stager.statements(driver.dialect, rows, copy=driver.copies)
+        statements = self._stager.statements(
+            driver.dialect, rows, copy=driver.copies, simple=driver.simple
+        )
         try:
             for statement in statements:
                 driver.execute(statement)

@@ -82,15 +82,19 @@ def sqlalchemy_client(database: Database, driver: str, *, session: bool) -> Clie
     return Client(database, transaction, lambda: transaction(autocommit_engine), engine.dispose)
 
 
-def psycopg_client(database: Database) -> Client:
+def psycopg_client(database: Database, *, prepare: bool = True) -> Client:
+    """``prepare=False``: preparing off (``prepare_threshold=None``), as Django's
+    connection has it by default, so stage() sends its simple form."""
+    options: dict[str, Any] = {} if prepare else {"prepare_threshold": None}
+
     @contextmanager
     def transaction() -> Iterator[Any]:
-        with psycopg.connect(database.url) as conn:  # commits, or rolls back on error
+        with psycopg.connect(database.url, **options) as conn:  # commits, or rolls back
             yield conn
 
     @contextmanager
     def autocommit() -> Iterator[Any]:
-        with psycopg.connect(database.url, autocommit=True) as conn:
+        with psycopg.connect(database.url, autocommit=True, **options) as conn:
             yield conn
 
     return Client(database, transaction, autocommit, lambda: None)
@@ -136,6 +140,7 @@ CLIENTS: dict[str, tuple[str, Callable[[Database], Client]]] = {
     "connection-pymysql": ("mysql", lambda d: sqlalchemy_client(d, "pymysql", session=False)),
     "session-pysqlite": ("sqlite", lambda d: sqlalchemy_client(d, "pysqlite", session=True)),
     "psycopg": ("postgresql", psycopg_client),
+    "psycopg-unprepared": ("postgresql", lambda d: psycopg_client(d, prepare=False)),
     "psycopg2": ("postgresql", psycopg2_client),
     "sqlite3": ("sqlite", sqlite3_client),
 }
@@ -357,6 +362,26 @@ async def test_a_large_batch_notifies_at_commit(pg_databases: PgDatabases, tmp_p
             assert list(listener.notifies(timeout=0.3)) == []  # not before COMMIT
         heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
     assert heard == ["events"]
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg-unprepared", "psycopg2"])
+async def test_one_event_notifies_its_targets_at_commit(
+    driver: str, pg_databases: PgDatabases, tmp_path: Path
+) -> None:
+    # One event goes in one statement (prepared), or a lock-and-NOTIFY query then the INSERT
+    # (where nothing is prepared): either way the wake-up comes with the COMMIT, not before.
+    database = Database("postgresql", await pg_databases.new(), tmp_path)
+    client = CLIENTS[driver][1](database)
+    outbox = client.outbox()
+    with psycopg.connect(database.url, autocommit=True) as listener:
+        listener.execute("LISTEN router_outbox")
+        with client.transaction() as conn:
+            outbox.stage(conn, StockReserved(order_id="1", quantity=1), stream_key="k")
+            assert list(listener.notifies(timeout=0.3)) == []  # not before COMMIT
+        heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+    assert heard == ["events"]
+    stored = await database.rows()
+    assert [(r["stream_key"], r["envelope"]["payload"]["order_id"]) for r in stored] == [("k", "1")]
 
 
 class Numbered(Event, type="numbered"):
