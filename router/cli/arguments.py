@@ -14,7 +14,10 @@ __all__ = ["instance", "moment", "pairs", "positive"]
 
 def positive(text: str) -> int:
     """An integer of at least 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value

@@ -29,7 +29,9 @@ def add_parsers(commands: Any) -> None:
     serve_.add_argument(
         "--workers",
         type=positive,
-        default=int(os.environ.get("ROUTER_WORKERS", "1")),
+        # A text default: argparse passes it through ``positive`` only when the option is
+        # left out, so a bad $ROUTER_WORKERS is a usage error of serve, not of every command.
+        default=os.environ.get("ROUTER_WORKERS", "1"),
         help="worker processes (default 1, $ROUTER_WORKERS): workers share every target, so "
         "a second one adds database work; worth it only when this process is CPU-bound "
         "and the database has cores to spare",
