@@ -100,16 +100,21 @@ _PG_ROW = "(CAST(:m{j} AS uuid), :t{i}, :d{i}, :e{j}, :s{j}, CAST(:v{j} AS json)
 def _pg_small_insert(targets: tuple[int, ...], locked: bool) -> str:
     """The statement for events with ``targets[j]`` rows each, after the lock of their one
     stream key if any."""
+    gate = _PG_GATE.format(lock=_PG_LOCK if locked else "")
+    return (
+        f"INSERT INTO router_outbox ({_COLUMNS}) "
+        f"SELECT * FROM (VALUES {_pg_rows(targets)}) AS r WHERE {gate}"
+    )
+
+
+def _pg_rows(targets: tuple[int, ...]) -> str:
+    """The VALUES rows of events with ``targets[j]`` rows each (``_PG_ROW``)."""
     rows: list[str] = []
     i = 0
     for j, count in enumerate(targets):
         rows.extend(_PG_ROW.format(i=n, j=j) for n in range(i, i + count))
         i += count
-    gate = _PG_GATE.format(lock=_PG_LOCK if locked else "")
-    return (
-        f"INSERT INTO router_outbox ({_COLUMNS}) "
-        f"SELECT * FROM (VALUES {', '.join(rows)}) AS r WHERE {gate}"
-    )
+    return ", ".join(rows)
 
 
 # The same rows for a driver that binds on the client and sends a simple query, where nothing
@@ -123,15 +128,10 @@ _PG_SIMPLE_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, hashtext(:k))
 
 def _pg_simple_insert(targets: tuple[int, ...], locked: bool) -> str:
     """``_pg_small_insert``'s rows as two statements in one simple query."""
-    rows: list[str] = []
-    i = 0
-    for j, count in enumerate(targets):
-        rows.extend(_PG_ROW.format(i=n, j=j) for n in range(i, i + count))
-        i += count
     lock = _PG_SIMPLE_LOCK if locked else ""
     return (
         f"SELECT {lock}pg_notify('router_outbox', :notify); "
-        f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {', '.join(rows)}"
+        f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {_pg_rows(targets)}"
     )
 
 
