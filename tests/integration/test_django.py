@@ -227,6 +227,33 @@ async def test_a_models_events_roll_back_with_its_block(project: Project) -> Non
     assert await project.database.fetch("SELECT id FROM orders_shipment") == []
 
 
+async def test_a_retried_save_stages_what_the_rollback_took(project: Project) -> None:
+    done = project.run("migrate", "entity_retry")["entity_retry"]
+    assert done["waiting"] == 1  # put back by the rollback
+    rows = [r for r in await project.database.rows() if r["target"] == "events"]
+    assert [r["stream_key"] for r in rows] == [str(pk) for pk in done["shipments"]]
+
+
+async def test_bulk_writes_of_models_with_events_waiting_are_refused(project: Project) -> None:
+    done = project.run("migrate", "entity_bulk")["entity_bulk"]
+    assert [error.split("(")[0] for error in done["errors"]] == [
+        "Shipment None has 1 raised event",
+        f"Shipment {done['saved']} has 1 raised event",
+    ]
+    assert "bulk_create() saves no model one by one" in done["errors"][0]
+    assert "bulk_update() saves no model one by one" in done["errors"][1]
+    assert done["waiting"] == [1, 1]
+    assert await project.database.rows() == []
+    shipments = await project.database.fetch("SELECT id, quantity FROM orders_shipment")
+    assert [(row["id"], row["quantity"]) for row in shipments] == [(done["saved"], 1)]
+
+
+async def test_a_model_dropped_with_events_waiting_is_logged(project: Project) -> None:
+    done = project.run("migrate", "entity_update")["entity_update"]
+    assert done["logged"] == ["router.entity.events_unstaged"]
+    assert await project.database.rows() == []
+
+
 async def test_the_check_passes_at_head(project: Project) -> None:
     checked = project.check()
     assert checked.returncode == 0, checked.stderr

@@ -3,6 +3,8 @@ sync and async SQLAlchemy sessions against real PostgreSQL, MariaDB and SQLite."
 
 from __future__ import annotations
 
+import gc
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -209,3 +211,108 @@ def test_stage_on_flush_names_what_it_takes(tmp_path: Path) -> None:
     outbox = SyncOutbox(make_config({"main": "sqlite:///x.db"}, MEMORY_BROKERS, base_dir=tmp_path))
     with pytest.raises(StagingError, match="takes a SQLAlchemy Session"):
         outbox.stage_on_flush(object())
+
+
+def placed_order() -> Order:
+    """A factory that builds an order and raises its event; the caller keeps no reference."""
+    order = new_order()
+    order.raise_event(OrderPaid(order_id=order.id))
+    return order
+
+
+async def test_events_raised_before_add_survive_with_no_reference_kept(
+    sessions: Sessions,
+) -> None:
+    def place(session: Session) -> None:
+        for _ in range(5_000):
+            session.add(placed_order())
+        gc.collect()
+        session.flush()  # after it SQLAlchemy holds the orders only weakly
+        gc.collect()
+
+    await sessions.run(place)
+    rows = await staged(sessions.database)
+    assert len(rows) == 5_000
+    ids = {row["id"] for row in await sessions.database.fetch("SELECT id FROM shop_orders")}
+    assert {key for _, key, _ in rows} == ids
+
+
+async def test_a_retry_after_a_rollback_stages_the_events_again(sessions: Sessions) -> None:
+    order = new_order()
+    order.raise_event(OrderPlaced(order_id=order.id))
+
+    def attempt(session: Session) -> None:
+        session.add(order)
+        session.flush()  # staged, then rolled back with the order
+        raise RuntimeError("serialization failure")
+
+    with pytest.raises(RuntimeError, match="serialization failure"):
+        await sessions.run(attempt)
+    assert [type(e) for e in order.raised_events] == [OrderPlaced]
+    await sessions.run(lambda session: session.add(order))  # the retry
+    assert [(t, k) for t, k, _ in await staged(sessions.database)] == [
+        ("entity.order_placed", order.id)
+    ]
+    assert order.raised_events == []
+
+
+async def test_a_rolled_back_savepoint_puts_back_only_its_own_events(
+    sessions: Sessions,
+) -> None:
+    first, second = new_order(), new_order()
+
+    def work(session: Session) -> None:
+        first.raise_event(OrderPaid(order_id=first.id))
+        session.add(first)
+        session.flush()  # staged in the transaction itself
+        savepoint = session.begin_nested()
+        second.raise_event(OrderPaid(order_id=second.id))
+        session.add(second)
+        session.flush()  # staged in the savepoint
+        savepoint.rollback()
+        assert len(second.raised_events) == 1 and first.raised_events == []
+        session.add(second)  # the retry, in the transaction
+
+    await sessions.run(work)
+    assert [k for _, k, _ in await staged(sessions.database)] == [first.id, second.id]
+
+
+async def test_a_session_stage_on_flush_never_saw_refuses_to_drop_events(
+    sessions: Sessions,
+) -> None:
+    engine = sa.create_engine(sync_url(sessions.database))
+    order = placed_order()
+    never_given = pytest.raises(StagingError, match="stage_on_flush\\(\\) was never given")
+    with never_given, Session(engine) as session, session.begin():
+        session.add(order)
+    loaded = new_order().id
+    with Session(engine) as session, session.begin():
+        session.add(Order(id=loaded, total=1))
+    never_given = pytest.raises(StagingError, match="stage_on_flush\\(\\) was never given")
+    with never_given, Session(engine) as session, session.begin():
+        unchanged = session.get(Order, loaded)
+        assert unchanged is not None
+        unchanged.raise_event(OrderPaid(order_id=loaded))  # no column changes
+    engine.dispose()
+    assert await sessions.database.rows() == []
+    orders = await sessions.database.fetch("SELECT id FROM shop_orders")
+    assert [row["id"] for row in orders] == [loaded]  # the refused one rolled back
+    assert len(order.raised_events) == 1  # still waiting, for a tracked session
+
+
+def test_an_entity_dropped_with_events_waiting_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="router.write.entities")
+    gc.collect()  # what other tests dropped
+    caplog.clear()
+    order = placed_order()
+    del order
+    gc.collect()
+    [record] = [r for r in caplog.records if r.getMessage() == "router.entity.events_unstaged"]
+    assert record.events == "entity.order_paid"  # type: ignore[attr-defined]
+    caplog.clear()
+    staged_order = new_order()
+    del staged_order  # raised nothing: nothing to say
+    gc.collect()
+    assert caplog.records == []

@@ -139,6 +139,82 @@ def entity_rollback() -> dict[str, Any]:
     return {"raised": None}
 
 
+def entity_retry() -> dict[str, Any]:
+    """A model saved with an event in a block that rolls back, then saved again (a retry);
+    then one saved in a savepoint that rolls back, and again in the block around it."""
+    from django.db import transaction
+
+    from tests.integration.django_app.orders.models import Shipment
+
+    first = Shipment(order_ref="o-9")
+    first.raise_event(StockReserved(order_id="o-9", quantity=1))
+    try:
+        with transaction.atomic():
+            first.save()
+            raise RuntimeError("serialization failure")
+    except RuntimeError:
+        pass
+    waiting = len(first.raised_events)
+    first.save()  # the retry, in a transaction of its own
+    second = Shipment(order_ref="o-10")
+    with transaction.atomic():
+        second.raise_event(StockReserved(order_id="o-10", quantity=2))
+        try:
+            with transaction.atomic():  # a savepoint
+                second.save()
+                raise RuntimeError("inner")
+        except RuntimeError:
+            pass
+        second.save()
+        second.save()  # staged already in this block: nothing twice
+    return {"waiting": waiting, "shipments": [int(first.pk), int(second.pk)]}
+
+
+def entity_bulk() -> dict[str, Any]:
+    """``bulk_create()`` and ``bulk_update()`` of models with events waiting."""
+    from django.db import transaction
+
+    from tests.integration.django_app.orders.models import Shipment
+
+    errors = []
+    new = Shipment(order_ref="o-11")
+    new.raise_event(StockReserved(order_id="o-11", quantity=1))
+    saved = Shipment.objects.create(order_ref="o-12")  # nothing raised: nothing staged
+    saved.raise_event(StockReserved(order_id="o-12", quantity=2))
+    saved.quantity = 2
+    bulks: list[Callable[[], object]] = [
+        lambda: Shipment.objects.bulk_create([new]),
+        lambda: Shipment.objects.bulk_update([saved], ["quantity"]),
+    ]
+    for bulk in bulks:
+        try:
+            with transaction.atomic():
+                bulk()
+        except StagingError as exc:
+            errors.append(str(exc))
+    waiting = [len(new.raised_events), len(saved.raised_events)]
+    return {"errors": errors, "waiting": waiting, "saved": int(saved.pk)}
+
+
+def entity_update() -> dict[str, Any]:
+    """A model raises, its row is written by ``QuerySet.update()``, and it is dropped."""
+    import gc
+    import logging
+
+    from tests.integration.django_app.orders.models import Shipment
+
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("router").addHandler(handler)
+    shipment = Shipment.objects.create(order_ref="o-12")
+    shipment.raise_event(StockReserved(order_id="o-12", quantity=5))
+    Shipment.objects.filter(pk=shipment.pk).update(quantity=5)
+    del shipment
+    gc.collect()
+    return {"logged": logged}
+
+
 BATCH_ORDER_ID = 'n {n}: tab\there, new\nline, back\\slash, "quoted", \\N'
 """A batch event's order id, with what a text COPY must escape."""
 
@@ -177,6 +253,9 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "init_db": init,
     "entity": entity,
     "entity_rollback": entity_rollback,
+    "entity_retry": entity_retry,
+    "entity_bulk": entity_bulk,
+    "entity_update": entity_update,
     "batch": batch,
 }
 
