@@ -42,7 +42,7 @@ def parse_config(
 ) -> RouterConfig:
     """Validate config text; relative paths start at the working directory."""
     try:
-        data, duplicates = _read_yaml(text)
+        data, duplicates = _read_yaml(text, source)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
@@ -131,15 +131,79 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_sequence(node, deep=deep)
 
 
-def _read_yaml(text: str) -> tuple[Any, list[str]]:
-    """The document, and a problem for each key given twice."""
+def _read_yaml(text: str, source: str) -> tuple[Any, list[str]]:
+    """The document, and a problem for each key given twice.
+
+    Raises ConfigError, before building anything, for a document whose aliases make it
+    explode (a "billion laughs") or contain itself.
+    """
     loader = _UniqueKeyLoader(text)
     try:
-        data = loader.get_single_data()
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        _check_expansion(node, source)
+        data = loader.construct_document(node)
     finally:
         loader.dispose()
     # Nested mappings are built after their parents: list the problems as the file reads.
     return data, [problem for _, problem in sorted(loader.duplicates)]
+
+
+# Values aliases may add to a document. A config has hundreds; the alias bomb of nine lines
+# has 387 million, which interpolation and validation would walk one by one (minutes, GBs).
+_MAX_EXPANDED = 100_000
+
+
+def _check_expansion(root: Node, source: str) -> None:
+    """Refuse a document whose aliases expand it past ``_MAX_EXPANDED`` values, or that
+    contains itself; each node is visited once, so the bomb costs microseconds."""
+    sizes: dict[Node, int] = {}
+    open_nodes: set[Node] = set()
+
+    def size(node: Node) -> int:
+        if node in sizes:
+            return sizes[node]
+        if node in open_nodes:
+            raise _SelfContaining(node)
+        open_nodes.add(node)
+        children: list[Node] = []
+        if isinstance(node, SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, MappingNode):
+            children = [part for pair in node.value for part in pair]
+        total = 1 + sum(size(child) for child in children)
+        open_nodes.discard(node)
+        sizes[node] = total
+        return total
+
+    try:
+        expanded = size(root)
+    except _SelfContaining as loop:
+        raise ConfigError(f"{source}: {loop}") from None
+    except RecursionError:  # deeper than any config: nested thousands of levels
+        raise ConfigError(f"{source}: the YAML is nested too deeply to be a config") from None
+    if expanded - len(sizes) > _MAX_EXPANDED:
+        raise ConfigError(
+            f"{source}: its aliases (*name) expand it to more than {_MAX_EXPANDED} values "
+            f"({len(sizes)} written): refused, as a config never needs that many; write "
+            "repeated parts out, or use fewer aliases"
+        )
+
+
+class _SelfContaining(Exception):
+    """A node reached again from inside itself: an alias within its own anchor."""
+
+    def __init__(self, node: Node) -> None:
+        super().__init__()
+        self.node = node
+
+    def __str__(self) -> str:
+        mark = self.node.start_mark
+        return (
+            f"refused: the value at line {mark.line + 1}, column {mark.column + 1} contains "
+            "itself (an alias *name inside its own anchor &name)"
+        )
 
 
 def _interpolate(
