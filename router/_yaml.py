@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -20,6 +21,7 @@ from brokers import AnyBrokerSettings, UnsetSecret
 from envelopes import ConfigError
 from router._db import missing_driver
 from router.config import RouterConfig
+from router.errors import ConfigDeprecationWarning
 
 __all__ = ["load_config", "parse_config", "require_clients"]
 
@@ -77,9 +79,25 @@ def parse_config(
     if problems:
         raise ConfigError(_report(source, problems))
     try:
-        return RouterConfig.model_validate(data)
+        config = RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_report(source, _describe(exc, data))) from None
+    _warn_replaced(config, source)
+    return config
+
+
+def _warn_replaced(config: RouterConfig, source: str) -> None:
+    """A ``ConfigDeprecationWarning`` for each setting a config of an earlier release may
+    hold that this one accepts but no longer uses."""
+    if "open_after" in config.outbox.circuit.model_fields_set:
+        warnings.warn(
+            f"{source}: outbox.circuit.open_after is ignored: a host's circuit now opens at the "
+            "first publish its broker leaves unanswered; delete the key "
+            "(outbox.circuit.probe_max_delay sets how soon a host claims again once its "
+            "broker answers)",
+            ConfigDeprecationWarning,
+            stacklevel=4,  # the caller of load_config
+        )
 
 
 def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
