@@ -13,6 +13,7 @@ from brokers._settings import (
     OnBacklog,
     RateLimit,
     ServerInUse,
+    UnsetSecret,
     redact_url,
 )
 from brokers.memory import MemoryBroker, MemorySettings
@@ -37,6 +38,7 @@ __all__ = [
     "PublishResult",
     "RateLimit",
     "ServerInUse",
+    "UnsetSecret",
     "create_broker",
     "publish_in_order",
     "redact_url",

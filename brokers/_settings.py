@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -40,6 +41,7 @@ __all__ = [
     "EventFilter",
     "EventRoute",
     "ServerInUse",
+    "UnsetSecret",
     "redact_url",
 ]
 
@@ -53,6 +55,29 @@ class ServerInUse(ConfigError):
 
     A ``ConfigError``: two routers were given one store; the second must not take it over.
     """
+
+
+class UnsetSecret(SecretStr):
+    """A secret setting whose environment variable was unset when the config was loaded only
+    to stage events (``Outbox.from_file``), which never reads it: connecting to the broker
+    does, and reading it raises ConfigError naming the YAML path and the variable."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("")
+        self.problem = problem
+
+    def get_secret_value(self) -> str:
+        """Raise ConfigError: there is no value."""
+        raise ConfigError(
+            f"{self.problem} (this config was loaded to stage events, which does not need it)"
+        )
+
+    # SecretStr compares and hashes its value; this one has none to give.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnsetSecret) and other.problem == self.problem
+
+    def __hash__(self) -> int:
+        return hash(self.problem)
 
 
 class EmbeddedServer(Protocol):

@@ -24,6 +24,7 @@ if _TYPE_CHECKING:
     from router.errors import (
         BrokerError,
         BrokerUnavailable,
+        ConfigDeprecationWarning,
         ConfigError,
         DatabaseError,
         DowncastError,
@@ -54,6 +55,7 @@ _HOMES = {
     "router.errors": (
         "BrokerError",
         "BrokerUnavailable",
+        "ConfigDeprecationWarning",
         "ConfigError",
         "DatabaseError",
         "DowncastError",
@@ -78,6 +80,7 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = [
     "BrokerError",
     "BrokerUnavailable",
+    "ConfigDeprecationWarning",
     "ConfigError",
     "DatabaseError",
     "DatabaseSettings",

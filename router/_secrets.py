@@ -15,6 +15,8 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, SecretStr
 
+from brokers import UnsetSecret
+
 __all__ = ["RedactingFilter", "Redactor", "secrets_of"]
 
 _MIN_SECRET = 4  # shorter strings would blank out ordinary words
@@ -28,6 +30,8 @@ def secrets_of(model: BaseModel) -> list[str]:
 
 
 def _collect(value: Any, found: set[str]) -> None:
+    if isinstance(value, UnsetSecret):  # no value: nothing to hide
+        return
     if isinstance(value, SecretStr):
         found.update(_secret_parts(value.get_secret_value()))
     elif isinstance(value, BaseModel):

@@ -8,25 +8,38 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from yaml.nodes import MappingNode, Node, SequenceNode
 
+from brokers import AnyBrokerSettings, UnsetSecret
 from envelopes import ConfigError
 from router._db import missing_driver
 from router.config import RouterConfig
+from router.errors import ConfigDeprecationWarning
 
 __all__ = ["load_config", "parse_config", "require_clients"]
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
 
 
-def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> RouterConfig:
-    """Read, interpolate and validate a config file."""
+def load_config(
+    path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    require_secrets: bool = True,
+) -> RouterConfig:
+    """Read, interpolate and validate a config file.
+
+    ``require_secrets=False`` loads it to stage events only: a secret that only connecting to
+    a broker or serving HTTP reads (a broker's URL, password or connection string,
+    ``http.token``) may name an unset variable, and becomes an ``UnsetSecret``.
+    """
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
@@ -34,15 +47,21 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
         raise ConfigError(f"{file}: config file not found") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read config file: {exc.strerror}") from None
-    return parse_config(text, source=str(file), env=env).with_base_dir(file.parent)
+    config = parse_config(text, source=str(file), env=env, require_secrets=require_secrets)
+    return config.with_base_dir(file.parent)
 
 
 def parse_config(
-    text: str, *, source: str = "config.yaml", env: Mapping[str, str] | None = None
+    text: str,
+    *,
+    source: str = "config.yaml",
+    env: Mapping[str, str] | None = None,
+    require_secrets: bool = True,
 ) -> RouterConfig:
-    """Validate config text; relative paths start at the working directory."""
+    """Validate config text; relative paths start at the working directory.
+    ``require_secrets``: as ``load_config``'s."""
     try:
-        data, duplicates = _read_yaml(text)
+        data, duplicates = _read_yaml(text, source)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
@@ -54,13 +73,31 @@ def parse_config(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping (databases:, brokers:, ...)")
     problems: list[str] = []
-    data = _interpolate(data, (), os.environ if env is None else env, problems)
+    environment = os.environ if env is None else env
+    unset = _Unset(data, require_secrets)
+    data = _interpolate(data, (), environment, problems, unset)
     if problems:
         raise ConfigError(_report(source, problems))
     try:
-        return RouterConfig.model_validate(data)
+        config = RouterConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_report(source, _describe(exc, data))) from None
+    _warn_replaced(config, source)
+    return config
+
+
+def _warn_replaced(config: RouterConfig, source: str) -> None:
+    """A ``ConfigDeprecationWarning`` for each setting a config of an earlier release may
+    hold that this one accepts but no longer uses."""
+    if "open_after" in config.outbox.circuit.model_fields_set:
+        warnings.warn(
+            f"{source}: outbox.circuit.open_after is ignored: a host's circuit now opens at the "
+            "first publish its broker leaves unanswered; delete the key "
+            "(outbox.circuit.probe_max_delay sets how soon a host claims again once its "
+            "broker answers)",
+            ConfigDeprecationWarning,
+            stacklevel=4,  # the caller of load_config
+        )
 
 
 def require_clients(config: RouterConfig, source: str = "config.yaml") -> None:
@@ -131,26 +168,95 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_sequence(node, deep=deep)
 
 
-def _read_yaml(text: str) -> tuple[Any, list[str]]:
-    """The document, and a problem for each key given twice."""
+def _read_yaml(text: str, source: str) -> tuple[Any, list[str]]:
+    """The document, and a problem for each key given twice.
+
+    Raises ConfigError, before building anything, for a document whose aliases make it
+    explode (a "billion laughs") or contain itself.
+    """
     loader = _UniqueKeyLoader(text)
     try:
-        data = loader.get_single_data()
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        _check_expansion(node, source)
+        data = loader.construct_document(node)
     finally:
         loader.dispose()
     # Nested mappings are built after their parents: list the problems as the file reads.
     return data, [problem for _, problem in sorted(loader.duplicates)]
 
 
+# Values aliases may add to a document. A config has hundreds; the alias bomb of nine lines
+# has 387 million, which interpolation and validation would walk one by one (minutes, GBs).
+_MAX_EXPANDED = 100_000
+
+
+def _check_expansion(root: Node, source: str) -> None:
+    """Refuse a document whose aliases expand it past ``_MAX_EXPANDED`` values, or that
+    contains itself; each node is visited once, so the bomb costs microseconds."""
+    sizes: dict[Node, int] = {}
+    open_nodes: set[Node] = set()
+
+    def size(node: Node) -> int:
+        if node in sizes:
+            return sizes[node]
+        if node in open_nodes:
+            raise _SelfContaining(node)
+        open_nodes.add(node)
+        children: list[Node] = []
+        if isinstance(node, SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, MappingNode):
+            children = [part for pair in node.value for part in pair]
+        total = 1 + sum(size(child) for child in children)
+        open_nodes.discard(node)
+        sizes[node] = total
+        return total
+
+    try:
+        expanded = size(root)
+    except _SelfContaining as loop:
+        raise ConfigError(f"{source}: {loop}") from None
+    except RecursionError:  # deeper than any config: nested thousands of levels
+        raise ConfigError(f"{source}: the YAML is nested too deeply to be a config") from None
+    if expanded - len(sizes) > _MAX_EXPANDED:
+        raise ConfigError(
+            f"{source}: its aliases (*name) expand it to more than {_MAX_EXPANDED} values "
+            f"({len(sizes)} written): refused, as a config never needs that many; write "
+            "repeated parts out, or use fewer aliases"
+        )
+
+
+class _SelfContaining(Exception):
+    """A node reached again from inside itself: an alias within its own anchor."""
+
+    def __init__(self, node: Node) -> None:
+        super().__init__()
+        self.node = node
+
+    def __str__(self) -> str:
+        mark = self.node.start_mark
+        return (
+            f"refused: the value at line {mark.line + 1}, column {mark.column + 1} contains "
+            "itself (an alias *name inside its own anchor &name)"
+        )
+
+
 def _interpolate(
-    node: Any, path: tuple[str | int, ...], env: Mapping[str, str], problems: list[str]
+    node: Any,
+    path: tuple[str | int, ...],
+    env: Mapping[str, str],
+    problems: list[str],
+    unset: _Unset,
 ) -> Any:
     if isinstance(node, dict):
-        return {k: _interpolate(v, (*path, str(k)), env, problems) for k, v in node.items()}
+        return {k: _interpolate(v, (*path, str(k)), env, problems, unset) for k, v in node.items()}
     if isinstance(node, list):
-        return [_interpolate(v, (*path, i), env, problems) for i, v in enumerate(node)]
+        return [_interpolate(v, (*path, i), env, problems, unset) for i, v in enumerate(node)]
     if not isinstance(node, str) or "$" not in node:
         return node
+    missing: list[str] = []
 
     def substitute(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
@@ -160,12 +266,61 @@ def _interpolate(
             return env[name]
         if default is not None:
             return default
-        problems.append(f"{_dotted(path)}: environment variable {name} is not set")
+        missing.append(f"{_dotted(path)}: environment variable {name} is not set")
         return ""
 
     # Always text: a password of digits must stay a string; numeric and boolean settings
     # accept their text form ("4222", "true") when the model validates them.
-    return _VAR.sub(substitute, node)
+    text = _VAR.sub(substitute, node)
+    if missing and unset.may_stay(path):
+        return UnsetSecret("; ".join(missing))
+    problems.extend(missing)
+    return text
+
+
+class _Unset:
+    """Which settings may keep an unset variable: none, unless the config is loaded to stage
+    events; then the secrets only connecting to a broker or serving HTTP read (staging needs
+    the databases' URLs, and every broker's routing settings, but no broker's credentials)."""
+
+    def __init__(self, data: dict[str, Any], require_secrets: bool) -> None:
+        self.data = data
+        self.require_secrets = require_secrets
+
+    def may_stay(self, path: tuple[str | int, ...]) -> bool:
+        """True when the setting at ``path`` may be an ``UnsetSecret``."""
+        if self.require_secrets or not path or path[0] == "databases":
+            return False
+        if path[0] != "brokers":
+            return _is_secret(RouterConfig, path)
+        if len(path) < 3:
+            return False
+        brokers = self.data.get("brokers")
+        broker = brokers.get(path[1]) if isinstance(brokers, dict) else None
+        kind = _BROKER_KINDS.get(broker.get("type")) if isinstance(broker, dict) else None
+        return kind is not None and _is_secret(kind, path[2:])
+
+
+# type: -> the settings class of that kind of broker
+_BROKER_KINDS: dict[Any, type[BaseModel]] = {
+    get_args(kind.model_fields["type"].annotation)[0]: kind
+    for kind in get_args(get_args(AnyBrokerSettings)[0])
+}
+
+
+def _is_secret(model: type[BaseModel], path: Sequence[str | int]) -> bool:
+    """Whether ``path`` in ``model`` names a ``SecretStr`` setting (in nested models too)."""
+    field = model.model_fields.get(str(path[0])) if path else None
+    if field is None:
+        return False
+    for kind in get_args(field.annotation) or (field.annotation,):
+        if not isinstance(kind, type):
+            continue
+        if len(path) == 1 and issubclass(kind, SecretStr):
+            return True
+        if len(path) > 1 and issubclass(kind, BaseModel) and _is_secret(kind, path[1:]):
+            return True
+    return False
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> list[str]:

@@ -11,6 +11,8 @@ RouterError
 ├── DowncastError
 └── DatabaseError
     └── SchemaError
+
+and one warning: ``ConfigDeprecationWarning``, for a config form a later release refuses.
 """
 
 from envelopes.errors import (
@@ -30,6 +32,7 @@ from envelopes.errors import (
 __all__ = [
     "BrokerError",
     "BrokerUnavailable",
+    "ConfigDeprecationWarning",
     "ConfigError",
     "DatabaseError",
     "DowncastError",
@@ -40,3 +43,13 @@ __all__ = [
     "SchemaError",
     "StagingError",
 ]
+
+
+class ConfigDeprecationWarning(FutureWarning):
+    """config.yaml uses a form a later release refuses; the message names the YAML path and
+    what to write instead.
+
+    A ``FutureWarning``, which Python shows by default: it speaks to whoever writes the
+    config, not to the code's developers (a ``DeprecationWarning`` is hidden outside
+    ``__main__``). ``router`` commands log it as ``config.deprecated``.
+    """

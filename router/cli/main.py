@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from router.cli import serve
 from router.cli.logs import setup_logging
 from router.cli.output import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from router.cli.parser import build_parser
+from router.errors import ConfigDeprecationWarning
 from router.write.catalog import check_partners, load_catalog
 
 __all__ = ["main"]
@@ -40,14 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        config = load_config(args.config)
-        if args.command in _OPENS_BROKERS:
-            require_clients(config, args.config)
-        if args.command in _READS_EVENTS:
-            check_partners(config, load_catalog(config.events, config.base_dir))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigDeprecationWarning)
+            config = load_config(args.config)
+            if args.command in _OPENS_BROKERS:
+                require_clients(config, args.config)
+            if args.command in _READS_EVENTS:
+                check_partners(config, load_catalog(config.events, config.base_dir))
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    finally:
+        _report_warnings(caught)
     redactor = Redactor(secrets_of(config))
     setup_logging(args.log_level, args.log_format, redactor)
     if args.command == "serve":
@@ -69,6 +75,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:  # pragma: no cover - serve handles SIGINT itself
         return 130
+
+
+def _report_warnings(caught: list[warnings.WarningMessage]) -> None:
+    """Log each config deprecation as ``config.deprecated``, with no Python source line (the
+    reader wrote YAML); show any other warning the loading raised as Python would."""
+    for warning in caught:
+        if issubclass(warning.category, ConfigDeprecationWarning):
+            log.warning("config.deprecated", extra={"problem": str(warning.message)})
+        else:
+            warnings.showwarning(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    # serve checks the events: modules again as it starts: it has been said once.
+    warnings.simplefilter("ignore", ConfigDeprecationWarning)
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:

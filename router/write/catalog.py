@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from brokers import BrokerSettings
 from envelopes import ConfigError
 from router.config import RouterConfig
+from router.errors import ConfigDeprecationWarning
 from router.write.events import Event
 from router.write.pinning import check_pins
 
@@ -124,20 +126,61 @@ def _check_projections(name: str, broker: BrokerSettings, catalog: EventCatalog)
             _check_received(where, broker, event_type, version, versions, received)
             applies = [version]
         for each in applies:
-            declared = versions[each].model_fields
-            unknown = [field for field in kept if field not in declared]
-            if not unknown:
-                continue
-            hint = ""
-            if version is None and len(received) > 1:
-                hint = (
-                    f"; version {each} is still published: give it its own projection "
-                    f"({event_type}@{each}: [...])"
-                )
-            raise ConfigError(
-                f"{where}: version {each} has no field {', '.join(map(repr, unknown))}; "
-                f"its fields: {', '.join(declared)}{hint}"
-            )
+            own = version is not None
+            legacy = not own and event_type not in broker.versions
+            several = not own and len(received) > 1
+            _check_fields(where, event_type, each, kept, versions, legacy=legacy, several=several)
+
+
+def _check_fields(
+    where: str,
+    event_type: str,
+    version: int,
+    kept: list[str],
+    versions: dict[int, type[Event]],
+    *,
+    legacy: bool,
+    several: bool,
+) -> None:
+    """Refuse a list naming fields ``version`` lacks. ``legacy``: the list is a type's own on
+    an unpinned partner, which releases before TYPE@VERSION checked against the newest
+    version only, so what they accepted is accepted with a warning (``_warn_newest_only``).
+    ``several``: the list applies to several published versions."""
+    declared = versions[version].model_fields
+    unknown = [field for field in kept if field not in declared]
+    if not unknown:
+        return
+    newest = versions[max(versions)].model_fields
+    shared = [field for field in kept if field in declared]
+    if legacy and shared and all(field in newest for field in kept):
+        _warn_newest_only(where, event_type, version, unknown, shared)
+        return
+    hint = ""
+    if several:
+        hint = (
+            f"; version {version} is still published: give it its own projection "
+            f"({event_type}@{version}: [...])"
+        )
+    raise ConfigError(
+        f"{where}: version {version} has no field {', '.join(map(repr, unknown))}; "
+        f"its fields: {', '.join(declared)}{hint}"
+    )
+
+
+def _warn_newest_only(
+    where: str, event_type: str, version: int, unknown: list[str], shared: list[str]
+) -> None:
+    """What such a config sends is what ``TYPE@VERSION: [the fields it has]`` sends: say so,
+    and that writing it keeps the messages as they are."""
+    replacement = f"{event_type}@{version}: [{', '.join(shared)}]"
+    warnings.warn(
+        f"{where}: version {version} has no field {', '.join(map(repr, unknown))}, so its "
+        f"messages carry {', '.join(shared)} only; to keep that, add under expose.payload: "
+        f"'{replacement}' (or list the version {version} fields this partner should get); "
+        "a later release refuses the list without it",
+        ConfigDeprecationWarning,
+        stacklevel=2,
+    )
 
 
 def _received(

@@ -37,8 +37,13 @@ class Writer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str] | None = None) -> Self:
-        """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it."""
-        return cls(load_config(path or os.environ.get("ROUTER_CONFIG", "config.yaml")))
+        """Load ``config.yaml`` (or ``$ROUTER_CONFIG``) and build an outbox from it.
+
+        Staging reads no broker's credentials, so their variables (and ``http.token``'s) may
+        be unset here; ``router serve`` and ``router check`` refuse them unset.
+        """
+        path = path or os.environ.get("ROUTER_CONFIG", "config.yaml")
+        return cls(load_config(path, require_secrets=False))
 
     def stage_on_flush(self, sessions: Any, *, database: str | None = None) -> None:
         """Stage the events entities raised (``RaisesEvents.raise_event``) when ``sessions``

@@ -274,7 +274,7 @@ async def serve_with_an_open_circuit(
             "service": "shop",
             "databases": {"main": pg_url},
             "brokers": brokers,
-            "outbox": {"circuit": {"open_after": 0, "probe_max_delay": 0.5}},
+            "outbox": {"circuit": {"probe_max_delay": 0.5}},
             "http": {"enabled": False},
         },
     )

@@ -64,16 +64,10 @@ def refusal(catalog: EventCatalog, lines: str) -> str:
 def test_a_list_naming_fields_one_published_version_lacks_is_refused(
     catalog: EventCatalog,
 ) -> None:
-    # v2's fields: v1, still published, has no total_cents or currency.
-    newest = "    expose: {payload: {projected.order_placed: [order_id, total_cents, currency]}}"
-    # v1's fields: v2 has no total.
+    # v1's fields: v2 has no total. (A list of the newest version's fields, which releases
+    # before TYPE@VERSION accepted, is accepted with a warning: test_config_upgrades.py.)
     oldest = "    expose: {payload: {projected.order_placed: [order_id, total]}}"
 
-    assert refusal(catalog, newest) == (
-        f"{WHERE}: version 1 has no field 'total_cents', 'currency'; its fields: order_id, "
-        "total; version 1 is still published: give it its own projection "
-        "(projected.order_placed@1: [...])"
-    )
     assert refusal(catalog, oldest) == (
         f"{WHERE}: version 2 has no field 'total'; its fields: order_id, total_cents, "
         "currency; version 2 is still published: give it its own projection "
