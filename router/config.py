@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
 from pydantic import (
@@ -273,6 +273,19 @@ class DatabaseSettings(BaseModel):
         None, description="Brokers this database publishes to; default: all of them."
     )
     pool_size: int = Field(4, ge=1, le=100, description="Connections the router keeps open.")
+    wakeup: Literal["auto", "log", "notify", "poll"] = Field(
+        "auto",
+        description="How the relay learns of new rows: 'log' reads the database's own log "
+        "(PostgreSQL logical decoding, the MySQL/MariaDB binlog, SQLite's WAL file); "
+        "'notify' (PostgreSQL) has stage() notify only while a relay is idle; 'poll' looks "
+        "for new rows on a short timer; 'auto' takes the best the server allows.",
+    )
+
+    @model_validator(mode="after")
+    def _wakeup_fits_kind(self) -> DatabaseSettings:
+        if self.wakeup == "notify" and self.kind != "postgresql":
+            raise ValueError("wakeup 'notify' needs PostgreSQL; use auto, log or poll")
+        return self
 
     @model_validator(mode="before")
     @classmethod
