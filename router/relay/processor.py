@@ -114,6 +114,8 @@ class Processor:
         limit = settings.rate_limit
         self.bucket = TokenBucket(limit) if limit is not None else None
         self._metrics = metrics
+        if metrics is not None:
+            metrics.start_target(database, target)
 
     @property
     def name(self) -> str:
