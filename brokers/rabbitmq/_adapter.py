@@ -2,7 +2,8 @@
 
 Messages are persistent and published ``mandatory`` on a channel with publisher confirms and
 ``on_return_raises``: ``publish`` returns only once the broker confirmed the message, and a
-message no queue would receive is an error rather than lost. ``message_id`` and
+message no queue would receive is a retryable error rather than lost (the partner may bind
+its queue later). ``message_id`` and
 ``correlation_id`` are AMQP properties; the type goes in ``type``.
 
 Each message is built here, as an aio-pika ``Message`` with exactly
@@ -187,13 +188,7 @@ def _confirmed_at() -> str:
 
 def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, aiormq.exceptions.PublishError):  # returned: mandatory and unroutable
-        delivery: Any = getattr(exc.message, "delivery", None)
-        reason = getattr(delivery, "reply_text", "NO_ROUTE")
-        return PublishResult.failed(
-            f"unroutable: no queue is bound for routing key "
-            f"{getattr(delivery, 'routing_key', '?')!r} ({reason})",
-            retryable=False,
-        )
+        return _unroutable(exc)
     if isinstance(exc, aio_pika.exceptions.DeliveryError):
         return PublishResult.failed(f"RabbitMQ refused it (nack): {describe(exc)}", retryable=True)
     if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity):
@@ -203,6 +198,26 @@ def _classify(exc: Exception) -> PublishResult:
     if isinstance(exc, TimeoutError):
         return PublishResult.cut_off("no confirm within publish_timeout")
     return PublishResult.failed(f"RabbitMQ error: {describe(exc)}", retryable=True)
+
+
+def _unroutable(exc: aiormq.exceptions.PublishError) -> PublishResult:
+    """A message RabbitMQ returned because no queue would take it: retryable.
+
+    No verdict on the message: the route is the partner's to make, and a partner that binds
+    its queue once its consumer first starts would otherwise see its first events abandoned
+    and need a ``router requeue``. Retried with backoff, it is delivered once the queue is
+    bound, and abandoned after ``max_attempts`` as any retryable failure.
+    """
+    delivery: Any = getattr(exc.message, "delivery", None)
+    reason = getattr(delivery, "reply_text", "NO_ROUTE")
+    exchange = getattr(delivery, "exchange", "?")
+    routing_key = getattr(delivery, "routing_key", "?")
+    return PublishResult.failed(
+        f"unroutable: no queue bound to exchange {exchange!r} with routing key "
+        f"{routing_key!r} ({reason}); bind one (the partner's queue), or change the "
+        "destination; retried until max_attempts",
+        retryable=True,
+    )
 
 
 def _closes_channel(result: PublishResult) -> bool:

@@ -44,7 +44,11 @@ class RabbitSettings(BrokerSettings):
     )
     exchange: RabbitExchange = Field(description="The exchange messages are published to.")
     mandatory: bool = Field(
-        True, description="A message no queue is bound to is an error, not silently dropped."
+        True,
+        description=(
+            "A message no queue is bound to is a retryable failure (delivered once a queue is "
+            "bound), not silently dropped."
+        ),
     )
     persistent: bool = Field(
         True, description="Messages are stored on disk by the broker (delivery mode 2)."

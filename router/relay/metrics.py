@@ -10,7 +10,9 @@ host agree on them.
 from __future__ import annotations
 
 import os
+import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -18,9 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["BacklogCollector", "Metrics", "multiprocess_registry", "observe_all"]
+__all__ = ["BacklogCollector", "CounterRate", "Metrics", "multiprocess_registry", "observe_all"]
 
 LABELS = ("database", "target")
+Key = tuple[str, str]
+"""(database, target)."""
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -115,6 +119,25 @@ class Metrics:
             registry=self.registry,
         )
 
+    def start_target(self, database: str, target: str) -> None:
+        """Expose every series of one target at 0 before anything happened to it.
+
+        A labelled series exists only once its labels were used: without this, a counter that
+        moves rarely (``router_rate_limited_seconds_total``) has no sample until it first
+        moves, and ``rate()`` or an alert on it sees nothing rather than 0.
+        """
+        for metric in (
+            self.published,
+            self.failed,
+            self.abandoned,
+            self.retried,
+            self.rate_limited,
+            self.within_slo,
+            self.publish,
+            self.latency,
+        ):
+            metric.labels(database, target)
+
     def render(self) -> bytes:
         """Prometheus text format."""
         return generate_latest(self.registry)
@@ -137,6 +160,37 @@ def counter_totals(registry: CollectorRegistry) -> dict[tuple[str, str], dict[st
             name = sample.name.removeprefix("router_").removesuffix("_total")
             totals.setdefault(key, {})[name] = totals.get(key, {}).get(name, 0) + sample.value
     return totals
+
+
+class CounterRate:
+    """One counter's increase a minute per (database, target), from successive readings of
+    ``counter_totals``: what ``rate(<counter>[1m]) * 60`` would say, with no Prometheus.
+
+    The first reading is a zero at creation (the counters start at 0 with the process), so the
+    first minute's rate is the increase since start over the time since start.
+    """
+
+    def __init__(self, name: str, window: float = 60.0) -> None:
+        self.name = name
+        self.window = window
+        self._readings: deque[tuple[float, dict[Key, float]]] = deque([(time.monotonic(), {})])
+
+    def per_minute(self, totals: dict[Key, dict[str, float]]) -> dict[Key, float]:
+        """Add the reading ``totals`` (now) and return the counter's rate over the window."""
+        now = time.monotonic()
+        current = {key: figures.get(self.name, 0.0) for key, figures in totals.items()}
+        self._readings.append((now, current))
+        # Keep the newest reading at least a window old as the base, and nothing older.
+        while len(self._readings) > 2 and now - self._readings[1][0] >= self.window:
+            self._readings.popleft()
+        since, base = self._readings[0]
+        elapsed = now - since
+        if elapsed <= 0:
+            return dict.fromkeys(current, 0.0)
+        return {
+            key: round(max(0.0, value - base.get(key, 0.0)) * 60 / elapsed, 2)
+            for key, value in current.items()
+        }
 
 
 def multiprocess_registry(path: str | None = None) -> CollectorRegistry:

@@ -114,6 +114,8 @@ class Processor:
         limit = settings.rate_limit
         self.bucket = TokenBucket(limit) if limit is not None else None
         self._metrics = metrics
+        if metrics is not None:
+            metrics.start_target(database, target)
 
     @property
     def name(self) -> str:
@@ -399,12 +401,11 @@ class Processor:
     ) -> None:
         """Write a batch's outcomes (after ``before``, the mark of the batch before it in its
         transaction, so they are written in order)."""
-        if before is not None:
-            await asyncio.wait({before})
+        follows_lost = await _lost(before)
         if marks.failed or marks.abandoned:
             self._check_due = True
         try:
-            await self._mark(claim.token, marks, deadline)
+            await self._mark(claim.token, marks, deadline, follows_lost=follows_lost)
         finally:
             # Written, or not (the database is away): a lease, or the end of the batch's
             # transaction, brings the rows back.
@@ -454,9 +455,15 @@ class Processor:
             timeout = min(timeout, remaining + 0.005)
         return timeout
 
-    async def _mark(self, token: int, marks: Marks, deadline: float) -> None:
+    async def _mark(
+        self, token: int, marks: Marks, deadline: float, *, follows_lost: bool = False
+    ) -> None:
         """Write outcomes back, retrying until ``deadline``, the lease's end on the loop's
-        clock (marks are idempotent; past it, the rows may be claimed and sent again)."""
+        clock (marks are idempotent; past it, the rows may be claimed and sent again).
+
+        ``follows_lost``: the batch before it in its transaction was lost, and this one with
+        it; that loss was logged, so this one is logged at debug only.
+        """
         loop = asyncio.get_running_loop()
         delay = 0.1
         while True:
@@ -466,7 +473,8 @@ class Processor:
             except DatabaseError as exc:
                 # A lost batch cannot be marked later either: its transaction is gone.
                 if isinstance(exc, BatchLost) or loop.time() + delay > deadline:
-                    log.error(
+                    log.log(
+                        logging.DEBUG if follows_lost else logging.ERROR,
                         "batch.mark_failed",
                         extra={**self._log, "rows": len(marks), "error": str(exc)},
                     )
@@ -572,10 +580,35 @@ class _StoppableConnect:
         await self._broker.close()
 
 
+async def _lost(mark: asyncio.Task[None] | None) -> bool:
+    """Wait for ``mark`` (a batch's mark task, if any) and say whether it failed.
+
+    Its failure is read here, by the mark chained after it: the run awaits only its last
+    mark, and asyncio reports a task's exception nobody read ("Task exception was never
+    retrieved", with a traceback) when a database connection is cut mid-run. The failure
+    itself was logged where it happened (``batch.mark_failed``).
+    """
+    if mark is None:
+        return False
+    await asyncio.wait({mark})
+    return not mark.cancelled() and mark.exception() is not None
+
+
 async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
     """Leave no batch task behind: when we are being cancelled, cancel them too; otherwise
-    (another batch failed) let them finish, so their outcomes are written."""
-    running = [t for t in tasks if t is not None and not t.done()]
+    (another batch failed) let them finish, so their outcomes are written.
+
+    Every task's failure is read here, finished ones' too: when the run fails on something
+    else, nothing else reads them, and asyncio would report them as never retrieved.
+    """
+    running = []
+    for t in tasks:
+        if t is None:
+            continue
+        if not t.done():
+            running.append(t)
+        elif not t.cancelled():
+            t.exception()  # read: its failure is no longer reported at collection
     if not running:
         return
     task = asyncio.current_task()

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from envelopes import RouterError
 from router._secrets import Redactor, secrets_of
 from router.config import RouterConfig
-from router.relay.metrics import BacklogCollector, counter_totals
+from router.relay.metrics import BacklogCollector, CounterRate, counter_totals
 
 if TYPE_CHECKING:
     # The operator queries run on SQLAlchemy, imported at the first request that reads the
@@ -98,6 +98,7 @@ class StatusService:
         self._lock = asyncio.Lock()
         self._error: str | None = None
         self._redact = Redactor(secrets_of(config))
+        self._retries = CounterRate("retried")
 
     def routes(self) -> dict[str, Route]:
         """The GET routes by path."""
@@ -193,15 +194,15 @@ class StatusService:
         """The status of every target as JSON, with counters since start."""
         rows = await self.rows()
         totals = counter_totals(self.counters)
+        # One source: retries/min is router_retried_total's rate, not a count of the table's
+        # failed rows (a row abandoned at its first attempt was never retried).
+        retries = self._retries.per_minute(totals)
         return self._json(
             200 if self._error is None else 503,
             {
                 "generated_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
                 "error": self._error,
-                "targets": [
-                    {**row.as_dict(), "since_start": totals.get((row.database, row.target), {})}
-                    for row in rows
-                ],
+                "targets": [_target(row, totals, retries) for row in rows],
             },
         )
 
@@ -357,6 +358,23 @@ class StatusService:
     def _json(self, status: int, document: Any) -> Response:
         """A JSON answer with every secret of the config replaced by ``***``."""
         return json_response(status, _redacted(document, self._redact))
+
+
+def _target(
+    row: TargetStatus,
+    totals: Mapping[tuple[str, str], dict[str, float]],
+    retries: Mapping[tuple[str, str], float],
+) -> dict[str, Any]:
+    """One target as /api/outbox shows it: the status, the counters since start, and whether
+    nothing calls for an operator (no abandoned row, circuit closed, not paused)."""
+    key = (row.database, row.target)
+    healthy = row.abandoned == 0 and row.circuit == "closed" and not row.paused
+    return {
+        **row.as_dict(),
+        "retries_per_minute": retries.get(key, 0.0),
+        "healthy": healthy,
+        "since_start": totals.get(key, {}),
+    }
 
 
 def _limit(params: Params) -> int | None:

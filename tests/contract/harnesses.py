@@ -63,6 +63,8 @@ class Harness:
 
     kind = ""
     native_dedup = ""  # what carries the message id natively, for the report
+    # Whether the broker's refusal at rejected_destination() is worth another try.
+    refusal_retryable = False
 
     def __init__(self) -> None:
         self.tag = uuid.uuid4().hex[:8]
@@ -280,6 +282,8 @@ class KafkaHarness(Harness):
 class RabbitHarness(Harness):
     kind = "rabbitmq"
     native_dedup = "AMQP message_id property"
+    # Unroutable: the partner may bind a queue later (tests/integration/test_rabbitmq_unbound.py).
+    refusal_retryable = True
 
     def __init__(self) -> None:
         super().__init__()

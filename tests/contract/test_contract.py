@@ -184,7 +184,7 @@ async def test_an_unreachable_broker_is_a_retryable_failure(harness: Harness) ->
     assert "unreachable" in error or "cannot connect" in error or "cannot reach" in error
 
 
-async def test_a_refused_message_is_not_retryable_and_says_why(harness: Harness) -> None:
+async def test_a_refused_message_fails_alone_and_says_why(harness: Harness) -> None:
     settings = harness.settings()
     destination = harness.destination("fine")
     await harness.prepare(destination)
@@ -197,7 +197,7 @@ async def test_a_refused_message_is_not_retryable_and_says_why(harness: Harness)
     fine = message(settings, destination, 2, stream=None)
     results = await publish(create_broker("partner", settings), [refused, fine])
     assert not results[0].ok
-    assert results[0].retryable is False
+    assert results[0].retryable is harness.refusal_retryable
     assert results[0].error
     assert results[1].ok  # one refusal does not fail the rest
     assert len(await harness.arrived(destination, 1)) == 1

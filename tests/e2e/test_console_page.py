@@ -274,7 +274,8 @@ async def see_the_targets_and_pause_the_partner(console: Console) -> None:
     events = page.locator('[data-testid="target"][data-target="main/events"]')
     await expect(partner.locator('[data-figure="retrying"] .value')).to_have_text("4")
     await expect(partner.locator('[data-figure="abandoned"] .value')).to_have_text("2")
-    await expect(partner.get_by_test_id("state")).to_have_text("circuit open")
+    # Abandoned rows wait for an operator: a badge of their own, never "ok".
+    await expect(partner.get_by_test_id("state")).to_have_text(["circuit open", "2 abandoned"])
     await expect(partner.get_by_test_id("last-error")).to_contain_text("cannot connect to NATS")
     await expect(events.get_by_test_id("state")).to_have_text("ok")
     await expect(events.locator('[data-figure="since start"] .value')).to_have_text("8")
@@ -286,7 +287,9 @@ async def see_the_targets_and_pause_the_partner(console: Console) -> None:
     await partner.get_by_test_id("pause").click()
     await expect(page.get_by_test_id("notice-text")).to_have_text("Paused main/partner")
     await expect(partner.get_by_test_id("resume")).to_be_visible()
-    await expect(partner.get_by_test_id("state")).to_have_text(["paused", "circuit open"])
+    await expect(partner.get_by_test_id("state")).to_have_text(
+        ["paused", "circuit open", "2 abandoned"]
+    )
     served = await targets(client)
     assert (served["partner"]["paused"], served["events"]["paused"]) == (True, False)
 
@@ -412,6 +415,11 @@ async def test_without_a_token_the_page_shows_its_actions_disabled(
         page, errors = await open_console(browser, f"http://127.0.0.1:{server.port}/")
         partner = page.locator('[data-testid="target"][data-target="main/partner"]')
         await expect(partner.locator('[data-figure="abandoned"] .value')).to_have_text("2")
+        # Nothing else is wrong with the partner, but its abandoned rows make it no "ok".
+        await expect(partner.get_by_test_id("state")).to_have_text("2 abandoned")
+        await expect(partner.locator(".badge.abandoned")).to_be_visible()
+        events = page.locator('[data-testid="target"][data-target="main/events"]')
+        await expect(events.get_by_test_id("state")).to_have_text("ok")
         await expect(page.get_by_test_id("actions-off")).to_have_text(
             "actions are off: set http.token to enable actions"
         )

@@ -23,10 +23,13 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from brokers import PublishResult
+from brokers.memory import MemoryBroker
 from envelopes import RouterError
 from router import Outbox
 from router.serve.console import StatusService
 from router.serve.http_app import HttpServer, build_app
+from router.serve.runner import Runner
 from tests.conftest import MEMORY_BROKERS, Database, NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving, router
 from tests.integration.events import OrderPlaced
@@ -438,3 +441,106 @@ async def test_a_taken_port_is_one_router_error_naming_http_bind(database: Datab
         f"http.bind 127.0.0.1:{server.port} is already in use; "
         "stop the other process or change http.bind"
     )
+
+
+def refusing_brokers() -> Callable[[str, Any], Any]:
+    """Memory brokers: ``analytics`` refuses each message once (retryably) then takes it,
+    ``billing`` rejects every message for good (abandoned at its first attempt)."""
+    refused: set[str] = set()
+
+    def once(message: Any) -> PublishResult | None:
+        if message.wire.message_id in refused:
+            return None
+        refused.add(message.wire.message_id)
+        return PublishResult.failed("busy, try again", retryable=True)
+
+    def never(message: Any) -> PublishResult:
+        return PublishResult.failed("schema rejected", retryable=False)
+
+    handlers = {"analytics": once, "billing": never}
+
+    def factory(name: str, settings: Any) -> MemoryBroker:
+        return MemoryBroker(name, handler=handlers.get(name))
+
+    return factory
+
+
+@contextlib.asynccontextmanager
+async def serving_console(database: Database) -> AsyncIterator[httpx.AsyncClient]:
+    """A router with its console (memory brokers as ``refusing_brokers`` says), and a client."""
+    port = free_port()
+    config = make_config(
+        {"main": database.url},
+        MEMORY_BROKERS,
+        database.base_dir,
+        http={"bind": f"127.0.0.1:{port}", "token": TOKEN},
+        outbox={"retry": {"base_delay": 0.05, "max_delay": 0.05, "jitter": 0}},
+    )
+    runner = Runner(
+        config, broker_factory=refusing_brokers(), start_embedded=False, run_cleanup=False
+    )
+    await runner.start()
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", headers=BEARER, timeout=10, trust_env=False
+        ) as client:
+            yield client
+    finally:
+        await runner.shutdown()
+
+
+async def outbox_targets(client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+    """/api/outbox's targets by name."""
+    response = await client.get("/api/outbox")
+    assert response.status_code == 200, response.text
+    return {row["target"]: row for row in response.json()["targets"]}
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+async def test_abandoned_rows_make_a_target_unhealthy_and_retries_follow_the_metric(
+    database: Database,
+) -> None:
+    started = time.monotonic()  # before the console started
+    async with serving_console(database) as client:
+        opened = time.monotonic()  # after the console started
+        # Every counter of every target has a sample from the start, at 0.
+        metrics = (await client.get("/metrics")).text
+        for target in MEMORY_BROKERS:
+            assert sample(metrics, "router_rate_limited_seconds_total", target) == 0
+            assert sample(metrics, "router_retried_total", target) == 0
+        quiet = await outbox_targets(client)
+        assert {name: row["healthy"] for name, row in quiet.items()} == dict.fromkeys(
+            MEMORY_BROKERS, True
+        )
+
+        outbox = database.outbox()
+        try:
+            async with outbox.transaction() as tx:
+                await tx.stage(*(OrderPlaced(order_id=f"o-{i}", total=Decimal(i)) for i in (1, 2)))
+        finally:
+            await outbox.close()
+
+        async def settled() -> bool:
+            rows = await outbox_targets(client)
+            done = rows["analytics"]["since_start"].get("published") == 2
+            return done and bool(rows["billing"]["abandoned"] == 2)
+
+        deadline = time.monotonic() + 10
+        while not await settled():
+            assert time.monotonic() < deadline, await outbox_targets(client)
+            await asyncio.sleep(0.1)
+        last_read = time.monotonic()
+        rows = await outbox_targets(client)
+        finished = time.monotonic()
+
+    billing, analytics = rows["billing"], rows["analytics"]
+    # Two rows abandoned at their first attempt: not healthy, and never retried.
+    assert billing["healthy"] is False
+    assert billing["since_start"]["retried"] == 0
+    assert billing["retries_per_minute"] == 0
+    # Each analytics row was tried twice: two retries since start, and retries/min is
+    # router_retried_total's increase over the time since the console started.
+    assert analytics["healthy"] is True
+    assert analytics["since_start"]["retried"] == 2
+    since_start = (last_read - opened, finished - started)
+    assert 2 * 60 / since_start[1] <= analytics["retries_per_minute"] <= 2 * 60 / since_start[0]
