@@ -10,16 +10,19 @@ there, of its type, with its values, in every message that had it. So these are 
 - an enum value removed or added (a strict reader rejects an unknown one), a format,
   pattern or bound changed;
 - optional made required, or required made optional (no longer in every message);
-- a new required field or envelope member: the messages already sent at this version (and
-  stored rows replayed) lack it, so a partner validating with the new schema rejects them;
+- a new required field (a payload field without a default, nullable or not) or envelope
+  member: the messages already sent at this version (and stored rows replayed) lack it, so a
+  partner validating with the new schema rejects them;
 - a destination, content type, broker kind or envelope profile changed; a staged header or
   extension name pattern no longer allowed;
 - a binding changed: the exchange (name, type, durability) or virtual host, the JetStream
   stream, the Redis database, the Service Bus entity kind or sessions: a partner's queue,
   consumer or receiver is bound to it by name, and would receive nothing more.
 
-Additive (listed, not breaking): a new partner, event type, version, optional field or
-envelope member, header, or allowed header or extension pattern. A new version of an event
+Additive (listed, not breaking): a new partner, event type, version, optional field (a
+payload field with a default, None or not) or envelope member, header, or allowed header or
+extension pattern; a default given to a payload field (the exported schema no longer requires
+it, and the router still writes it). A new version of an event
 type is a new contract beside the old one, never a change of it; titles, descriptions and
 examples are documentation, not contract.
 """
@@ -30,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.ops.contract._lock import FIRST_FORMAT
 from router.ops.contract._schema_diff import compare_schemas
 
 __all__ = ["Change", "compare"]
@@ -75,6 +79,7 @@ _EVENT_GONE = (
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every change from the ``old`` lock document to the ``new`` one, breaking first."""
     changes: list[Change] = []
+    first_format = old.get("contract") == FIRST_FORMAT
     old_partners, new_partners = old.get("partners", {}), new.get("partners", {})
     for partner in sorted(old_partners.keys() | new_partners.keys()):
         before, after = old_partners.get(partner), new_partners.get(partner)
@@ -85,7 +90,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
             for event_type, version, _ in _entries(after):
                 changes.append(Change(False, partner, event_type, version, "", "new partner"))
         else:
-            changes.extend(_partner(partner, before, after))
+            changes.extend(_partner(partner, before, after, first_format=first_format))
     return sorted(changes, key=lambda c: not c.breaking)
 
 
@@ -95,7 +100,9 @@ def _entries(partner: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str
             yield event_type, int(version), entry
 
 
-def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Change]:
+def _partner(
+    name: str, before: Mapping[str, Any], after: Mapping[str, Any], *, first_format: bool
+) -> list[Change]:
     changes = []
     for key in ("kind", "envelope"):
         if before.get(key) != after.get(key):
@@ -110,7 +117,7 @@ def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
         if now is None:
             changes.append(Change(True, name, event_type, version, "", _EVENT_GONE))
             continue
-        diff = _EntryDiff(name, event_type, version, _data(after))
+        diff = _EntryDiff(name, event_type, version, _data(after), first_format)
         diff.entry(entry, now, same_envelope=same_envelope)
         changes.extend(diff.changes)
     for event_type, version, _ in _entries(after):
@@ -168,6 +175,7 @@ class _EntryDiff:
     event_type: str
     version: int
     payload_name: str
+    first_format: bool  # the old entry is from a lock of format 1
     changes: list[Change] = field(default_factory=list)
 
     def add(self, breaking: bool, where: str, what: str) -> None:
@@ -183,7 +191,13 @@ class _EntryDiff:
             self.envelope(old.get("envelope", {}), new.get("envelope", {}))
             self.headers(old.get("headers", {}), new.get("headers", {}))
         old_payload, new_payload = old.get("payload", {}), new.get("payload", {})
-        compare_schemas(old_payload, new_payload, self.payload_name, self.add)
+        compare_schemas(
+            old_payload,
+            new_payload,
+            self.payload_name,
+            self.add,
+            old_lists_written=self.first_format,
+        )
 
     def envelope(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
         as_object = [
