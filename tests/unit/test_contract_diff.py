@@ -439,3 +439,19 @@ def test_a_lock_from_before_bindings_gets_them_as_additive_changes() -> None:
     assert lines(compare(bound(None), bound({"stream": "PARTNERS"}))) == [
         "additive  billing  every event  binding.stream: recorded: PARTNERS"
     ]
+
+
+def test_a_lock_without_the_delivery_flags_is_read_and_they_are_recorded() -> None:
+    exchange = {"name": "shop.events", "type": "topic", "durable": True}
+    old = bound({"exchange": exchange, "vhost": "/"})
+    new = bound({"exchange": exchange, "vhost": "/", "persistent": True, "mandatory": True})
+    sturdier = bound({**new["partners"]["billing"]["binding"], "persistent": False})
+
+    assert lines(compare(old, new)) == [
+        "additive  billing  every event  binding.mandatory: recorded: True",
+        "additive  billing  every event  binding.persistent: recorded: True",
+    ]
+    assert lines(compare(sturdier, new)) == [
+        "additive  billing  every event  binding.persistent: changed: False -> True; messages "
+        "are now stored on disk"
+    ]

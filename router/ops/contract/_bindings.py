@@ -2,9 +2,10 @@
 the JetStream stream, the Redis database, the Service Bus entity kind. A partner binds its
 queue, consumer or receiver to these by name, so renaming one cuts it off as surely as
 changing the destination: the lock records them (``location``) and ``_diff`` calls a change
-breaking. The AsyncAPI document carries them as the protocol's bindings where the spec has
-one (amqp, kafka) and as ``x-`` extensions where it has none (a JetStream stream, Redis,
-Service Bus).
+breaking. The lock's binding also records how RabbitMQ messages are sent (``delivery``:
+persistent, mandatory), which a partner relies on as much. The AsyncAPI document carries them
+as the protocol's bindings where the spec has one (amqp, kafka) and as ``x-`` extensions where
+it has none (a JetStream stream, Redis, Service Bus).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from brokers.settings import (
     ServiceBusSettings,
 )
 
-__all__ = ["channel_bindings", "location", "message_bindings", "operation_bindings"]
+__all__ = ["channel_bindings", "delivery", "location", "message_bindings", "operation_bindings"]
 
 _AMQP = "0.3.0"  # the AsyncAPI amqp binding's version
 _KAFKA = "0.5.0"  # the AsyncAPI kafka binding's version
@@ -69,16 +70,26 @@ def channel_bindings(settings: BrokerSettings, destination: str) -> dict[str, An
     return {}
 
 
-def operation_bindings(settings: BrokerSettings) -> dict[str, Any]:
-    """How the router sends: persistent and mandatory on RabbitMQ (none elsewhere)."""
+def delivery(settings: BrokerSettings) -> dict[str, bool]:
+    """How the router sends, where a partner can tell: RabbitMQ's ``persistent`` (whether
+    its messages survive a broker restart) and ``mandatory`` (whether one no queue is bound
+    to is refused and retried, or dropped). Nothing elsewhere."""
     if isinstance(settings, RabbitSettings):
-        amqp = {
-            "deliveryMode": 2 if settings.persistent else 1,
-            "mandatory": settings.mandatory,
-            "bindingVersion": _AMQP,
-        }
-        return {"amqp": amqp}
+        return {"persistent": settings.persistent, "mandatory": settings.mandatory}
     return {}
+
+
+def operation_bindings(settings: BrokerSettings) -> dict[str, Any]:
+    """How the router sends (``delivery``), as AsyncAPI's amqp operation binding."""
+    sent = delivery(settings)
+    if not sent:
+        return {}
+    amqp = {
+        "deliveryMode": 2 if sent["persistent"] else 1,
+        "mandatory": sent["mandatory"],
+        "bindingVersion": _AMQP,
+    }
+    return {"amqp": amqp}
 
 
 def message_bindings(settings: BrokerSettings, event_type: str) -> dict[str, Any]:

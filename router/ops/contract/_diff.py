@@ -17,14 +17,16 @@ there, of its type, with its values, in every message that had it. So these are 
   extension name pattern no longer allowed;
 - a binding changed: the exchange (name, type, durability) or virtual host, the JetStream
   stream, the Redis database, the Service Bus entity kind or sessions: a partner's queue,
-  consumer or receiver is bound to it by name, and would receive nothing more.
+  consumer or receiver is bound to it by name, and would receive nothing more;
+- RabbitMQ's ``persistent`` or ``mandatory`` turned off: messages a broker restart loses, or
+  messages no queue takes dropped silently.
 
 Additive (listed, not breaking): a new partner, event type, version, optional field (a
 payload field with a default, None or not) or envelope member, header, or allowed header or
-extension pattern; a default given to a payload field (the exported schema no longer requires
-it, and the router still writes it). A new version of an event
-type is a new contract beside the old one, never a change of it; titles, descriptions and
-examples are documentation, not contract.
+extension pattern; ``persistent`` or ``mandatory`` turned on; a default given to a payload
+field (the exported schema no longer requires it, and the router still writes it). A new
+version of an event type is a new contract beside the old one, never a change of it; titles,
+descriptions and examples are documentation, not contract.
 """
 
 from __future__ import annotations
@@ -138,13 +140,41 @@ def _binding(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
     old = _flat(before["binding"])
     changes = []
     for key in sorted(old.keys() | new.keys()):
-        if old.get(key) != new.get(key):
-            what = (
-                f"changed: {old.get(key, '-')} -> {new.get(key, '-')}; a partner bound to the "
-                "old one receives nothing more"
+        if key not in old:  # a lock written before this was recorded (persistent, mandatory)
+            changes.append(
+                Change(False, name, None, None, f"binding.{key}", f"recorded: {new[key]}")
             )
-            changes.append(Change(True, name, None, None, f"binding.{key}", what))
+        elif old[key] != new.get(key):
+            changes.append(_binding_change(name, key, old[key], new.get(key, "-")))
     return changes
+
+
+# How a message is sent, by binding key: what a partner notices when it is turned off, and
+# when it is turned on.
+_DELIVERY = {
+    "persistent": (
+        "messages are no longer stored on disk: a broker restart loses those not yet consumed",
+        "messages are now stored on disk",
+    ),
+    "mandatory": (
+        "a message no queue is bound to is now dropped silently, not refused and retried",
+        "a message no queue is bound to is now refused and retried, not dropped",
+    ),
+}
+
+
+def _binding_change(name: str, key: str, old: Any, new: Any) -> Change:
+    """A binding key changed: where a partner consumes (breaking), or how messages are sent
+    (breaking when a guarantee is lost)."""
+    changed = f"changed: {old} -> {new}; "
+    if key in _DELIVERY:
+        lost, gained = _DELIVERY[key]
+        breaking = new is not True
+        return Change(
+            breaking, name, None, None, f"binding.{key}", changed + (lost if breaking else gained)
+        )
+    what = changed + "a partner bound to the old one receives nothing more"
+    return Change(True, name, None, None, f"binding.{key}", what)
 
 
 def _flat(binding: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

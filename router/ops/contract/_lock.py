@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError
-from router.ops.contract._bindings import location
+from router.ops.contract._bindings import delivery, location
 from router.ops.contract._wire import PartnerMessage
 
 __all__ = [
@@ -31,7 +31,7 @@ FIRST_FORMAT = "outbox-router partner contract lock, 1"
 
 def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str, Any]:
     """Per partner its broker kind, envelope and binding (the exchange, stream... a consumer
-    is bound to), then per event type and version: the
+    is bound to, and RabbitMQ's persistent and mandatory), then per event type and version: the
     destination, content type, envelope members, header names (with the values fixed per
     event version, such as source) and payload schema."""
     partners: dict[str, Any] = {}
@@ -41,7 +41,7 @@ def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str,
             {
                 "kind": message.settings.type,
                 "envelope": message.profile,
-                "binding": location(message.settings),
+                "binding": {**location(message.settings), **delivery(message.settings)},
                 "events": {},
             },
         )
