@@ -11,7 +11,6 @@ it has none (a JetStream stream, Redis, Service Bus).
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from brokers import BrokerSettings
 from brokers.settings import (
@@ -34,20 +33,9 @@ _STREAM_KEY = {
 
 
 def location(settings: BrokerSettings) -> dict[str, Any]:
-    """What a partner's consumer is bound to on this broker, besides each destination."""
-    if isinstance(settings, RabbitSettings):
-        exchange = settings.exchange
-        return {
-            "exchange": {"name": exchange.name, "type": exchange.type, "durable": exchange.durable},
-            "vhost": _vhost(settings),
-        }
-    if isinstance(settings, NatsSettings):
-        return {"stream": settings.stream.name}
-    if isinstance(settings, RedisSettings):
-        return {"db": _redis_db(settings)}
-    if isinstance(settings, ServiceBusSettings):
-        return {"entity": settings.entity, "sessions": settings.sessions}
-    return {}
+    """What a partner's consumer is bound to on this broker, besides each destination
+    (``BrokerSettings.location``, which ``router preview`` shows as well)."""
+    return settings.location()
 
 
 def channel_bindings(settings: BrokerSettings, destination: str) -> dict[str, Any]:
@@ -99,14 +87,3 @@ def message_bindings(settings: BrokerSettings, event_type: str) -> dict[str, Any
     if isinstance(settings, KafkaSettings):
         return {"kafka": {"key": dict(_STREAM_KEY), "bindingVersion": _KAFKA}}
     return {}
-
-
-def _vhost(settings: RabbitSettings) -> str:
-    # As aio-pika reads the URL: the path without its slash, "/" when empty.
-    path = urlsplit(settings.url.get_secret_value()).path
-    return unquote(path[1:]) or "/"
-
-
-def _redis_db(settings: RedisSettings) -> int:
-    path = urlsplit(settings.url.get_secret_value()).path.strip("/")
-    return int(path) if path.isdigit() else 0
