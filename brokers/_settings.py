@@ -367,6 +367,12 @@ class BrokerSettings(BaseModel):
         rendered message alone: the adapter publishes exactly these."""
         return dict(wire.headers)
 
+    def location(self) -> dict[str, Any]:
+        """Where this broker's messages go besides each destination, by name: what a
+        consumer is bound to (the RabbitMQ exchange and virtual host, the JetStream stream,
+        ...). Nothing for a kind whose destination says it all (Kafka's topic)."""
+        return {}
+
     def native_properties(self, wire: WireMessage) -> NativeProperties:
         """The broker's own message properties ``wire`` carries besides its headers (AMQP
         properties, the Kafka record's key and timestamp, ...), named as the broker's

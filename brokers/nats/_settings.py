@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -116,6 +116,10 @@ class NatsSettings(BrokerSettings):
         """The rendered headers and ``Nats-Msg-Id`` = the message id (JetStream's
         deduplication key). NATS messages have no properties besides headers."""
         return {**wire.headers, MSG_ID_HEADER: wire.message_id}
+
+    def location(self) -> dict[str, Any]:
+        """The JetStream stream that captures the subject."""
+        return {"stream": self.stream.name}
 
     def servers(self) -> list[str]:
         """The configured server URLs."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
+from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -73,6 +74,16 @@ class RabbitSettings(BrokerSettings):
         if wire.priority is not None:
             properties["priority"] = wire.priority
         return properties
+
+    def location(self) -> dict[str, Any]:
+        """The exchange (the destination is its routing key) and the virtual host."""
+        exchange = self.exchange
+        # As aio-pika reads the URL: the path without its slash, "/" when empty.
+        vhost = unquote(urlsplit(self.url.get_secret_value()).path[1:]) or "/"
+        return {
+            "exchange": {"name": exchange.name, "type": exchange.type, "durable": exchange.durable},
+            "vhost": vhost,
+        }
 
     def check_destination(self, destination: str) -> None:
         """A routing key of at most 255 bytes."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -64,6 +65,11 @@ class RedisSettings(BrokerSettings):
             correlation = wire.correlation_id or wire.message_id
             return {**wire.headers, FASTSTREAM_CORRELATION: correlation}
         return {k: v for k, v in wire.headers.items() if k != BODY_FIELD}
+
+    def location(self) -> dict[str, Any]:
+        """The database number the stream lives in (the URL's path; 0 by default)."""
+        path = urlsplit(self.url.get_secret_value()).path.strip("/")
+        return {"db": int(path) if path.isdigit() else 0}
 
     def check_destination(self, destination: str) -> None:
         """Any non-empty key of reasonable length."""

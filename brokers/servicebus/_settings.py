@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -43,6 +43,10 @@ class ServiceBusSettings(BrokerSettings):
         if "endpoint=" not in value.get_secret_value().lower():
             raise ValueError("a Service Bus connection string starts with Endpoint=sb://...")
         return value
+
+    def location(self) -> dict[str, Any]:
+        """Whether the destination names a queue or a topic, and whether it has sessions."""
+        return {"entity": self.entity, "sessions": self.sessions}
 
     def native_properties(self, wire: WireMessage) -> NativeProperties:
         """The message's own properties: ``message_id`` (the key of duplicate detection),

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from envelopes import ConfigError
 
-__all__ = ["instance", "moment", "pairs", "positive"]
+__all__ = ["instance", "moment", "pairs", "positive", "whole"]
 
 
 def positive(text: str) -> int:
@@ -20,6 +20,17 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def whole(text: str) -> int:
+    """An integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
     return value
 
 

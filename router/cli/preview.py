@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from envelopes import ConfigError, StagingError
 from router._secrets import Redactor
-from router.cli.arguments import pairs, positive
+from router.cli.arguments import pairs, positive, whole
 from router.cli.output import EXIT_CONFIG, EXIT_OK, emit, table
 from router.config import RouterConfig
 from router.write.catalog import load_catalog
@@ -55,6 +55,12 @@ def add_parser(commands: Any) -> None:
     preview_.add_argument("--correlation-id", metavar="ID", help="the correlation id to stage with")
     preview_.add_argument("--causation-id", metavar="ID", help="the causation id to stage with")
     preview_.add_argument("--tenant", help="the tenant to stage with")
+    preview_.add_argument(
+        "--priority",
+        type=whole,
+        metavar="N",
+        help="the priority to stage with (shown where the message carries it)",
+    )
     preview_.add_argument("--json", action="store_true")
     preview_.set_defaults(run=preview)
 
@@ -77,6 +83,7 @@ async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Reda
             correlation_id=args.correlation_id,
             causation_id=args.causation_id,
             tenant=args.tenant,
+            priority=args.priority,
         )
     except (ConfigError, StagingError) as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)
@@ -120,6 +127,7 @@ def preview_block(item: Preview) -> str:
         f"target       {item.target} ({item.kind}, {item.profile} profile)",
         *([f"version      {pin}"] if pin else []),
         f"destination  {item.destination}",
+        *(f"{key:<12} {_where(value)}" for key, value in item.sent.binding.items()),
         "headers",
         *(f"  {name.ljust(width)}  {value}" for name, value in item.headers.items()),
         *(["properties", *properties] if properties else []),
@@ -141,6 +149,8 @@ def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
 
     for column, item in enumerate(items):
         put("destination", column, item.destination)
+        for key, value in item.sent.binding.items():
+            put(key, column, _where(value))
         put("profile", column, item.profile)
         if (pin := _pin(item)) is not None:
             put("version", column, pin)
@@ -152,6 +162,18 @@ def side_by_side_table(items: Sequence[Preview], *, width: int = 36) -> str:
             put(f"body {path}", column, value)
     header = ["", *(f"{item.target} ({item.kind})" for item in items)]
     return table(header, [[key, *values] for key, values in rows.items()])
+
+
+def _where(value: Any) -> str:
+    """A binding's value in words: ``shop.events (topic, durable)``, ``PARTNERS``, ``0``."""
+    if not isinstance(value, dict):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    traits = [
+        (key if item else f"not {key}") if isinstance(item, bool) else str(item)
+        for key, item in value.items()
+        if key != "name"
+    ]
+    return f"{value.get('name', '')} ({', '.join(traits)})" if traits else str(value.get("name"))
 
 
 def _flatten(document: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -26,6 +26,7 @@ from envelopes import DowncastError
 from router.config import RouterConfig
 from router.ops import connections
 from router.ops.operations import trace
+from router.ops.preview import OnWire
 from router.ops.schema import outbox
 from router.write.pinning import Received
 
@@ -260,7 +261,8 @@ def _received(
     settings: BrokerSettings | None, destination: str, seq: int | None, stored: str
 ) -> dict[str, Any]:
     """What the processor would publish (``Received``, which it publishes through), with the
-    row's ``seq`` as the sequence."""
+    row's ``seq`` as the sequence, and the details the broker carries as ``router preview``
+    shows them (``OnWire``)."""
     if settings is None:
         return {"destination": destination, "error": "the target is no longer configured"}
     try:
@@ -269,17 +271,4 @@ def _received(
         return {"destination": destination, "error": f"cannot downcast: {exc}"}
     except Exception as exc:  # an envelope that cannot be rendered: the row would fail too
         return {"destination": destination, "error": f"{type(exc).__name__}: {exc}"}
-    return {
-        "destination": destination,
-        "content_type": wire.content_type,
-        "headers": wire.headers,
-        "body": _body(wire.body),
-    }
-
-
-def _body(body: bytes) -> Any:
-    """The body as JSON when it is JSON, else as text."""
-    try:
-        return json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", errors="replace")
+    return OnWire.of(settings, destination, wire).as_dict()

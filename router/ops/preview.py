@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from enum import Enum
@@ -30,7 +30,40 @@ from router.write.staging import Row, Stager
 
 M = TypeVar("M", bound=BaseModel)
 
-__all__ = ["Preview", "example_of", "preview"]
+__all__ = ["OnWire", "Preview", "example_of", "preview"]
+
+
+@dataclass(frozen=True)
+class OnWire:
+    """One rendered message as the broker carries it: what ``router preview`` and the
+    console's message view both show, computed here once."""
+
+    destination: str
+    binding: dict[str, Any]
+    """Where it goes besides the destination: the exchange, the stream... (``location``)."""
+    wire: WireMessage
+    headers: dict[str, str]
+    """Every header on the broker: the rendered ones and the adapter's own (``Nats-Msg-Id``,
+    Kafka's ``correlation_id``...; ``BrokerSettings.native_headers``)."""
+    properties: NativeProperties
+    """The broker's own message properties (``BrokerSettings.native_properties``)."""
+
+    @classmethod
+    def of(cls, settings: BrokerSettings, destination: str, wire: WireMessage) -> OnWire:
+        """``wire`` as the adapter of ``settings`` publishes it to ``destination``."""
+        headers, properties = settings.native_headers(wire), settings.native_properties(wire)
+        return cls(destination, settings.location(), wire, headers, properties)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the body parsed (as text when it is no JSON)."""
+        return {
+            "destination": self.destination,
+            "binding": self.binding,
+            "content_type": self.wire.content_type,
+            "headers": self.headers,
+            "properties": self.properties,
+            "body": _document(self.wire.body),
+        }
 
 
 @dataclass(frozen=True)
@@ -40,18 +73,32 @@ class Preview:
     target: str
     kind: str
     profile: str
-    destination: str
-    wire: WireMessage
+    sent: OnWire
     staged_version: int
     """The version of the event staged."""
     pinned_version: int | None = None
     """The version the target is pinned to for this event type (``versions:``), if any: the
     version it receives."""
-    headers: dict[str, str] = field(default_factory=dict)
-    """Every header the message carries on the broker: the rendered ones and what the adapter
-    adds (``BrokerSettings.native_headers``)."""
-    properties: NativeProperties = field(default_factory=dict)
-    """The broker's own message properties (``BrokerSettings.native_properties``)."""
+
+    @property
+    def destination(self) -> str:
+        """The topic, subject, routing key... resolved at staging."""
+        return self.sent.destination
+
+    @property
+    def wire(self) -> WireMessage:
+        """The rendered message."""
+        return self.sent.wire
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Every header the message carries on the broker (``OnWire.headers``)."""
+        return self.sent.headers
+
+    @property
+    def properties(self) -> NativeProperties:
+        """The broker's own message properties."""
+        return self.sent.properties
 
     def body_document(self) -> Any:
         """The body parsed as JSON (every profile's body is JSON)."""
@@ -63,14 +110,18 @@ class Preview:
             "target": self.target,
             "kind": self.kind,
             "profile": self.profile,
-            "destination": self.destination,
             "staged_version": self.staged_version,
             "pinned_version": self.pinned_version,
-            "content_type": self.wire.content_type,
-            "headers": self.headers,
-            "properties": self.properties,
-            "body": self.body_document(),
+            **self.sent.as_dict(),
         }
+
+
+def _document(body: bytes) -> Any:
+    """The body as JSON when it is JSON, else as text."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", errors="replace")
 
 
 def preview(
@@ -88,6 +139,7 @@ def preview(
     correlation_id: str | None = None,
     causation_id: str | None = None,
     tenant: str | None = None,
+    priority: int | None = None,
 ) -> list[Preview]:
     """The messages ``targets`` (default: every target of the event) would receive.
 
@@ -109,6 +161,7 @@ def preview(
         correlation_id=correlation_id,
         causation_id=causation_id,
         tenant=tenant,
+        priority=priority,
     )
     by_target = {row.target: row for row in rows}
     wanted = list(targets) if targets else list(by_target)
@@ -133,17 +186,8 @@ def _preview(settings: BrokerSettings, target: str, spec: EventSpec, row: Row) -
             f"target {target!r} is pinned to {spec.type!r} version {pinned}, and version "
             f"{spec.version} cannot be downcast to it: {exc}"
         ) from None
-    return Preview(
-        target,
-        settings.type,
-        settings.profile,
-        row.destination,
-        wire,
-        spec.version,
-        pinned,
-        headers=settings.native_headers(wire),
-        properties=settings.native_properties(wire),
-    )
+    sent = OnWire.of(settings, row.destination, wire)
+    return Preview(target, settings.type, settings.profile, sent, spec.version, pinned)
 
 
 def _event(event_class: type[Event], payload: str | None) -> Event:

@@ -538,6 +538,54 @@ async def test_a_message_shows_as_each_target_receives_it(database: Database) ->
     ]
 
 
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+async def test_a_message_shows_the_wire_details_preview_shows(database: Database) -> None:
+    # Staged only: what each target receives is rendered from the stored row, as preview
+    # renders it, whether or not a router ever published it.
+    brokers = {
+        "events": {"type": "memory", "internal": True},
+        "feed": {
+            "type": "nats",
+            "destination": "feed.{event_type}",
+            "stream": {"name": "FEED", "subjects": ["feed.>"]},
+        },
+        "analytics": {"type": "kafka", "destination": "shop.{event_type}"},
+        "warehouse": {
+            "type": "rabbitmq",
+            "exchange": {"name": "shop.events", "type": "topic"},
+            "destination": "{event_type}",
+            "expose": {"fields": ["priority"]},
+        },
+    }
+    config = make_config({"main": database.url}, brokers, base_dir=database.base_dir)
+    outbox = Outbox(config)
+    try:
+        async with outbox.transaction() as tx:
+            [order] = await tx.stage(
+                OrderPlaced(order_id="o-1", total=Decimal(5)),
+                stream_key="order-1",
+                correlation_id="c-1",
+                priority=5,
+            )
+    finally:
+        await outbox.close()
+    async with console(config) as (_, client):
+        shown = await get(client, f"/api/messages/{order}")
+
+    sent = {t["target"]: t["message"] for t in shown["targets"]}
+    feed, analytics, warehouse = sent["feed"], sent["analytics"], sent["warehouse"]
+    assert feed["headers"]["Nats-Msg-Id"] == order
+    assert feed["binding"] == {"stream": "FEED"}
+    assert analytics["headers"]["correlation_id"] == "c-1"
+    assert analytics["properties"]["key"] == "order-1"
+    assert warehouse["binding"]["exchange"]["name"] == "shop.events"
+    assert {k: warehouse["properties"][k] for k in ("message_id", "priority", "delivery_mode")} == {
+        "message_id": order,
+        "priority": 5,
+        "delivery_mode": 2,
+    }
+
+
 # --- secrets ----------------------------------------------------------------------------------
 
 

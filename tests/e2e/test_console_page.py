@@ -371,6 +371,9 @@ async def open_one_message(console: Console, internal_stream: str) -> None:
     await expect(refused.get_by_test_id("receipt")).to_have_text("-")
     await expect(refused.get_by_test_id("target-error")).to_contain_text("maximum payload exceeded")
     await expect(refused.get_by_test_id("message-headers")).to_contain_text(chosen)
+    # The details `router preview` shows: the adapter's own header, the stream it goes to.
+    await expect(refused.get_by_test_id("message-headers")).to_contain_text("Nats-Msg-Id")
+    await expect(refused.get_by_test_id("message-binding")).to_contain_text("_EXT")
     body = refused.get_by_test_id("message-body")
     await expect(body).to_contain_text('"order_id": "o-4"')
     await expect(body).to_contain_text(f'"note": {json.dumps(MARKUP_NOTE)}')

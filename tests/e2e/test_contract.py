@@ -395,6 +395,31 @@ def test_renaming_or_retyping_the_exchange_fails_the_check(tmp_path: Path) -> No
     ]
 
 
+def test_turning_off_persistent_or_mandatory_fails_the_check(tmp_path: Path) -> None:
+    folder = with_partners(shop(tmp_path), RABBIT_PARTNER)
+    assert router("contract", "lock", cwd=folder).returncode == 0
+    config = folder / "config.yaml"
+    text = config.read_text()
+    exchange = "    exchange: {name: shop.events, type: topic}\n"
+    config.write_text(text.replace(exchange, exchange + "    persistent: false\n"))
+
+    transient = router("contract", "check", cwd=folder)
+    config.write_text(text.replace(exchange, exchange + "    mandatory: false\n"))
+    unchecked = router("contract", "check", cwd=folder)
+
+    assert transient.returncode == 1, transient.stdout + transient.stderr
+    assert transient.stdout.splitlines()[:2] == [
+        "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)",
+        "breaking  warehouse  every event  binding.persistent: changed: True -> False; "
+        "messages are no longer stored on disk: a broker restart loses those not yet consumed",
+    ]
+    assert unchecked.returncode == 1, unchecked.stdout + unchecked.stderr
+    assert unchecked.stdout.splitlines()[1] == (
+        "breaking  warehouse  every event  binding.mandatory: changed: True -> False; a "
+        "message no queue is bound to is now dropped silently, not refused and retried"
+    )
+
+
 def test_an_unwritable_out_or_lock_file_is_one_line(tmp_path: Path) -> None:
     folder = shop(tmp_path)
     (folder / "adir").mkdir()

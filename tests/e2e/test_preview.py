@@ -292,3 +292,55 @@ def test_a_downcaster_that_fails_on_the_previewed_event_is_a_one_line_error(
         "router: target 'billing' is pinned to 'order_placed' version 1, and version 2 cannot "
         "be downcast to it: no v1 form",
     )
+
+
+# --- priority, and where each message goes -----------------------------------------------------
+
+WAREHOUSE = {
+    "type": "rabbitmq",
+    "url": "amqp://shop:hunter2@rabbit.example.com:5672/wh",
+    "exchange": {"name": "shop.events", "type": "topic"},
+    "destination": "{event_type}",
+    "expose": {"fields": ["priority"]},
+}
+
+
+def with_warehouse(folder: Path) -> Path:
+    """The shipped example in ``folder`` with a RabbitMQ partner that may see the priority."""
+    shop_copy(folder, {})
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["brokers"]["warehouse"] = WAREHOUSE
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    return folder
+
+
+def test_priority_is_shown_where_the_wire_carries_it_and_each_target_names_its_exchange_or_stream(
+    tmp_path: Path,
+) -> None:
+    folder = with_warehouse(tmp_path)
+
+    result = router("preview", "order_placed", "--priority", "5", "--json", cwd=folder)
+    text = router("preview", "order_placed", "--priority", "5", "--target", "warehouse", cwd=folder)
+
+    assert result.returncode == 0, result.stderr
+    sent = {message["target"]: message for message in json.loads(result.stdout)}
+    events, partners, warehouse = sent["events"], sent["partners"], sent["warehouse"]
+    # The internal envelope carries it; RabbitMQ carries it as the AMQP priority too, where
+    # the partner may see it; the NATS partner, which may not, gets it nowhere.
+    assert events["body"]["priority"] == 5
+    assert (warehouse["body"]["priority"], warehouse["properties"]["priority"]) == (5, 5)
+    assert "priority" not in partners["body"] and "priority" not in partners["properties"]
+    assert events["binding"] == {"stream": "SHOP"}
+    assert partners["binding"] == {"stream": "PARTNERS"}
+    assert warehouse["binding"] == {
+        "exchange": {"name": "shop.events", "type": "topic", "durable": True},
+        "vhost": "wh",
+    }
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[1:4] == [
+        "destination  order_placed",
+        "exchange     shop.events (topic, durable)",
+        "vhost        wh",
+    ]
+    assert ["priority", "5"] in [line.split() for line in lines]

@@ -98,6 +98,11 @@ PROVEN_ELSEWHERE = {
     "breaking  partners  every event  binding.stream: changed: PARTNERS -> PARTNERS_V2; a "
     "partner bound to the old one receives nothing more": "tests/e2e/test_contract.py::"
     "test_renaming_the_stream_a_partner_consumes_fails_the_check",
+    "$ router contract check          # after setting persistent: false on the warehouse broker\n"
+    "contract check against contracts.lock.json: 1 breaking, 0 additive change(s)\n"
+    "breaking  warehouse  every event  binding.persistent: changed: True -> False; messages "
+    "are no longer stored on disk: a broker restart loses those not yet consumed": "tests/e2e/"
+    "test_contract.py::test_turning_off_persistent_or_mandatory_fails_the_check",
     # The web app examples' commands (their pages and READMEs): run on PostgreSQL and NATS.
     FLASK_COMMANDS: "tests/e2e/test_flask_example.py (the app through Flask's test client)",
     FASTAPI_COMMANDS: "tests/e2e/test_fastapi_example.py (the app through TestClient)",

@@ -227,6 +227,46 @@ def test_a_new_required_field_at_the_same_version_is_breaking() -> None:
     ]
 
 
+def test_a_new_field_with_any_default_is_additive_and_one_without_breaks() -> None:
+    # One rule with the export: a message without a field that has a default is valid, so
+    # the messages already sent at v1 stay valid; a field without one makes them invalid.
+    grown = lock(placed(gift=(int | None, None), boxes=(int, 5)))
+    required_nullable = lock(placed(carrier=str | None))
+
+    assert lines(compare(BEFORE, grown)) == [
+        "additive  billing  order_placed v1  payload.gift: new optional field",
+        "additive  billing  order_placed v1  payload.boxes: new optional field",
+    ]
+    assert lines(compare(BEFORE, required_nullable)) == [
+        "breaking  billing  order_placed v1  payload.carrier: new required field: messages "
+        "already sent at this version lack it (make it optional, or add it in a new version)"
+    ]
+
+
+def test_a_default_given_to_a_field_is_listed_and_a_default_taken_away_breaks() -> None:
+    # The router still writes the field in every message; older ones may lack a field that
+    # loses its default.
+    defaulted = lock(placed(customer=(str, "anonymous")))
+
+    assert lines(compare(BEFORE, defaulted)) == [
+        "additive  billing  order_placed v1  payload.customer: now has a default: a message "
+        "may lack it (the router still writes it)"
+    ]
+    assert breaking(defaulted, BEFORE) == [
+        "breaking  billing  order_placed v1  payload.customer: optional made required"
+    ]
+
+
+def test_a_lock_from_before_defaults_were_optional_reads_without_a_false_break() -> None:
+    # A lock of format 1 listed every field the router writes as required.
+    old = copy.deepcopy(BEFORE)
+    old["contract"] = "outbox-router partner contract lock, 1"
+    payload = old["partners"]["billing"]["events"]["order_placed"]["1"]["payload"]
+    payload["required"] = list(payload["properties"])
+
+    assert compare(old, BEFORE) == []
+
+
 def test_a_new_version_leaves_the_old_one_alone_but_dropping_the_old_one_breaks() -> None:
     class PlacedV2(Event, type="order_placed", version=2, published=True):
         order_id: int
@@ -311,7 +351,7 @@ def test_a_partner_gone_breaks_each_event_it_had_and_a_new_one_is_additive() -> 
     ]
 
 
-def test_decimal_is_a_string_on_the_wire_and_every_field_is_sent() -> None:
+def test_decimal_is_a_string_on_the_wire_and_a_field_with_a_default_is_not_required() -> None:
     class Priced(Event, type="priced", version=1, published=True):
         total: Decimal
         note: str | None = None
@@ -319,7 +359,7 @@ def test_decimal_is_a_string_on_the_wire_and_every_field_is_sent() -> None:
     payload = lock(Priced)["partners"]["billing"]["events"]["priced"]["1"]["payload"]
 
     assert payload["properties"]["total"]["type"] == "string"
-    assert payload["required"] == ["total", "note"]
+    assert payload["required"] == ["total"]
 
 
 class PinnedV1(Event, type="pinned_order", version=1, published=True):
@@ -398,4 +438,20 @@ def test_moving_where_a_partner_consumes_is_breaking() -> None:
 def test_a_lock_from_before_bindings_gets_them_as_additive_changes() -> None:
     assert lines(compare(bound(None), bound({"stream": "PARTNERS"}))) == [
         "additive  billing  every event  binding.stream: recorded: PARTNERS"
+    ]
+
+
+def test_a_lock_without_the_delivery_flags_is_read_and_they_are_recorded() -> None:
+    exchange = {"name": "shop.events", "type": "topic", "durable": True}
+    old = bound({"exchange": exchange, "vhost": "/"})
+    new = bound({"exchange": exchange, "vhost": "/", "persistent": True, "mandatory": True})
+    sturdier = bound({**new["partners"]["billing"]["binding"], "persistent": False})
+
+    assert lines(compare(old, new)) == [
+        "additive  billing  every event  binding.mandatory: recorded: True",
+        "additive  billing  every event  binding.persistent: recorded: True",
+    ]
+    assert lines(compare(sturdier, new)) == [
+        "additive  billing  every event  binding.persistent: changed: False -> True; messages "
+        "are now stored on disk"
     ]

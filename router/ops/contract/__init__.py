@@ -93,7 +93,7 @@ class CheckResult:
 
     lock: Path
     changes: list[Change]
-    stale: bool  # the lock's text differs (in documentation only, when nothing changed)
+    stale: bool  # the lock's text differs (in documentation or format only, when no change)
 
     @property
     def breaking(self) -> list[Change]:
@@ -107,8 +107,8 @@ class CheckResult:
             lines = [f"contract check: the code matches {shown(self.lock)}"]
             if self.stale:
                 lines.append(
-                    "(titles, descriptions or examples changed: `router contract lock` "
-                    "records them)"
+                    "(titles, descriptions or examples changed, or the lock is of an older "
+                    "format: `router contract lock` rewrites it)"
                 )
             return "\n".join(lines)
         lines = [

@@ -2,15 +2,15 @@
 the JetStream stream, the Redis database, the Service Bus entity kind. A partner binds its
 queue, consumer or receiver to these by name, so renaming one cuts it off as surely as
 changing the destination: the lock records them (``location``) and ``_diff`` calls a change
-breaking. The AsyncAPI document carries them as the protocol's bindings where the spec has
-one (amqp, kafka) and as ``x-`` extensions where it has none (a JetStream stream, Redis,
-Service Bus).
+breaking. The lock's binding also records how RabbitMQ messages are sent (``delivery``:
+persistent, mandatory), which a partner relies on as much. The AsyncAPI document carries them
+as the protocol's bindings where the spec has one (amqp, kafka) and as ``x-`` extensions where
+it has none (a JetStream stream, Redis, Service Bus).
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from brokers import BrokerSettings
 from brokers.settings import (
@@ -21,7 +21,7 @@ from brokers.settings import (
     ServiceBusSettings,
 )
 
-__all__ = ["channel_bindings", "location", "message_bindings", "operation_bindings"]
+__all__ = ["channel_bindings", "delivery", "location", "message_bindings", "operation_bindings"]
 
 _AMQP = "0.3.0"  # the AsyncAPI amqp binding's version
 _KAFKA = "0.5.0"  # the AsyncAPI kafka binding's version
@@ -33,20 +33,9 @@ _STREAM_KEY = {
 
 
 def location(settings: BrokerSettings) -> dict[str, Any]:
-    """What a partner's consumer is bound to on this broker, besides each destination."""
-    if isinstance(settings, RabbitSettings):
-        exchange = settings.exchange
-        return {
-            "exchange": {"name": exchange.name, "type": exchange.type, "durable": exchange.durable},
-            "vhost": _vhost(settings),
-        }
-    if isinstance(settings, NatsSettings):
-        return {"stream": settings.stream.name}
-    if isinstance(settings, RedisSettings):
-        return {"db": _redis_db(settings)}
-    if isinstance(settings, ServiceBusSettings):
-        return {"entity": settings.entity, "sessions": settings.sessions}
-    return {}
+    """What a partner's consumer is bound to on this broker, besides each destination
+    (``BrokerSettings.location``, which ``router preview`` shows as well)."""
+    return settings.location()
 
 
 def channel_bindings(settings: BrokerSettings, destination: str) -> dict[str, Any]:
@@ -69,16 +58,26 @@ def channel_bindings(settings: BrokerSettings, destination: str) -> dict[str, An
     return {}
 
 
-def operation_bindings(settings: BrokerSettings) -> dict[str, Any]:
-    """How the router sends: persistent and mandatory on RabbitMQ (none elsewhere)."""
+def delivery(settings: BrokerSettings) -> dict[str, bool]:
+    """How the router sends, where a partner can tell: RabbitMQ's ``persistent`` (whether
+    its messages survive a broker restart) and ``mandatory`` (whether one no queue is bound
+    to is refused and retried, or dropped). Nothing elsewhere."""
     if isinstance(settings, RabbitSettings):
-        amqp = {
-            "deliveryMode": 2 if settings.persistent else 1,
-            "mandatory": settings.mandatory,
-            "bindingVersion": _AMQP,
-        }
-        return {"amqp": amqp}
+        return {"persistent": settings.persistent, "mandatory": settings.mandatory}
     return {}
+
+
+def operation_bindings(settings: BrokerSettings) -> dict[str, Any]:
+    """How the router sends (``delivery``), as AsyncAPI's amqp operation binding."""
+    sent = delivery(settings)
+    if not sent:
+        return {}
+    amqp = {
+        "deliveryMode": 2 if sent["persistent"] else 1,
+        "mandatory": sent["mandatory"],
+        "bindingVersion": _AMQP,
+    }
+    return {"amqp": amqp}
 
 
 def message_bindings(settings: BrokerSettings, event_type: str) -> dict[str, Any]:
@@ -88,14 +87,3 @@ def message_bindings(settings: BrokerSettings, event_type: str) -> dict[str, Any
     if isinstance(settings, KafkaSettings):
         return {"kafka": {"key": dict(_STREAM_KEY), "bindingVersion": _KAFKA}}
     return {}
-
-
-def _vhost(settings: RabbitSettings) -> str:
-    # As aio-pika reads the URL: the path without its slash, "/" when empty.
-    path = urlsplit(settings.url.get_secret_value()).path
-    return unquote(path[1:]) or "/"
-
-
-def _redis_db(settings: RedisSettings) -> int:
-    path = urlsplit(settings.url.get_secret_value()).path.strip("/")
-    return int(path) if path.isdigit() else 0

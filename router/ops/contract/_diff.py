@@ -10,18 +10,23 @@ there, of its type, with its values, in every message that had it. So these are 
 - an enum value removed or added (a strict reader rejects an unknown one), a format,
   pattern or bound changed;
 - optional made required, or required made optional (no longer in every message);
-- a new required field or envelope member: the messages already sent at this version (and
-  stored rows replayed) lack it, so a partner validating with the new schema rejects them;
+- a new required field (a payload field without a default, nullable or not) or envelope
+  member: the messages already sent at this version (and stored rows replayed) lack it, so a
+  partner validating with the new schema rejects them;
 - a destination, content type, broker kind or envelope profile changed; a staged header or
   extension name pattern no longer allowed;
 - a binding changed: the exchange (name, type, durability) or virtual host, the JetStream
   stream, the Redis database, the Service Bus entity kind or sessions: a partner's queue,
-  consumer or receiver is bound to it by name, and would receive nothing more.
+  consumer or receiver is bound to it by name, and would receive nothing more;
+- RabbitMQ's ``persistent`` or ``mandatory`` turned off: messages a broker restart loses, or
+  messages no queue takes dropped silently.
 
-Additive (listed, not breaking): a new partner, event type, version, optional field or
-envelope member, header, or allowed header or extension pattern. A new version of an event
-type is a new contract beside the old one, never a change of it; titles, descriptions and
-examples are documentation, not contract.
+Additive (listed, not breaking): a new partner, event type, version, optional field (a
+payload field with a default, None or not) or envelope member, header, or allowed header or
+extension pattern; ``persistent`` or ``mandatory`` turned on; a default given to a payload
+field (the exported schema no longer requires it, and the router still writes it). A new
+version of an event type is a new contract beside the old one, never a change of it; titles,
+descriptions and examples are documentation, not contract.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.ops.contract._lock import FIRST_FORMAT
 from router.ops.contract._schema_diff import compare_schemas
 
 __all__ = ["Change", "compare"]
@@ -75,6 +81,7 @@ _EVENT_GONE = (
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every change from the ``old`` lock document to the ``new`` one, breaking first."""
     changes: list[Change] = []
+    first_format = old.get("contract") == FIRST_FORMAT
     old_partners, new_partners = old.get("partners", {}), new.get("partners", {})
     for partner in sorted(old_partners.keys() | new_partners.keys()):
         before, after = old_partners.get(partner), new_partners.get(partner)
@@ -85,7 +92,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
             for event_type, version, _ in _entries(after):
                 changes.append(Change(False, partner, event_type, version, "", "new partner"))
         else:
-            changes.extend(_partner(partner, before, after))
+            changes.extend(_partner(partner, before, after, first_format=first_format))
     return sorted(changes, key=lambda c: not c.breaking)
 
 
@@ -95,7 +102,9 @@ def _entries(partner: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str
             yield event_type, int(version), entry
 
 
-def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> list[Change]:
+def _partner(
+    name: str, before: Mapping[str, Any], after: Mapping[str, Any], *, first_format: bool
+) -> list[Change]:
     changes = []
     for key in ("kind", "envelope"):
         if before.get(key) != after.get(key):
@@ -110,7 +119,7 @@ def _partner(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
         if now is None:
             changes.append(Change(True, name, event_type, version, "", _EVENT_GONE))
             continue
-        diff = _EntryDiff(name, event_type, version, _data(after))
+        diff = _EntryDiff(name, event_type, version, _data(after), first_format)
         diff.entry(entry, now, same_envelope=same_envelope)
         changes.extend(diff.changes)
     for event_type, version, _ in _entries(after):
@@ -131,13 +140,41 @@ def _binding(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> 
     old = _flat(before["binding"])
     changes = []
     for key in sorted(old.keys() | new.keys()):
-        if old.get(key) != new.get(key):
-            what = (
-                f"changed: {old.get(key, '-')} -> {new.get(key, '-')}; a partner bound to the "
-                "old one receives nothing more"
+        if key not in old:  # a lock written before this was recorded (persistent, mandatory)
+            changes.append(
+                Change(False, name, None, None, f"binding.{key}", f"recorded: {new[key]}")
             )
-            changes.append(Change(True, name, None, None, f"binding.{key}", what))
+        elif old[key] != new.get(key):
+            changes.append(_binding_change(name, key, old[key], new.get(key, "-")))
     return changes
+
+
+# How a message is sent, by binding key: what a partner notices when it is turned off, and
+# when it is turned on.
+_DELIVERY = {
+    "persistent": (
+        "messages are no longer stored on disk: a broker restart loses those not yet consumed",
+        "messages are now stored on disk",
+    ),
+    "mandatory": (
+        "a message no queue is bound to is now dropped silently, not refused and retried",
+        "a message no queue is bound to is now refused and retried, not dropped",
+    ),
+}
+
+
+def _binding_change(name: str, key: str, old: Any, new: Any) -> Change:
+    """A binding key changed: where a partner consumes (breaking), or how messages are sent
+    (breaking when a guarantee is lost)."""
+    changed = f"changed: {old} -> {new}; "
+    if key in _DELIVERY:
+        lost, gained = _DELIVERY[key]
+        breaking = new is not True
+        return Change(
+            breaking, name, None, None, f"binding.{key}", changed + (lost if breaking else gained)
+        )
+    what = changed + "a partner bound to the old one receives nothing more"
+    return Change(True, name, None, None, f"binding.{key}", what)
 
 
 def _flat(binding: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -168,6 +205,7 @@ class _EntryDiff:
     event_type: str
     version: int
     payload_name: str
+    first_format: bool  # the old entry is from a lock of format 1
     changes: list[Change] = field(default_factory=list)
 
     def add(self, breaking: bool, where: str, what: str) -> None:
@@ -183,7 +221,13 @@ class _EntryDiff:
             self.envelope(old.get("envelope", {}), new.get("envelope", {}))
             self.headers(old.get("headers", {}), new.get("headers", {}))
         old_payload, new_payload = old.get("payload", {}), new.get("payload", {})
-        compare_schemas(old_payload, new_payload, self.payload_name, self.add)
+        compare_schemas(
+            old_payload,
+            new_payload,
+            self.payload_name,
+            self.add,
+            old_lists_written=self.first_format,
+        )
 
     def envelope(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
         as_object = [

@@ -9,18 +9,29 @@ from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError
-from router.ops.contract._bindings import location
+from router.ops.contract._bindings import delivery, location
 from router.ops.contract._wire import PartnerMessage
 
-__all__ = ["LOCK_FILE", "LOCK_FORMAT", "lock_document", "lock_text", "os_reason", "read_lock"]
+__all__ = [
+    "FIRST_FORMAT",
+    "LOCK_FILE",
+    "LOCK_FORMAT",
+    "lock_document",
+    "lock_text",
+    "os_reason",
+    "read_lock",
+]
 
 LOCK_FILE = "contracts.lock.json"
-LOCK_FORMAT = "outbox-router partner contract lock, 1"
+LOCK_FORMAT = "outbox-router partner contract lock, 2"
+FIRST_FORMAT = "outbox-router partner contract lock, 1"
+"""Still read: its payload schemas list every field written as required, defaults included
+(format 2 lists only the fields without a default); its bindings lack what later formats add."""
 
 
 def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str, Any]:
     """Per partner its broker kind, envelope and binding (the exchange, stream... a consumer
-    is bound to), then per event type and version: the
+    is bound to, and RabbitMQ's persistent and mandatory), then per event type and version: the
     destination, content type, envelope members, header names (with the values fixed per
     event version, such as source) and payload schema."""
     partners: dict[str, Any] = {}
@@ -30,7 +41,7 @@ def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str,
             {
                 "kind": message.settings.type,
                 "envelope": message.profile,
-                "binding": location(message.settings),
+                "binding": {**location(message.settings), **delivery(message.settings)},
                 "events": {},
             },
         )
@@ -73,7 +84,10 @@ def read_lock(path: Path) -> dict[str, Any] | None:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not JSON ({exc}); run `router contract lock`") from None
-    if not isinstance(document, dict) or document.get("contract") != LOCK_FORMAT:
+    if not isinstance(document, dict) or document.get("contract") not in (
+        LOCK_FORMAT,
+        FIRST_FORMAT,
+    ):
         raise ConfigError(f"{path}: not a contract lock; run `router contract lock`")
     return document
 

@@ -9,8 +9,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import GenerateJsonSchema
-from pydantic_core import core_schema
 
 __all__ = [
     "Schema",
@@ -28,28 +26,15 @@ Schema = dict[str, Any]
 _DEFS = "#/$defs/"
 
 
-class _AsSent(GenerateJsonSchema):
-    """Pydantic's serialisation schema, with every model field required: staging dumps the
-    event with ``model_dump_json()`` (no ``exclude_unset``, no ``exclude_none``), so a field
-    with a default is on the wire all the same, as null if it is None."""
-
-    def field_is_required(
-        self,
-        field: core_schema.ModelField | core_schema.DataclassField | core_schema.TypedDictField,
-        total: bool,
-    ) -> bool:
-        if self.mode == "serialization" and field["type"] != "typed-dict-field":
-            return field.get("serialization_exclude_if") is None
-        return super().field_is_required(field, total)
-
-
 def payload_schema(model: type[BaseModel]) -> Schema:
     """The JSON schema of what ``model_dump_json()`` writes: serialisation mode (a Decimal is
-    a string there), the names it writes (aliases only where the model serialises by alias)."""
+    a string there), the names it writes (aliases only where the model serialises by alias).
+
+    Staging writes every field, defaults included, yet only the fields without a default are
+    ``required``: a message sent before a field with a default was added lacks it, and a
+    partner validating with this schema must still accept that message."""
     by_alias = bool(model.model_config.get("serialize_by_alias", False))
-    return model.model_json_schema(
-        by_alias=by_alias, mode="serialization", schema_generator=_AsSent
-    )
+    return model.model_json_schema(by_alias=by_alias, mode="serialization")
 
 
 def project(schema: Schema, kept: Iterable[str] | None) -> Schema:

@@ -46,6 +46,8 @@ _NEW_REQUIRED = (
     "(make it optional, or add it in a new version)"
 )
 
+_NOW_DEFAULTED = "now has a default: a message may lack it (the router still writes it)"
+
 
 @dataclass
 class _Node:
@@ -60,17 +62,24 @@ class _Node:
     extra: list[Schema] = field(default_factory=list)
 
 
-def compare_schemas(old: Schema, new: Schema, path: str, report: Report) -> None:
+def compare_schemas(
+    old: Schema, new: Schema, path: str, report: Report, *, old_lists_written: bool = False
+) -> None:
     """Report each difference from ``old`` to ``new`` (two whole schemas, each holding the
-    ``$defs`` its references point into) under ``path``."""
-    _Walk(report, old, new).schema(old, new, path)
+    ``$defs`` its references point into) under ``path``. ``old_lists_written``: the old
+    schema's ``required`` names every field written, defaults included (a payload in a lock
+    of format 1), so a field it lists that now has a default is no change."""
+    _Walk(report, old, new, old_lists_written).schema(old, new, path)
 
 
 class _Walk:
     """Compares an old schema with a new one, each with the root its ``$ref`` point into."""
 
-    def __init__(self, report: Report, old_root: Schema, new_root: Schema) -> None:
+    def __init__(
+        self, report: Report, old_root: Schema, new_root: Schema, old_lists_written: bool
+    ) -> None:
         self.report, self.old_root, self.new_root = report, old_root, new_root
+        self.old_lists_written = old_lists_written
         self.inside: set[tuple[str, str]] = set()  # the references being compared
 
     def schema(self, old: Schema, new: Schema, path: str) -> None:
@@ -140,20 +149,34 @@ class _Walk:
         old_required, new_required = a.required or set(), b.required or set()
         for name in (n for n in a.properties if n in b.properties):
             where = f"{path}.{name}"
-            if name in old_required and name not in new_required:
-                self.report(True, where, "required made optional (no longer in every message)")
-            elif name in new_required and name not in old_required:
-                self.report(True, where, "optional made required")
-            self.schema(_union(a.properties[name]), _union(b.properties[name]), where)
+            old_schema, new_schema = _union(a.properties[name]), _union(b.properties[name])
+            if (name in old_required) != (name in new_required):
+                self.presence(old_schema, new_schema, name in new_required, where)
+            self.schema(old_schema, new_schema, where)
         for name in added:
             if name in renamed.values():
                 continue
-            schema = _union(b.properties[name])
-            optional = name not in new_required or "null" in _node(schema, self.new_root).types
-            if optional:
-                self.report(False, f"{path}.{name}", "new optional field")
-            else:
+            # A field with a default is not required: the messages already sent, which lack
+            # it, stay valid. Any other new field makes them invalid, nullable or not.
+            if name in new_required:
                 self.report(True, f"{path}.{name}", _NEW_REQUIRED)
+            else:
+                self.report(False, f"{path}.{name}", "new optional field")
+
+    def presence(self, old: Schema, new: Schema, required: bool, where: str) -> None:
+        """A field kept, now required or no longer required."""
+        was_null = "null" in _node(old, self.old_root).types
+        if was_null != ("null" in _node(new, self.new_root).types):
+            return  # types() reports it, as nullability: one line for one change
+        if required:
+            self.report(True, where, "optional made required")
+        elif self.old_lists_written:
+            return  # a lock of format 1 listed it as written; it still is
+        elif "default" in new:
+            # Staging writes defaults: a reader of the old contract gets it all the same.
+            self.report(False, where, _NOW_DEFAULTED)
+        else:
+            self.report(True, where, "required made optional (no longer in every message)")
 
     def _renames(self, a: _Node, b: _Node, removed: list[str], added: list[str]) -> dict[str, str]:
         """Removed fields paired with added ones of the same schema, in order."""

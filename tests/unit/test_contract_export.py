@@ -1,0 +1,54 @@
+"""What ``router contract export`` tells a partner's validator about a payload's fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+from referencing import Registry
+from referencing.jsonschema import DRAFT7
+
+from router import Event, parse_config
+from router.ops.contract import asyncapi_document, partner_messages
+from router.write.catalog import EventCatalog
+
+CONFIG = """
+service: shop
+databases: {main: "sqlite:///x.db"}
+brokers:
+  events: {type: memory, internal: true}
+  billing: {type: memory, destination: "billing.{event_type}"}
+"""
+
+
+class Priced(Event, type="priced", version=1, published=True):
+    """A price was set; two fields came later, each with a default."""
+
+    sku: str
+    x: int | None = None
+    y: int = 5
+
+
+def exported_payload() -> tuple[dict[str, Any], jsonschema.Draft7Validator]:
+    """The exported payload schema of ``Priced`` to billing, and a validator of it (its
+    references resolved in the document)."""
+    config = parse_config(CONFIG, env={})
+    catalog = EventCatalog(classes={"priced": {1: Priced}})
+    document = asyncapi_document("shop", "1", partner_messages(config, catalog))
+    pointer = "/components/messages/billing.priced.v1/payload/properties/payload"
+    registry: Registry[Any] = Registry().with_resource(
+        "urn:contract", DRAFT7.create_resource(document)
+    )
+    validator = jsonschema.Draft7Validator({"$ref": f"urn:contract#{pointer}"}, registry=registry)
+    payload = document["components"]["messages"]["billing.priced.v1"]["payload"]
+    return payload["properties"]["payload"], validator
+
+
+def test_a_field_with_a_default_is_not_required_so_older_messages_stay_valid() -> None:
+    schema, validator = exported_payload()
+
+    assert schema["required"] == ["sku"]
+    # A message sent before x and y were added lacks them: the partner must accept it.
+    assert list(validator.iter_errors({"sku": "a-1"})) == []
+    assert list(validator.iter_errors({"sku": "a-1", "x": None, "y": 5})) == []
+    assert [e.message for e in validator.iter_errors({"x": 1})] == ["'sku' is a required property"]
