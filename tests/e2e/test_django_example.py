@@ -1,6 +1,8 @@
 """examples/django_shop as a user runs it, on PostgreSQL, MariaDB and SQLite: ``router init-db``,
 ``manage.py migrate``, ``manage.py check --database default``, ``router serve``, and
-``manage.py place_order``; the order's ``OrderPlaced`` must arrive in NATS JetStream."""
+``manage.py place_order``; the order's ``OrderPlaced`` must arrive in NATS JetStream. And
+``manage.py test``: the shop's own test stages an order's event in Django's test database,
+which gets the router's tables with no ``router init-db``."""
 
 from __future__ import annotations
 
@@ -93,3 +95,17 @@ async def test_an_order_placed_in_django_arrives_in_nats(
     assert body["source"] == "django-shop"
     assert body["stream"] == order_id
     assert body["payload"] == {"order_id": order_id, "customer": "ada", "total": "19.90"}
+
+
+async def test_manage_py_test_stages_in_a_test_database_without_init_db(
+    tmp_path: Path, database_url: str
+) -> None:
+    folder = tmp_path / "django_shop"
+    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("var", "__pycache__"))
+    # Django creates test_<name> (SQLite: in memory) and drops it at the end; no init-db ran.
+    tested = manage(folder, {"DATABASE_URL": database_url}, "test", "--noinput", "-v", "2")
+    assert "One order, and one outbox row for the internal broker, keyed by the order. ... ok" in (
+        tested.stderr
+    )
+    assert "Ran 1 test" in tested.stderr
+    assert "\nOK\n" in tested.stderr

@@ -18,9 +18,11 @@ with it. One ``SyncOutbox`` per process is built from the config on first use
 (``get_outbox()``).
 
 The router's tables come from ``router init-db`` (or ``init_db(using)``), never from a
-Django migration: ``router.contrib.django.schema`` says why. The app registers a system check
-(tag ``database``): ``manage.py check --database default`` fails with ``router.E001`` until
-they are at the newest revision.
+Django migration: ``router.contrib.django.schema`` says why. Django databases ``config.yaml``
+does not name, Django's test databases above all, get them after ``migrate``
+(``router.contrib.django.tables``), so ``manage.py test`` needs no setup. The app registers
+a system check (tag ``database``): ``manage.py check --database default`` fails with
+``router.E001`` until they are at the newest revision.
 
 Django is imported only inside this package.
 """

@@ -8,7 +8,8 @@ migration that ran it would record, in ``django_migrations``, a state that the n
 release moves past without Django knowing, and two tools would own one schema. So
 ``router init-db`` creates and upgrades them (deploy: ``router init-db``, then
 ``manage.py migrate``), and ``init_db(using)`` is the same upgrade for the database behind a
-Django alias, for databases ``config.yaml`` does not name (Django's test databases).
+Django alias. Databases ``config.yaml`` does not name (Django's test databases) get them after
+``migrate``: ``router.contrib.django.tables``.
 
 The check reads the version with Django's own connection and compares it with the head of the
 shipped migrations, found without a database. It looks only at Django databases that are
@@ -17,13 +18,11 @@ router databases (``matching_database``): a test database, whose name differs, i
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envelopes import ConfigError
 from router.contrib.django.config import get_outbox
-from router.contrib.django.databases import database_settings, matching_database
+from router.contrib.django.databases import matching_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -109,11 +108,11 @@ def _schema_problem(config: RouterConfig, alias: str) -> Any:
 
 def init_db(using: str = "default") -> MigrationResult:
     """``router init-db`` for the database behind Django's alias ``using``: the router's own
-    migrations, to the newest revision; running it again changes nothing. Sync: call it
-    where no event loop runs (a test fixture, a management command)."""
+    migrations, to the newest revision; running it again changes nothing. It runs on a new
+    connection of Django's own driver, so it reaches what Django reaches (an in-memory SQLite
+    test database too)."""
     from django.db import connections
 
-    from router.ops.migrate import upgrade
+    from router.contrib.django.tables import upgrade_tables
 
-    settings = database_settings(connections[using])
-    return asyncio.run(upgrade(using, settings, Path.cwd()))
+    return upgrade_tables(connections[using])
