@@ -211,7 +211,7 @@ def steps(driver: str, stager: Stager, bulk: bool) -> dict[str, HandInsert]:
     return ladder
 
 
-_LOCK = re.compile(r"pg_advisory_xact_lock\(\d+, hashtext\(:k\)\)(?: AS held)?, ")
+_LOCK = re.compile(r"pg_advisory_xact_lock\(\d+, hashtext\(:k\) & \d+\)(?: AS held)?, ")
 _NOTIFY = "SELECT pg_notify('router_outbox', :notify)"
 
 

@@ -163,11 +163,12 @@ class DjangoDriver:
                 )
             )
         self._raw = self._psycopg()
-        self.copies = self._raw is not None
+        piped = self._raw is not None and _in_pipeline(self._raw)
+        self.copies = self._raw is not None and not piped
         # psycopg 3 as Django sets it up by default (prepare_threshold None), or psycopg2,
         # whose cursors Django's are: nothing is prepared.
         self.simple = dialect == "postgresql" and (
-            self._raw is None or self._raw.prepare_threshold is None
+            self._raw is None or (self._raw.prepare_threshold is None and not piped)
         )
 
     def execute(self, statement: Statement | Copy) -> None:
@@ -237,11 +238,12 @@ class PsycopgDriver:
     """A psycopg 3 connection: in a transaction unless autocommit and idle."""
 
     dialect = "postgresql"
-    copies = True
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        self.simple = connection.prepare_threshold is None
+        piped = _in_pipeline(connection)
+        self.copies = not piped
+        self.simple = connection.prepare_threshold is None and not piped
         if connection.autocommit and _idle(connection):
             raise StagingError(
                 _AUTOCOMMIT.format(
@@ -262,6 +264,17 @@ class PsycopgDriver:
 
         with _cursor_class()(self.connection, row_factory=tuple_row) as cursor:
             return cursor.execute(sql).fetchone()[0]
+
+
+def _in_pipeline(connection: Any) -> bool:
+    """Whether a psycopg 3 connection is in pipeline mode (``with connection.pipeline():``).
+
+    There every statement goes by the extended protocol, which takes neither COPY ("COPY
+    cannot be used in pipeline mode") nor two statements in one query (the ``simple`` form):
+    stage() sends its prepared forms instead, the unnest INSERT for many rows. Asked of the
+    libpq connection (``pgconn.pipeline_status``, public, where ``connection._pipeline`` is
+    not): an attribute read, no round trip."""
+    return bool(connection.pgconn.pipeline_status)
 
 
 def _idle(connection: Any) -> bool:

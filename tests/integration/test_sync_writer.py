@@ -384,6 +384,26 @@ async def test_one_event_notifies_its_targets_at_commit(
     assert [(r["stream_key"], r["envelope"]["payload"]["order_id"]) for r in stored] == [("k", "1")]
 
 
+@pytest.mark.parametrize("count", [1, 100])
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "unprepared"])
+async def test_a_psycopg_connection_in_pipeline_mode_stages_in_order(
+    count: int, prepare: bool, pg_databases: PgDatabases, tmp_path: Path
+) -> None:
+    # Pipeline mode takes neither COPY (100 events) nor two statements in one query (one
+    # event where nothing is prepared): stage() sends its prepared forms there.
+    database = Database("postgresql", await pg_databases.new(), tmp_path)
+    client = psycopg_client(database, prepare=prepare)
+    outbox = client.outbox()
+    events = [StockReserved(order_id=str(n), quantity=n) for n in range(count)]
+    with client.transaction() as conn, conn.pipeline():
+        ids = outbox.stage(conn, *events, stream_keys=BATCH_KEYS[:count])
+        conn.execute("SELECT 1")  # the caller's own work goes on in the pipeline
+    stored = await database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == [e.order_id for e in events]
+    assert [r["message_id"] for r in stored] == ids
+    assert [r["stream_key"] for r in stored] == BATCH_KEYS[:count]
+
+
 class Numbered(Event, type="numbered"):
     """A writer thread's n-th event."""
 
