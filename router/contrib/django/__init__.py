@@ -30,8 +30,9 @@ Django is imported only inside this package.
 from router.contrib.django.config import config_path, get_outbox, reset_outbox
 from router.contrib.django.databases import matching_database, router_database
 from router.contrib.django.models import RaisesEventsOnSave
-from router.contrib.django.schema import check_schema, init_db, schema_revision
+from router.contrib.django.schema import check_schema, schema_revision
 from router.contrib.django.staging import stage
+from router.contrib.django.tables import init_db
 
 __all__ = [
     "RaisesEventsOnSave",

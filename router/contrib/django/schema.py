@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from router.config import RouterConfig
-    from router.ops.migrate import MigrationResult
 
-__all__ = ["check_schema", "init_db", "schema_revision"]
+__all__ = ["check_schema", "schema_revision"]
 
 NOT_AT_HEAD = "router.E001"
 CONFIG_UNREADABLE = "router.E002"
@@ -104,15 +103,3 @@ def _schema_problem(config: RouterConfig, alias: str) -> Any:
         f"{alias!r})) before `manage.py migrate`",
         id=NOT_AT_HEAD,
     )
-
-
-def init_db(using: str = "default") -> MigrationResult:
-    """``router init-db`` for the database behind Django's alias ``using``: the router's own
-    migrations, to the newest revision; running it again changes nothing. It runs on a new
-    connection of Django's own driver, so it reaches what Django reaches (an in-memory SQLite
-    test database too)."""
-    from django.db import connections
-
-    from router.contrib.django.tables import upgrade_tables
-
-    return upgrade_tables(connections[using])

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from router.ops.migrate import MigrationResult
 
-__all__ = ["APP_LABEL", "migrate_tables", "upgrade_tables"]
+__all__ = ["APP_LABEL", "init_db", "migrate_tables", "upgrade_tables"]
 
 APP_LABEL = "outbox_router"
 
@@ -114,3 +114,13 @@ def _engine(connection: Any) -> Engine:
         creator=lambda: connection.Database.connect(**params),
         poolclass=NullPool,
     )
+
+
+def init_db(using: str = "default") -> MigrationResult:
+    """``router init-db`` for the database behind Django's alias ``using``: the router's own
+    migrations, to the newest revision; running it again changes nothing. It runs on a new
+    connection of Django's own driver, so it reaches what Django reaches (an in-memory SQLite
+    test database too)."""
+    from django.db import connections
+
+    return upgrade_tables(connections[using])
