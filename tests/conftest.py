@@ -324,6 +324,68 @@ async def database(
     return await make_database(request.param, pg_databases, mysql_databases, tmp_path)
 
 
+CALLER_TABLE = "CREATE TABLE caller_orders (id VARCHAR(40))"
+
+
+@dataclass(frozen=True)
+class Grantee:
+    """A role (PostgreSQL) or user (MariaDB) of its own on a fresh, migrated database, with
+    rights on the caller's table (``caller_orders``) and none on the router's."""
+
+    database: Database
+    """The database as the grantee logs in to it."""
+    owner: Database
+    """The same database as its owner, for the GRANT."""
+    account: str
+    """The grantee as GRANT names it."""
+
+
+@dataclass
+class Grantees:
+    """Makes grantees for one test, and drops them (and their grants) afterwards."""
+
+    pg_databases: PgDatabases
+    mysql_databases: MysqlDatabases
+    base_dir: Path
+    made: list[Grantee]
+
+    async def new(self, kind: str) -> Grantee:
+        """A grantee on a fresh database of ``kind``."""
+        name = f"router_r_{uuid.uuid4().hex[:10]}"
+        owner = await make_database(kind, self.pg_databases, self.mysql_databases, self.base_dir)
+        host, _, database = owner.url.partition("@")[2].partition("/")
+        scheme = owner.url.partition("://")[0]
+        account = name if kind == "postgresql" else f"'{name}'@'%'"
+        create = f"CREATE ROLE {name} LOGIN" if kind == "postgresql" else f"CREATE USER {account}"
+        await owner.execute(create)
+        made = Grantee(
+            Database(kind, f"{scheme}://{name}@{host}/{database}", self.base_dir), owner, account
+        )
+        self.made.append(made)
+        await owner.execute(CALLER_TABLE, f"GRANT SELECT, INSERT ON caller_orders TO {account}")
+        return made
+
+    async def drop(self) -> None:
+        """Drop every grantee made (before its database goes)."""
+        for grantee in self.made:
+            if grantee.database.kind == "postgresql":
+                await grantee.owner.execute(
+                    f"DROP OWNED BY {grantee.account}", f"DROP ROLE {grantee.account}"
+                )
+            else:
+                await grantee.owner.execute(f"DROP USER {grantee.account}")
+
+
+@pytest.fixture
+async def grantees(
+    pg_databases: PgDatabases, mysql_databases: MysqlDatabases, tmp_path: Path
+) -> AsyncIterator[Grantees]:
+    """Make as many grantees without rights on the router's tables as a test needs."""
+    made = Grantees(pg_databases, mysql_databases, tmp_path, [])
+    yield made
+    await made.drop()
+
+
 @dataclass
 class NatsStreams:
     """Unique stream names and subject prefixes per test, deleted afterwards."""

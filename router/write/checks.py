@@ -1,4 +1,4 @@
-"""What ``stage()`` refuses in values before any SQL runs, and the one database error it
+"""What ``stage()`` refuses in values before any SQL runs, and the database errors it
 explains: each check once, for the async and the sync writer alike.
 
 - A float NaN or infinity anywhere in a payload or the extensions: JSON has none, and the
@@ -9,17 +9,19 @@ explains: each check once, for the async and the sync writer alike.
 - A NUL character in a stream key, a staged header, or an id that travels as a transport
   header (correlation, causation, traceparent): PostgreSQL cannot store one in text, and
   broker headers cannot carry one. Refused on every database, so the same call stages on all.
-- No router tables: a database ``router init-db`` never ran on. On PostgreSQL, asked before
-  the first INSERT (``needs_schema_probe``, ``SCHEMA_PROBE``, ``check_schema_probe``), as a
-  failed INSERT there would abort the caller's transaction; elsewhere, and on PostgreSQL
-  should the tables go after that, the INSERT's error is explained (``missing_schema``).
+- No router tables (a database ``router init-db`` never ran on), or no grant to write them.
+  On PostgreSQL, asked before the first INSERT (``needs_schema_probe``, ``SCHEMA_PROBE``,
+  ``check_schema_probe``), as a failed INSERT there would abort the caller's transaction;
+  elsewhere, and on PostgreSQL should the tables or the grant go after that, the INSERT's
+  error is explained (``table_refusal``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING
@@ -37,8 +39,8 @@ __all__ = [
     "check_no_nul",
     "check_schema_probe",
     "json_problem",
-    "missing_schema",
     "needs_schema_probe",
+    "table_refusal",
 ]
 
 # Types that are JSON as they are: most fields of most events stop at the first test.
@@ -105,21 +107,28 @@ def check_no_nul(value: str | None, what: str) -> None:
 
 
 # Whether PostgreSQL has the router's outbox table, named as the INSERT names it: unqualified,
-# so resolved on the caller's search_path as the INSERT's name is. to_regclass answers NULL for
-# a missing table where the INSERT fails, and a failed statement aborts PostgreSQL's whole
-# transaction, the caller's own work with it, and nothing but a rollback ends that.
-SCHEMA_PROBE = "SELECT to_regclass('router_outbox') IS NOT NULL"
+# so resolved on the caller's search_path as the INSERT's name is, and whether the caller's
+# role may insert into it. A missing table or a missing grant fails the INSERT, and a failed
+# statement aborts PostgreSQL's whole transaction, the caller's own work with it, and nothing
+# but a rollback ends that. The one answer: NULL when the table is missing (to_regclass),
+# '' when the role may insert, else the role's name as GRANT takes it. INSERT is all the
+# statements need: seq is an identity column, whose sequence needs no grant of its own, and
+# RETURNING 1 reads no column.
+SCHEMA_PROBE = (
+    "SELECT CASE has_table_privilege(to_regclass('router_outbox'), 'INSERT') "
+    "WHEN true THEN '' WHEN false THEN quote_ident(current_user) END"
+)
 
 # The databases this process has found the tables on, by configured URL: two URLs of one
 # database cost a probe each, where a coarser key (host and name) could take a second server
-# for the first and skip its probe. Only a yes is kept: after a no, `router init-db` may run
-# while the application does.
+# for the first and skip its probe. Only a yes is kept: after a no, `router init-db` (or the
+# GRANT) may run while the application does.
 _schema_found: set[str] = set()
 
 
 def needs_schema_probe(dialect: str, database: DatabaseSettings) -> bool:
     """Whether stage() asks ``SCHEMA_PROBE`` before its INSERT: on PostgreSQL, until this
-    process has found the tables on ``database`` once.
+    process has found the tables, granted, on ``database`` once.
 
     One round trip, once per database per process. A SAVEPOINT around every stage() would
     keep the transaction usable too, but costs two round trips on each call to serve a
@@ -129,28 +138,30 @@ def needs_schema_probe(dialect: str, database: DatabaseSettings) -> bool:
     return dialect == "postgresql" and database.url.get_secret_value() not in _schema_found
 
 
-def check_schema_probe(present: object, database: DatabaseSettings, name: str) -> None:
+def check_schema_probe(answer: object, database: DatabaseSettings, name: str) -> None:
     """Take ``SCHEMA_PROBE``'s answer on ``database`` (configured as ``name``): StagingError
-    naming `router init-db` when the tables are not there, the caller's transaction
-    untouched; else remember that they are."""
-    if not present:
+    naming `router init-db` when the tables are not there, or the GRANT to run when the role
+    may not insert, the caller's transaction untouched; else remember that all is well."""
+    if answer is None:
         raise StagingError(_no_tables(name, "router_outbox"))
+    if answer:
+        raise StagingError(_no_grant(name, "postgresql", str(answer)))
     _schema_found.add(database.url.get_secret_value())
 
 
-def missing_schema(error: BaseException, database: str, dialect: str) -> StagingError | None:
-    """A StagingError saying what to do when ``error`` is the database's answer to a missing
-    router table; None for any other error.
+def table_refusal(error: BaseException, database: str, dialect: str) -> StagingError | None:
+    """A StagingError saying what to do when ``error`` is the database's refusal of a router
+    table, missing or not granted to the caller; None for any other error.
 
     MySQL and SQLite fail the statement alone, so there the transaction goes on. PostgreSQL
-    aborts the caller's transaction: there the tables are asked for first
-    (``needs_schema_probe``), so this explains an INSERT only on tables gone since they were
-    found, and the message says that only a rollback ends the transaction.
+    aborts the caller's transaction: there the tables and the grant are asked for first
+    (``needs_schema_probe``), so this explains an INSERT only on tables gone (or a grant
+    revoked) since they were found, and the message says that only a rollback ends the
+    transaction.
     """
-    table = _missing_table(error)
-    if table is None:
+    message = next(filter(None, (_explain(e, database, dialect) for e in _chain(error))), None)
+    if message is None:
         return None
-    message = _no_tables(database, table)
     if dialect == "postgresql":
         message += "; PostgreSQL has aborted this transaction, so roll it back"
     return StagingError(message)
@@ -163,32 +174,73 @@ def _no_tables(database: str, table: str) -> str:
     )
 
 
+def _no_grant(database: str, dialect: str, account: str | None) -> str:
+    """What to GRANT so ``account`` (None: not known here) may stage on ``database``."""
+    if dialect == "postgresql":
+        who = f"role {account}" if account else "the connection's role"
+        to = account or "<role> (its current_user)"
+        return (
+            f"database {database!r}: {who} may not insert into router_outbox: "
+            f"run `GRANT INSERT ON router_outbox TO {to}` as the table's owner"
+        )
+    # router_streams: the upsert that locks the stream keys reads the key it updates.
+    who = f"user {account}" if account else "the connection's user"
+    return (
+        f"database {database!r}: {who} may not write the router's tables: run "
+        "`GRANT INSERT ON router_outbox TO <account>` and "
+        "`GRANT SELECT, INSERT, UPDATE ON router_streams TO <account>` in that database, "
+        "as an administrator (<account>: the connection's CURRENT_USER())"
+    )
+
+
 _TABLES = ("router_outbox", "router_streams")
+_MYSQL_USER = re.compile(r"to user ('[^']*'@'[^']*')")
 
 
-def _missing_table(error: BaseException) -> str | None:
-    """The router table ``error`` says is missing, looking through the wrappers of SQLAlchemy
-    (``.orig``) and Django (``__cause__``) to the driver's own error."""
+def _explain(error: BaseException, database: str, dialect: str) -> str | None:
+    """What to do about ``error`` when it is about a router table; None if it is not."""
+    text = str(error)
+    table = next((t for t in _TABLES if t in text), None)
+    if table is None:
+        return None
+    if _says_undefined_table(error):
+        return _no_tables(database, table)
+    if _says_not_granted(error):
+        user = _MYSQL_USER.search(text)
+        return _no_grant(database, dialect, user[1] if user else None)
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it wraps, through SQLAlchemy's (``.orig``) and Django's
+    (``__cause__``) wrappers to the driver's own."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if _says_undefined_table(current):
-            text = str(current)
-            return next((t for t in _TABLES if t in text), None)
+        yield current
         orig = getattr(current, "orig", None)
         current = orig if isinstance(orig, BaseException) else current.__cause__
-    return None
 
 
 def _says_undefined_table(error: BaseException) -> bool:
     # PostgreSQL's SQLSTATE 42P01 (asyncpg and psycopg: .sqlstate; psycopg2: .pgcode),
     # MySQL's error 1146 (first of the args of PyMySQL's, aiomysql's and asyncmy's errors),
     # SQLite's "no such table" (sqlite3 has no code for it before Python 3.11's).
-    code = getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
-    if code == "42P01":
-        return True
-    args = error.args
-    if args and args[0] == 1146:
+    if _sqlstate(error) == "42P01" or _mysql_code(error) == 1146:
         return True
     return type(error).__name__ == "OperationalError" and str(error).startswith("no such table")
+
+
+def _says_not_granted(error: BaseException) -> bool:
+    # PostgreSQL's insufficient_privilege (42501); MySQL's table (1142) and column (1143)
+    # access denied.
+    return _sqlstate(error) == "42501" or _mysql_code(error) in (1142, 1143)
+
+
+def _sqlstate(error: BaseException) -> object:
+    return getattr(error, "sqlstate", None) or getattr(error, "pgcode", None)
+
+
+def _mysql_code(error: BaseException) -> object:
+    return error.args[0] if error.args else None

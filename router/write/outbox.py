@@ -33,8 +33,8 @@ from router.config import RouterConfig
 from router.write.checks import (
     SCHEMA_PROBE,
     check_schema_probe,
-    missing_schema,
     needs_schema_probe,
+    table_refusal,
 )
 from router.write.events import Event
 from router.write.staging import Row
@@ -247,8 +247,8 @@ def _autocommits(conn: AsyncConnection) -> bool:
 
 def _reraise(error: Exception, database: str, dialect: str) -> NoReturn:
     """Raise ``error``, or ``StagingError`` saying what to do if it says the router's tables
-    are missing (``router.write.checks.missing_schema``)."""
-    refused = missing_schema(error, database, dialect)
+    are missing or not granted (``router.write.checks.table_refusal``)."""
+    refused = table_refusal(error, database, dialect)
     if refused is None:
         raise error
     raise refused from None

@@ -17,8 +17,8 @@ from router.write._tracing import current_traceparent
 from router.write.checks import (
     SCHEMA_PROBE,
     check_schema_probe,
-    missing_schema,
     needs_schema_probe,
+    table_refusal,
 )
 from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
@@ -90,7 +90,7 @@ class Writer:
             for statement in statements:
                 driver.execute(statement)
         except Exception as exc:
-            refused = missing_schema(exc, name, driver.dialect)
+            refused = table_refusal(exc, name, driver.dialect)
             if refused is None:
                 raise
             raise refused from None

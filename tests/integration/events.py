@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -96,3 +97,24 @@ NO_TABLES = (
     "run `router init-db`"
 )
 PG_ABORTED = "; PostgreSQL has aborted this transaction, so roll it back"
+
+
+def not_granted(kind: str, account: str) -> str:
+    """What stage() says to a role (PostgreSQL) or user (MariaDB, ``'name'@'host'`` as it
+    connected) that may not write the router's tables."""
+    if kind == "postgresql":
+        return (
+            f"database 'main': role {account} may not insert into router_outbox: "
+            f"run `GRANT INSERT ON router_outbox TO {account}` as the table's owner"
+        )
+    return (
+        f"database 'main': user {account} may not write the router's tables: run "
+        "`GRANT INSERT ON router_outbox TO <account>` and "
+        "`GRANT SELECT, INSERT, UPDATE ON router_streams TO <account>` in that database, "
+        "as an administrator (<account>: the connection's CURRENT_USER())"
+    )
+
+
+def grants_named(message: str, account: str) -> list[str]:
+    """The GRANT statements a refusal names, for ``account``."""
+    return [g.replace("<account>", account) for g in re.findall(r"`(GRANT [^`]*)`", message)]

@@ -28,7 +28,14 @@ from sqlalchemy.orm import Session
 
 from router import Event, Outbox, StagingError, SyncOutbox
 from router.write.staging import MYSQL_MAX_STREAM_KEY
-from tests.conftest import MEMORY_BROKERS, Database, MysqlDatabases, PgDatabases, make_config
+from tests.conftest import (
+    MEMORY_BROKERS,
+    Database,
+    Grantees,
+    MysqlDatabases,
+    PgDatabases,
+    make_config,
+)
 from tests.conftest import make_database as make_database
 from tests.integration.events import (
     NATS_BROKERS,
@@ -37,6 +44,8 @@ from tests.integration.events import (
     REFUSED_INPUT,
     OrderPlaced,
     StockReserved,
+    grants_named,
+    not_granted,
 )
 
 Transaction = Callable[[], AbstractContextManager[Any]]
@@ -606,3 +615,33 @@ async def test_the_tables_are_asked_for_once_per_database_and_process(client: Cl
         with pytest.raises(StagingError) as refused, client.transaction() as conn:
             outbox.stage(conn, StockReserved(order_id="o-2", quantity=1))
         assert str(refused.value) == NO_TABLES + PG_ABORTED
+
+
+@pytest.mark.parametrize("name", ["psycopg", "session-psycopg", "psycopg2", "session-pymysql"])
+async def test_a_role_without_the_grant_is_refused_naming_it_and_the_transaction_goes_on(
+    grantees: Grantees, name: str
+) -> None:
+    # On PostgreSQL the INSERT would have failed and aborted the caller's transaction: the
+    # first stage() asks whether the role may insert, with the tables. MariaDB fails the
+    # statement alone. Either way the message's GRANTs are all it takes.
+    kind, make = CLIENTS[name]
+    grantee = await grantees.new(kind)
+    client = make(grantee.database)
+    outbox = client.outbox()
+    try:
+        with client.transaction() as conn:
+            execute(conn, "INSERT INTO caller_orders (id) VALUES ('before')")
+            with pytest.raises(StagingError) as refused:
+                outbox.stage(conn, StockReserved(order_id="o", quantity=1), stream_key="o")
+            execute(conn, "INSERT INTO caller_orders (id) VALUES ('after')")
+        who = grantee.account if kind == "postgresql" else grantee.account.replace("%", "127.0.0.1")
+        assert str(refused.value) == not_granted(kind, who)
+        found = await grantee.owner.fetch("SELECT id FROM caller_orders")
+        assert sorted(row["id"] for row in found) == ["after", "before"]
+        await grantee.owner.execute(*grants_named(str(refused.value), grantee.account))
+        with client.transaction() as conn:
+            outbox.stage(conn, StockReserved(order_id="granted", quantity=1), stream_key="o")
+    finally:
+        client.close()
+    stored = await grantee.owner.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == ["granted"]

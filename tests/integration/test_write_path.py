@@ -20,7 +20,7 @@ from router import Outbox, StagingError, correlation
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from router.write.staging import MYSQL_MAX_STREAM_KEY
-from tests.conftest import MEMORY_BROKERS, MysqlDatabases, PgDatabases, make_config
+from tests.conftest import MEMORY_BROKERS, Grantees, MysqlDatabases, PgDatabases, make_config
 
 # The database helper moved to tests/conftest.py; test_ordering and test_idle_claims import it
 # from here.
@@ -34,6 +34,8 @@ from tests.integration.events import (
     REFUSED_INPUT,
     OrderPlaced,
     StockReserved,
+    grants_named,
+    not_granted,
 )
 
 BROKERS = MEMORY_BROKERS
@@ -330,6 +332,59 @@ async def test_the_tables_are_asked_for_once_per_database_and_process(
         await second.close()
     if caller is not in_asyncpg:  # the statements counted are SQLAlchemy's
         assert sum("to_regclass" in statement for statement in statements) == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "caller"), [c for c in CALLERS if c[0] != "sqlite"], ids=_caller_id
+)
+async def test_a_role_without_the_grant_is_refused_naming_it_and_the_transaction_goes_on(
+    grantees: Grantees, kind: str, caller: Caller
+) -> None:
+    # PostgreSQL: asked with the tables, before an INSERT that would abort the transaction.
+    # The message's GRANTs are all it takes (not remembered as a refusal).
+    grantee = await grantees.new(kind)
+    outbox = grantee.database.outbox()
+    try:
+        async with caller(outbox, grantee.database.url) as (conn, execute):
+            await execute("INSERT INTO caller_orders (id) VALUES ('before')")
+            with pytest.raises(StagingError) as refused:
+                await outbox.stage(conn, StockReserved(order_id="o", quantity=1), stream_key="o")
+            await execute("INSERT INTO caller_orders (id) VALUES ('after')")
+        who = grantee.account if kind == "postgresql" else grantee.account.replace("%", "127.0.0.1")
+        assert str(refused.value) == not_granted(kind, who)
+        await grantee.owner.execute(*grants_named(str(refused.value), grantee.account))
+        async with caller(outbox, grantee.database.url) as (conn, _):
+            await outbox.stage(conn, StockReserved(order_id="granted", quantity=1), stream_key="o")
+    finally:
+        await outbox.close()
+    found = await grantee.owner.fetch("SELECT id FROM caller_orders")
+    assert sorted(row["id"] for row in found) == ["after", "before"]
+    assert [r["envelope"]["payload"]["order_id"] for r in await grantee.owner.rows()] == ["granted"]
+
+
+@pytest.mark.parametrize("caller", [in_session, in_asyncpg], ids=_caller_id)
+async def test_a_grant_revoked_after_the_probe_is_explained(
+    grantees: Grantees, caller: Caller
+) -> None:
+    # Asked once per database and process: revoked since, the INSERT fails and aborts the
+    # transaction, and the message says what to grant and to roll back.
+    grantee = await grantees.new("postgresql")
+    await grantee.owner.execute(f"GRANT INSERT ON router_outbox TO {grantee.account}")
+    outbox = grantee.database.outbox()
+    try:
+        async with caller(outbox, grantee.database.url) as (conn, _):
+            await outbox.stage(conn, StockReserved(order_id="o-1", quantity=1))
+        await grantee.owner.execute(f"REVOKE INSERT ON router_outbox FROM {grantee.account}")
+        with pytest.raises(StagingError) as refused:
+            async with caller(outbox, grantee.database.url) as (conn, _):
+                await outbox.stage(conn, StockReserved(order_id="o-2", quantity=1))
+    finally:
+        await outbox.close()
+    assert str(refused.value) == (
+        "database 'main': the connection's role may not insert into router_outbox: run "
+        "`GRANT INSERT ON router_outbox TO <role> (its current_user)` as the table's owner"
+        + PG_ABORTED
+    )
 
 
 async def test_a_refusal_is_not_remembered_so_staging_works_after_init_db(
