@@ -311,6 +311,12 @@ class DatabaseSettings(BaseModel):
         scheme = self.url.get_secret_value().partition("://")[0].partition("+")[0]
         return _KINDS[scheme]
 
+    @property
+    def notifies(self) -> bool:
+        """Whether ``stage()`` wakes an idle relay with NOTIFY (PostgreSQL, unless the relay
+        wakes by the database's log or by polling)."""
+        return self.kind == "postgresql" and self.wakeup in ("auto", "notify")
+
     def public_url(self) -> str:
         """The URL without credentials, for logs and status output."""
         return redact_url(self.url.get_secret_value())

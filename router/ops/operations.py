@@ -22,6 +22,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import ConfigError
+from router._wakeup import CHANNEL
 from router.config import RouterConfig
 from router.ops import connections
 from router.ops.audit import record
@@ -308,8 +309,10 @@ async def set_paused(
                 "paused_by": by if paused else None,
             }
             await conn.execute(_upsert_target(conn.dialect.name, target, values))
-            if not paused:
-                await _notify(conn, [target])
+            # A resume wakes the target's processors to deliver; a pause wakes them too, so
+            # that an idle one gives back its wake lock (PostgreSQL): a paused target's
+            # stagers need not notify.
+            await _notify(conn, [target])
             if actor is not None:
                 await record(
                     conn,
@@ -457,6 +460,4 @@ async def _notify(conn: AsyncConnection, target_names: Sequence[str]) -> None:
     newest pending ``available_at`` rise or the paused targets change (``connections.clock``).
     """
     if conn.dialect.name == "postgresql":
-        await conn.execute(
-            sa.select(sa.func.pg_notify("router_outbox", ",".join(sorted(target_names))))
-        )
+        await conn.execute(sa.select(sa.func.pg_notify(CHANNEL, ",".join(sorted(target_names)))))

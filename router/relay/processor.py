@@ -167,11 +167,27 @@ class Processor:
                     # minute by default), or an outage with nothing staged after it would
                     # outlast the broker's return by that long.
                     timeout = min(timeout, self.circuit.probe_in())
+                else:
+                    timeout = await self._going_idle(timeout)
+                    if timeout <= 0:
+                        continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
+                if self._wake.is_set():
+                    self.store.busy(self.target)  # woken: no longer idle
         finally:
             await self._shutdown()
             log.info("processor.stopped", extra={**self._log, "published": self.stats.published})
+
+    async def _going_idle(self, timeout: float) -> float:
+        """How long to wait, once the store knows this processor waits for new rows (on
+        PostgreSQL, from then on the target's stagers notify; see ``OutboxStore.idle``)."""
+        try:
+            look_again = await self.store.idle(self.target)
+        except Exception as exc:  # the wait must happen; the next claim reports the outage
+            log.debug("processor.idle_failed", extra={**self._log, "error": str(exc)})
+            return timeout
+        return timeout if look_again is None else min(timeout, look_again)
 
     async def drain(self, max_cycles: int = 10_000) -> int:
         """Burst mode: deliver every row that is due now, then return how many were handled."""
@@ -355,6 +371,8 @@ class Processor:
         )
         if self.bucket is not None:
             self.bucket.take(len(claim))
+        if claim.rows:
+            self.store.busy(self.target)  # found rows unwoken (a due retry): not idle now
         return claim, sent + self.outbox.lease_seconds
 
     async def _deliver_and_mark(self, claim: Claim, end: float) -> None:

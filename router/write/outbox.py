@@ -96,7 +96,7 @@ class Outbox(Writer):
             if needs_schema_probe("postgresql", database):
                 check_schema_probe(await connection.fetchval(SCHEMA_PROBE), database, name)
             try:
-                await self._stager.insert_postgres_raw(connection, rows)
+                await self._stager.insert_postgres_raw(connection, rows, notify=database.notifies)
             except Exception as exc:
                 _reraise(exc, name, "postgresql")
             return
@@ -114,7 +114,9 @@ class Outbox(Writer):
             probed = await conn.exec_driver_sql(SCHEMA_PROBE)
             check_schema_probe(probed.scalar(), database, name)
         try:
-            await self._stager.insert_sqlalchemy(conn, conn.dialect.name, rows)
+            await self._stager.insert_sqlalchemy(
+                conn, conn.dialect.name, rows, notify=database.notifies
+            )
         except Exception as exc:
             _reraise(exc, name, conn.dialect.name)
         if isinstance(connection, AsyncSession):

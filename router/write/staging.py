@@ -33,6 +33,7 @@ from envelopes import (
     uuid7,
 )
 from router._db import sqlite_time
+from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.config import RouterConfig
 from router.write.checks import check_no_nul, json_problem
 from router.write.events import Event, EventSpec
@@ -80,19 +81,47 @@ _STREAM_LOCKS = f"""(
 STREAM_LOCK_NAMESPACE = 1869903202
 """First key of the stream slots' advisory locks (the second is the slot)."""
 
-PG_INSERT = f"""
+# Waking the relay on PostgreSQL, with nothing on the commit path while a relay is busy (see
+# "Waking the relay" in docs/architecture.md). A NOTIFY makes its transaction take an
+# instance-wide lock at COMMIT, held until the commit record is flushed, so notifying
+# transactions commit one at a time: with 4+ writers, 0.4x a hand-written outbox. So a
+# transaction notifies only when a relay needs it: a relay that is idle and listening holds
+# its target's wake lock exclusively (a session advisory lock); a stager tries that lock
+# shared for each of its targets, and notifies only when a try fails. A busy relay holds no
+# wake lock: the try succeeds, nothing is queued, and the relay's next claim finds the rows.
+# The shared lock lasts until the stager's transaction ends, so a relay going idle cannot
+# take its wake lock (and look once more) before the rows it did not hear of are committed.
+_WAKE_TRY = f"pg_try_advisory_xact_lock_shared({WAKE_LOCK_NAMESPACE}, hashtext({{target}}))"
+_WAKE_ANY = (
+    f"(SELECT bool_and({_WAKE_TRY.format(target='w')}) "
+    "FROM unnest(string_to_array({notify}, ',')) AS w)"
+)
+
+
+def _wake(notify: str, gate: str) -> str:
+    """Notify ``notify`` (the targets) unless ``gate`` (their wake locks, tried shared) held."""
+    return f"CASE WHEN {gate} THEN NULL ELSE pg_notify('router_outbox', {notify}) END"
+
+
+def _wake_many(notify: str) -> str:
+    """``_wake`` for the targets listed in ``notify`` (``a,b,c``), one try each."""
+    typed = f"CAST({notify} AS text)"  # a parameter's type, which asyncpg cannot infer here
+    return _wake(typed, _WAKE_ANY.format(notify=typed))
+
+
+_PG_INSERT = f"""
 WITH inserted AS (
     INSERT INTO router_outbox ({_COLUMNS})
     SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::json[])
     WHERE {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="$8::text[]")}
     RETURNING 1
 )
-SELECT pg_notify('router_outbox', $7)
+SELECT {{wake}}
 """
 
 # The same statement with named parameters, for SQLAlchemy's text() and the DB-API drivers
 # (psycopg, psycopg2, Django's cursor), which take ``:name`` or ``%(name)s`` (``Statement``).
-PG_INSERT_NAMED = f"""
+_PG_INSERT_NAMED = f"""
 WITH inserted AS (
     INSERT INTO router_outbox ({_COLUMNS})
     SELECT * FROM unnest(
@@ -101,8 +130,14 @@ WITH inserted AS (
     WHERE {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="CAST(:locks AS text[])")}
     RETURNING 1
 )
-SELECT pg_notify('router_outbox', :notify)
+SELECT {{wake}}
 """
+
+PG_INSERT = _PG_INSERT.format(wake=_wake_many("$7"))
+PG_INSERT_QUIET = _PG_INSERT.format(wake="CAST($7 AS text)")  # $7 unused, but typed
+"""``PG_INSERT`` for a database whose relay wakes without NOTIFY (``wakeup: log`` or ``poll``)."""
+PG_INSERT_NAMED = _PG_INSERT_NAMED.format(wake=_wake_many(":notify"))
+_PG_INSERT_NAMED_QUIET = _PG_INSERT_NAMED.format(wake="1")
 
 # A few rows on at most one stream key (one event's rows, say): a plain VALUES list, with no
 # unnest, whose planning and running over six arrays cost more than the insert itself at
@@ -112,19 +147,30 @@ SELECT pg_notify('router_outbox', :notify)
 # the first row reaches the INSERT (a One-Time Filter), i.e. before any seq is drawn, as
 # above; volatile, their calls are never planned away.
 _PG_SMALL_ROWS = 16
-_PG_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, {_SLOT.format(key=':k')}) AS held, "
-_PG_GATE = "(SELECT true FROM (SELECT {lock}pg_notify('router_outbox', :notify) AS sent) AS g)"
+_PG_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, {_SLOT.format(key=':k')})"
 _PG_ROW = "(CAST(:m{j} AS uuid), :t{i}, :d{i}, :e{j}, :s{j}, CAST(:v{j} AS json))"
 
 
-def _pg_small_insert(targets: tuple[int, ...], locked: bool) -> str:
+def _pg_small_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
     """The statement for events with ``targets[j]`` rows each, after the lock of their one
-    stream key if any."""
-    gate = _PG_GATE.format(lock=_PG_LOCK if locked else "")
-    return (
-        f"INSERT INTO router_outbox ({_COLUMNS}) "
-        f"SELECT * FROM (VALUES {_pg_rows(targets)}) AS r WHERE {gate}"
+    stream key if any and the wake of their ``wakes`` targets (none: no NOTIFY)."""
+    calls = _pg_gate_calls(locked, wakes)
+    insert = (
+        f"INSERT INTO router_outbox ({_COLUMNS}) SELECT * FROM (VALUES {_pg_rows(targets)}) AS r"
     )
+    if not calls:
+        return insert
+    return f"{insert} WHERE (SELECT true FROM (SELECT {', '.join(calls)}) AS g)"
+
+
+def _pg_gate_calls(locked: bool, wakes: int) -> list[str]:
+    """What runs before the rows: the stream key's lock, then the wake of ``wakes`` targets
+    (``:w0``...; their tries in one CASE, no subquery to plan)."""
+    calls = [_PG_LOCK] if locked else []
+    if wakes:
+        tries = " AND ".join(_WAKE_TRY.format(target=f":w{n}") for n in range(wakes))
+        calls.append(_wake(":notify", tries))
+    return calls
 
 
 def _pg_rows(targets: tuple[int, ...]) -> str:
@@ -143,16 +189,11 @@ def _pg_rows(targets: tuple[int, ...]) -> str:
 # costs more to plan than a second statement costs to run (30-40 us of a 700 us transaction).
 # So two statements in one query: the lock and the NOTIFY, then a plain INSERT ... VALUES. The
 # lock is held before the INSERT, the next statement, draws its first seq.
-_PG_SIMPLE_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, {_SLOT.format(key=':k')}), "
-
-
-def _pg_simple_insert(targets: tuple[int, ...], locked: bool) -> str:
+def _pg_simple_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
     """``_pg_small_insert``'s rows as two statements in one simple query."""
-    lock = _PG_SIMPLE_LOCK if locked else ""
-    return (
-        f"SELECT {lock}pg_notify('router_outbox', :notify); "
-        f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {_pg_rows(targets)}"
-    )
+    calls = _pg_gate_calls(locked, wakes)
+    insert = f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {_pg_rows(targets)}"
+    return f"SELECT {', '.join(calls)}; {insert}" if calls else insert
 
 
 # Many rows through a driver that can COPY (psycopg 3): one statement takes the stream keys'
@@ -161,10 +202,9 @@ def _pg_simple_insert(targets: tuple[int, ...], locked: bool) -> str:
 # only at COMMIT, so queued before the rows it is the same as after them. COPY pays a round
 # trip of its own, so a few dozen rows go faster by unnest.
 _PG_COPY_ROWS = 64
-_PG_LOCK_AND_NOTIFY = f"""
-SELECT pg_notify('router_outbox', :notify),
-    {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="CAST(:locks AS text[])")}
-"""
+_PG_COPY_LOCKS = _STREAM_LOCKS.format(
+    namespace=STREAM_LOCK_NAMESPACE, keys="CAST(:locks AS text[])"
+)
 PG_COPY = f"COPY router_outbox ({_COLUMNS}) FROM STDIN (FORMAT BINARY)"
 # Binary COPY carries no types: the server reads each field with its column's binary input.
 # A uuid's is its 16 bytes, sent as bytea; json's is its text. Both are dumped in C, where
@@ -264,7 +304,7 @@ class Stager:
         self.config = config
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
-        self._pg_small_inserts: dict[tuple[tuple[int, ...], bool, bool], str] = {}
+        self._pg_small_inserts: dict[tuple[tuple[int, ...], bool, int, bool], str] = {}
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
@@ -360,25 +400,42 @@ class Stager:
                 self._headers_carried.clear()
             self._headers_carried.add(key)
 
-    async def insert_postgres_raw(self, conn: Any, rows: Sequence[Row]) -> None:
-        """Insert rows and notify through a raw asyncpg connection (caller's transaction)."""
-        await conn.execute(PG_INSERT, *_columns(rows), _notify_payload(rows), _stream_keys(rows))
+    async def insert_postgres_raw(
+        self, conn: Any, rows: Sequence[Row], *, notify: bool = True
+    ) -> None:
+        """Insert rows through a raw asyncpg connection (caller's transaction), waking an
+        idle relay unless ``notify`` is False."""
+        sql = PG_INSERT if notify else PG_INSERT_QUIET
+        await conn.execute(sql, *_columns(rows), _notify_payload(rows), _stream_keys(rows))
 
     def statements(
-        self, dialect: str, rows: Sequence[Row], *, copy: bool = False, simple: bool = False
+        self,
+        dialect: str,
+        rows: Sequence[Row],
+        *,
+        copy: bool = False,
+        simple: bool = False,
+        notify: bool = True,
     ) -> list[Statement | Copy]:
         """The statements that insert ``rows`` (in order) on ``dialect``; ``StagingError``
         before any of them runs if one row cannot go in (a MySQL stream key too long).
         ``copy``: the driver can run a ``Copy`` (psycopg 3), so many rows may go by COPY.
-        ``simple``: the driver prepares nothing and can run a ``simple`` statement."""
+        ``simple``: the driver prepares nothing and can run a ``simple`` statement.
+        ``notify``: wake an idle relay on PostgreSQL (False: it wakes by ``log`` or ``poll``)."""
         if dialect == "postgresql":
             keys = _stream_keys(rows)
             if len(rows) <= _PG_SMALL_ROWS and len(keys) <= 1:
-                return [self._pg_small(rows, keys, simple)]
-            notify = _notify_payload(rows)
+                return [self._pg_small(rows, keys, simple, notify)]
+            targets_listed = _notify_payload(rows)
             if copy and len(rows) >= _PG_COPY_ROWS:
-                locks = Statement(_PG_LOCK_AND_NOTIFY, {"notify": notify, "locks": keys})
-                return [locks, Copy(PG_COPY, _PG_COPY_TYPES, _copy_rows(rows))]
+                calls = [_wake_many(":notify")] if notify else []
+                if keys:
+                    calls.append(_PG_COPY_LOCKS)
+                before: list[Statement | Copy] = []
+                if calls:
+                    named = {"notify": targets_listed, "locks": keys}
+                    before.append(Statement(f"SELECT {', '.join(calls)}", named))
+                return [*before, Copy(PG_COPY, _PG_COPY_TYPES, _copy_rows(rows))]
             ids, targets, destinations, types, streams, envelopes = _columns(rows)
             params = {
                 "ids": ids,
@@ -387,25 +444,35 @@ class Stager:
                 "types": types,
                 "streams": streams,
                 "envelopes": envelopes,
-                "notify": notify,
+                "notify": targets_listed,
                 "locks": keys,
             }
-            return [Statement(PG_INSERT_NAMED, params)]
+            return [Statement(PG_INSERT_NAMED if notify else _PG_INSERT_NAMED_QUIET, params)]
         if dialect == "mysql":
             return [*_mysql_statements(rows)]
         return [*self._sqlite_statements(rows)]
 
-    async def insert_sqlalchemy(self, conn: Any, dialect: str, rows: Sequence[Row]) -> None:
+    async def insert_sqlalchemy(
+        self, conn: Any, dialect: str, rows: Sequence[Row], *, notify: bool = True
+    ) -> None:
         """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
-        for statement in self.statements(dialect, rows):
+        for statement in self.statements(dialect, rows, notify=notify):
             assert isinstance(statement, Statement)  # no Copy unless asked for
             if statement.named:
                 await conn.execute(clause(statement.sql), statement.params)
             else:
                 await conn.exec_driver_sql(statement.sql, statement.params)
 
-    def _pg_small(self, rows: Sequence[Row], keys: Sequence[str], simple: bool) -> Statement:
-        params: dict[str, Any] = {"notify": _notify_payload(rows)}
+    def _pg_small(
+        self, rows: Sequence[Row], keys: Sequence[str], simple: bool, notify: bool
+    ) -> Statement:
+        params: dict[str, Any] = {}
+        wakes = 0
+        if notify:
+            listed = sorted({r.target for r in rows})
+            params["notify"] = ",".join(listed)
+            params.update(zip(_wake_names(len(listed)), listed, strict=True))
+            wakes = len(listed)
         if keys:
             params["k"] = keys[0]
         targets: list[int] = []
@@ -423,10 +490,10 @@ class Stager:
                 )
                 targets.append(0)
             targets[-1] += 1
-        shape = (tuple(targets), bool(keys), simple)
+        shape = (tuple(targets), bool(keys), wakes, simple)
         sql = self._pg_small_inserts.get(shape)
         if sql is None:
-            sql = (_pg_simple_insert if simple else _pg_small_insert)(*shape[:2])
+            sql = (_pg_simple_insert if simple else _pg_small_insert)(*shape[:3])
             if len(self._pg_small_inserts) < 256:  # the shapes an application uses are few
                 self._pg_small_inserts[shape] = sql
         return Statement(sql, params, simple)
@@ -662,6 +729,12 @@ def _columns(
 def _row_names(i: int) -> tuple[str, str]:
     """The parameters of row ``i``'s target and destination in the small form."""
     return f"t{i}", f"d{i}"
+
+
+@functools.cache
+def _wake_names(count: int) -> tuple[str, ...]:
+    """The parameters of the small form's ``count`` targets to wake, in their tries."""
+    return tuple(f"w{n}" for n in range(count))
 
 
 @functools.cache

@@ -84,7 +84,11 @@ class Writer:
         if needs_schema_probe(driver.dialect, settings):
             check_schema_probe(driver.scalar(SCHEMA_PROBE), settings, name)
         statements = self._stager.statements(
-            driver.dialect, rows, copy=driver.copies, simple=driver.simple
+            driver.dialect,
+            rows,
+            copy=driver.copies,
+            simple=driver.simple,
+            notify=settings.notifies,
         )
         try:
             for statement in statements:

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from router import Event, Outbox, StagingError, SyncOutbox
+from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.write.staging import MYSQL_MAX_STREAM_KEY
 from tests.conftest import (
     MEMORY_BROKERS,
@@ -360,12 +361,19 @@ async def test_a_large_batch_goes_in_whole_in_order_and_holds_its_streams(
     assert {(r["target"], r["status"]) for r in stored} == {("events", "pending")}
 
 
+def idle_relay(listener: psycopg.Connection[Any]) -> None:
+    """Make ``listener`` what an idle relay of ``events`` is: listening, holding its wake
+    lock (without it, a stager queues no NOTIFY)."""
+    listener.execute("LISTEN router_outbox")
+    listener.execute("SELECT pg_advisory_lock(%s, hashtext('events'))", (WAKE_LOCK_NAMESPACE,))
+
+
 async def test_a_large_batch_notifies_at_commit(pg_databases: PgDatabases, tmp_path: Path) -> None:
     database = Database("postgresql", await pg_databases.new(), tmp_path)
     outbox = psycopg_client(database).outbox()
     events = [StockReserved(order_id=str(n), quantity=n) for n in range(100)]
     with psycopg.connect(database.url, autocommit=True) as listener:
-        listener.execute("LISTEN router_outbox")
+        idle_relay(listener)
         with psycopg.connect(database.url) as conn:
             outbox.stage(conn, *events, stream_keys=BATCH_KEYS)
             assert list(listener.notifies(timeout=0.3)) == []  # not before COMMIT
@@ -378,12 +386,13 @@ async def test_one_event_notifies_its_targets_at_commit(
     driver: str, pg_databases: PgDatabases, tmp_path: Path
 ) -> None:
     # One event goes in one statement (prepared), or a lock-and-NOTIFY query then the INSERT
-    # (where nothing is prepared): either way the wake-up comes with the COMMIT, not before.
+    # (where nothing is prepared): either way the wake-up of an idle relay comes with the
+    # COMMIT, not before.
     database = Database("postgresql", await pg_databases.new(), tmp_path)
     client = CLIENTS[driver][1](database)
     outbox = client.outbox()
     with psycopg.connect(database.url, autocommit=True) as listener:
-        listener.execute("LISTEN router_outbox")
+        idle_relay(listener)
         with client.transaction() as conn:
             outbox.stage(conn, StockReserved(order_id="1", quantity=1), stream_key="k")
             assert list(listener.notifies(timeout=0.3)) == []  # not before COMMIT

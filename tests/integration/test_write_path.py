@@ -17,6 +17,7 @@ from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from router import Outbox, StagingError, correlation
+from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from router.write.staging import MYSQL_MAX_STREAM_KEY
@@ -134,9 +135,13 @@ async def test_stage_with_a_raw_asyncpg_connection(pg_url: str) -> None:
 
 async def test_notify_arrives_once_and_only_at_commit(pg_url: str) -> None:
     # PostgreSQL only: NOTIFY is PostgreSQL's; the other databases have no wake-up to check.
-    listener = await asyncpg.connect(pg_url)
+    listener = await asyncpg.connect(pg_url)  # an idle relay: it holds the wake locks
     received: list[str] = []
     await listener.add_listener("router_outbox", lambda *args: received.append(args[3]))
+    for target in ("events", "analytics", "billing"):
+        await listener.execute(
+            "SELECT pg_advisory_lock($1, hashtext($2))", WAKE_LOCK_NAMESPACE, target
+        )
     outbox = outbox_for(pg_url)
     try:
         async with outbox.transaction() as tx:

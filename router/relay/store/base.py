@@ -172,6 +172,15 @@ class OutboxStore(Protocol):
     async def watch(self, wake: Wake) -> None:
         """Call ``wake`` whenever rows may have been added; runs until cancelled."""
 
+    async def idle(self, target: str) -> float | None:
+        """``target``'s processor found nothing to claim and is about to wait: seconds
+        within which it must look again (0: at once), or None to wait for a wake-up alone.
+        Where writers wake the relay only while it shows it is idle (PostgreSQL), this is
+        where it shows it."""
+
+    def busy(self, target: str) -> None:
+        """``target``'s processor was woken (or its wait timed out): it is no longer idle."""
+
     async def check_schema(self) -> None:
         """Raise ``SchemaError`` unless the router's tables are at ``SCHEMA_REVISION``
         (``DatabaseError`` when the database cannot be reached)."""

@@ -206,6 +206,13 @@ class MysqlStore:
         if problem is not None:
             raise problem
 
+    async def idle(self, target: str) -> float | None:
+        """Nothing to do: the watcher wakes processors whatever they are doing."""
+        return None
+
+    def busy(self, target: str) -> None:
+        """Nothing to do (see ``idle``)."""
+
     async def watch(self, wake: Wake) -> None:
         """Wake every processor when rows arrive, are requeued, or a target is resumed
         (``mysql_sql.WATCH`` says what it reads).

@@ -5,8 +5,10 @@ A claim runs in a transaction that stays open while its batch is published: the 
 transaction before it commits, one write per row (migration 0010). Batches of one target take
 turns across every worker and host (an advisory lock held to the commit), so streams stay in
 order; a worker that dies takes its transaction with it and the rows are queued as they were.
-New rows announce themselves with ``NOTIFY router_outbox``, whose payload names the targets;
-it is delivered only when the writer commits.
+New rows announce themselves with ``NOTIFY router_outbox``, whose payload names the targets,
+delivered only when the writer commits; a writer sends one only while a relay of its target
+is idle, which a processor shows by holding its wake lock on the LISTEN connection
+(``postgres_wake.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, NoReturn
 import asyncpg
 
 from envelopes import DatabaseError
+from router._wakeup import CHANNEL
 from router.relay.store.base import (
     VERSION_TABLE,
     BatchLost,
@@ -35,12 +38,12 @@ from router.relay.store.base import (
 from router.relay.store.outage import Outage
 from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_upkeep import Upkeep
+from router.relay.store.postgres_wake import WakeLocks
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "router_outbox"
 
 # The LISTEN connection's longest pause between tries while the database is away. Its return
 # wakes every processor of the database, whose own pauses grow to 30 s: so after an outage of
@@ -109,6 +112,7 @@ class PostgresStore:
         self._opening = asyncio.Lock()
         self._held: dict[int, _Run] = {}  # the transaction of each batch in flight, by token
         self._upkeep = Upkeep(name, dsn, vacuum_after=vacuum_after)
+        self._wake_locks = WakeLocks(name)
 
     async def claim(
         self,
@@ -288,6 +292,7 @@ class PostgresStore:
             try:
                 conn.add_termination_listener(lambda _conn, ev=closed: ev.set())
                 await conn.add_listener(CHANNEL, lambda *args: wake(_targets(args[3])))
+                self._wake_locks.attach(conn)
                 log.debug("db.listen.started", extra={"database": self.name})
                 wake(None)  # anything committed while we were not listening
                 await closed.wait()
@@ -295,8 +300,18 @@ class PostgresStore:
             except DB_ERRORS as exc:
                 self.outage.failed(describe_error(exc))
             finally:
+                self._wake_locks.detach()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)
+
+    async def idle(self, target: str) -> float | None:
+        """``target``'s processor found nothing to claim: seconds within which it must look
+        again (0: at once), or None to wait for a wake-up (``postgres_wake.WakeLocks``)."""
+        return await self._wake_locks.idle(target)
+
+    def busy(self, target: str) -> None:
+        """``target``'s processor is awake: its stagers need not notify."""
+        self._wake_locks.busy(target)
 
     async def close(self) -> None:
         """Close the pool; a batch still held is rolled back (its rows stay queued)."""

@@ -231,6 +231,13 @@ class SqliteStore:
         if problem is not None:
             raise problem
 
+    async def idle(self, target: str) -> float | None:
+        """Nothing to do: the watcher wakes processors whatever they are doing."""
+        return None
+
+    def busy(self, target: str) -> None:
+        """Nothing to do (see ``idle``)."""
+
     async def watch(self, wake: Wake) -> None:
         """Wake the processors whenever the database or its WAL file changes."""
         wal = self.path.with_name(self.path.name + "-wal")

@@ -1,0 +1,18 @@
+"""How a commit wakes the relay on PostgreSQL: the names stagers and relays share.
+
+A stager (``router/write/staging.py``) notifies ``CHANNEL`` only while a relay is idle and
+listening, which a relay shows by holding its target's wake lock (``WAKE_LOCK_NAMESPACE``,
+``hashtext(target)``); ``router/relay/store/postgres_wake.py`` has the relay's half and why it
+cannot miss a commit. docs/architecture.md ("Waking the relay") draws the whole protocol.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CHANNEL", "WAKE_LOCK_NAMESPACE"]
+
+CHANNEL = "router_outbox"
+"""The LISTEN/NOTIFY channel; a notification's payload names the targets (``a,b``)."""
+
+WAKE_LOCK_NAMESPACE = 1869903205
+"""First key of the wake lock an idle relay holds per target (the second is the target's
+``hashtext``); stagers try it shared."""

@@ -1,0 +1,317 @@
+"""PostgreSQL: a commit notifies only while a relay of its target is idle (it holds the
+target's wake lock), through every statement form ``stage()`` sends; and a relay that waits
+with ``poll_interval`` at an hour still delivers every event staged from another process
+within milliseconds, idle or busy, at random moments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, PublishResult
+from router import Outbox, Runner, SyncOutbox
+from router._wakeup import CHANNEL, WAKE_LOCK_NAMESPACE
+from router.ops.operations import set_paused
+from tests.conftest import make_config
+from tests.integration.events import OrderPlaced
+
+ROOT = Path(__file__).resolve().parents[2]
+ONE_TARGET = {"events": {"type": "memory", "internal": True}}
+TWO_TARGETS = {**ONE_TARGET, "partner": {"type": "memory"}}
+
+Stage = Callable[[str, int, int], Awaitable[None]]
+"""``stage(url, events, keys)``: commit ``events`` events on ``keys`` stream keys."""
+
+
+def events(count: int, keys: int) -> tuple[list[OrderPlaced], list[str | None]]:
+    return (
+        [OrderPlaced(order_id=f"o-{n}", total=Decimal(n)) for n in range(count)],
+        [f"k-{n % keys}" if keys else None for n in range(count)],
+    )
+
+
+async def stage_asyncpg(outbox: Outbox, url: str, count: int, keys: int) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            staged, streams = events(count, keys)
+            await outbox.stage(conn, *staged, stream_keys=streams)
+    finally:
+        await conn.close()
+
+
+async def stage_session(outbox: Outbox, url: str, count: int, keys: int) -> None:
+    async with AsyncSession(outbox.engine()) as session, session.begin():
+        staged, streams = events(count, keys)
+        await outbox.stage(session, *staged, stream_keys=streams)
+
+
+def stage_psycopg(outbox: SyncOutbox, url: str, count: int, keys: int, prepare: bool) -> None:
+    with psycopg.connect(url, prepare_threshold=0 if prepare else None) as conn:
+        staged, streams = events(count, keys)
+        outbox.stage(conn, *staged, stream_keys=streams)
+
+
+# (writer, events, stream keys): the one-event VALUES form (prepared and as a simple query),
+# unnest (asyncpg, SQLAlchemy, psycopg under 64 rows) and COPY (psycopg, 64 rows or more).
+FORMS = [
+    ("asyncpg", 1, 1),
+    ("asyncpg", 20, 5),
+    ("session", 1, 0),
+    ("session", 20, 5),
+    ("psycopg", 1, 1),
+    ("psycopg", 20, 5),
+    ("psycopg", 100, 7),
+    ("psycopg-simple", 1, 1),
+    ("psycopg-simple", 20, 5),
+]
+
+
+@pytest.fixture
+async def listening(pg_url: str) -> AsyncIterator[asyncio.Queue[str]]:
+    """What ``router_outbox`` notifications arrive, as a relay's LISTEN connection hears."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    conn = await asyncpg.connect(pg_url)
+    await conn.add_listener(CHANNEL, lambda *args: heard.put_nowait(args[3]))
+    yield heard
+    await conn.close()
+
+
+async def heard_within(heard: asyncio.Queue[str], seconds: float) -> list[str]:
+    found = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            found.append(await asyncio.wait_for(heard.get(), left))
+        except TimeoutError:
+            break
+    return found
+
+
+@pytest.mark.parametrize(("writer", "count", "keys"), FORMS, ids=lambda v: str(v))
+async def test_a_commit_notifies_only_while_a_relay_of_its_target_idles(
+    pg_url: str,
+    listening: asyncio.Queue[str],
+    tmp_path: Path,
+    writer: str,
+    count: int,
+    keys: int,
+) -> None:
+    config = make_config({"main": pg_url}, TWO_TARGETS, base_dir=tmp_path)
+    outbox, sync = Outbox(config), SyncOutbox(config)
+
+    async def stage() -> None:
+        if writer == "asyncpg":
+            await stage_asyncpg(outbox, pg_url, count, keys)
+        elif writer == "session":
+            await stage_session(outbox, pg_url, count, keys)
+        else:
+            prepare = writer == "psycopg"
+            await asyncio.to_thread(stage_psycopg, sync, pg_url, count, keys, prepare)
+
+    relay = await asyncpg.connect(pg_url)  # an idle relay's LISTEN connection
+    try:
+        await stage()  # no relay idles: nothing to hear
+        assert await heard_within(listening, 0.3) == []
+        take = "SELECT pg_advisory_lock($1, hashtext($2))"
+        await relay.execute(take, WAKE_LOCK_NAMESPACE, "partner")
+        await stage()  # the partner's relay idles: one notification, naming both targets
+        assert await heard_within(listening, 0.5) == ["events,partner"]
+        give_back = "SELECT pg_advisory_unlock($1, hashtext($2))"
+        await relay.execute(give_back, WAKE_LOCK_NAMESPACE, "partner")
+        await stage()
+        assert await heard_within(listening, 0.3) == []
+    finally:
+        await relay.close()
+        await outbox.close()
+    assert len(await outbox_rows(pg_url)) == 3 * count * 2
+
+
+async def test_a_database_waking_by_log_or_poll_never_notifies(
+    pg_url: str, listening: asyncio.Queue[str], tmp_path: Path
+) -> None:
+    config = make_config({"main": {"url": pg_url, "wakeup": "poll"}}, ONE_TARGET, base_dir=tmp_path)
+    outbox = Outbox(config)
+    relay = await asyncpg.connect(pg_url)
+    try:
+        await relay.execute("SELECT pg_advisory_lock($1, hashtext('events'))", WAKE_LOCK_NAMESPACE)
+        for count, keys in ((1, 1), (20, 5)):
+            await stage_asyncpg(outbox, pg_url, count, keys)
+            await stage_session(outbox, pg_url, count, keys)
+        await asyncio.to_thread(stage_psycopg, SyncOutbox(config), pg_url, 100, 7, True)
+        assert await heard_within(listening, 0.3) == []
+    finally:
+        await relay.close()
+        await outbox.close()
+    assert len(await outbox_rows(pg_url)) == 2 * 21 + 100
+
+
+async def outbox_rows(url: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch("SELECT seq FROM router_outbox"))
+    finally:
+        await conn.close()
+
+
+class SlowBroker(MemoryBroker):
+    """A memory broker that takes ``delay`` seconds over each batch."""
+
+    def __init__(self, name: str, *, handler: Any, delay: float) -> None:
+        super().__init__(name, handler=handler)
+        self.delay = delay
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        await asyncio.sleep(self.delay)
+        return await super().publish(batch)
+
+
+class Relay:
+    """``router serve``'s runner on one database, with a memory broker that notes when each
+    message arrived; ``poll_interval`` an hour, so only wake-ups deliver in time."""
+
+    def __init__(
+        self, url: str, base_dir: Path, *, batch_size: int = 500, publish_delay: float = 0.0
+    ) -> None:
+        outbox = {"poll_interval": 3600, "batch_size": batch_size}
+        self.config = make_config({"main": url}, ONE_TARGET, base_dir=base_dir, outbox=outbox)
+        self.publish_delay = publish_delay
+        self.config_file = base_dir / "config.json"
+        self.config_file.write_text(json.dumps({"databases": {"main": url}, "brokers": ONE_TARGET}))
+        self.arrived: dict[str, float] = {}
+        self.runner = Runner(
+            self.config, broker_factory=self._broker, serve_http=False, run_cleanup=False
+        )
+
+    def _broker(self, name: str, settings: BrokerSettings) -> Broker:
+        return SlowBroker(name, handler=self._note, delay=self.publish_delay)
+
+    def _note(self, message: OutgoingMessage) -> PublishResult | None:
+        self.arrived.setdefault(message.wire.message_id, time.time())
+        return None
+
+    async def stage_elsewhere(self, plan: list[list[float]]) -> dict[str, float]:
+        """Run ``plan`` in a writer process of its own; each message id's commit time."""
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.integration.stager_process",
+            str(self.config_file),
+            json.dumps({"threads": plan}),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        out, err = await process.communicate()
+        assert process.returncode == 0, err.decode()
+        lines = [json.loads(line) for line in out.decode().splitlines()]
+        return {line["id"]: line["committed"] for line in lines}
+
+    async def lateness(self, committed: dict[str, float], within: float = 2.0) -> list[float]:
+        """Seconds from each commit to its arrival, once every one arrived."""
+        deadline = time.monotonic() + within
+        while not committed.keys() <= self.arrived.keys() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        missing = committed.keys() - self.arrived.keys()
+        assert not missing, f"{len(missing)} of {len(committed)} never arrived"
+        return [self.arrived[m] - committed[m] for m in committed]
+
+
+@pytest.fixture
+async def relay(pg_url: str, tmp_path: Path) -> AsyncIterator[Relay]:
+    relay = Relay(pg_url, tmp_path)
+    await relay.runner.start()
+    yield relay
+    await relay.runner.shutdown()
+
+
+async def wake_lock_holders(url: str, target: str) -> list[str]:
+    """The modes in which sessions hold ``target``'s wake lock."""
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch(
+            "SELECT mode FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = $1::bigint::oid AND objid = (hashtext($2)::bigint & 4294967295)::oid "
+            "AND objsubid = 2",
+            WAKE_LOCK_NAMESPACE,
+            target,
+        )
+        return [row["mode"] for row in rows]
+    finally:
+        await conn.close()
+
+
+async def test_events_staged_elsewhere_after_idle_gaps_arrive_within_50_ms(
+    relay: Relay, pg_url: str
+) -> None:
+    committed = await relay.stage_elsewhere([[1.0, 3.0]])
+    lateness = await relay.lateness(committed)
+    assert max(lateness) < 0.05, lateness
+    assert await wake_lock_holders(pg_url, "events") == ["ExclusiveLock"]  # idle again
+
+
+async def test_a_paused_target_holds_no_wake_lock_so_its_stagers_never_notify(
+    relay: Relay, pg_url: str, listening: asyncio.Queue[str]
+) -> None:
+    await relay.lateness(await relay.stage_elsewhere([[0.0]]))  # the relay works, then idles
+    await asyncio.sleep(0.2)
+    assert await wake_lock_holders(pg_url, "events") == ["ExclusiveLock"]
+    await set_paused(relay.config, "events", paused=True, actor="test")
+    await asyncio.sleep(0.3)  # the pause's notification woke the relay: it gave the lock back
+    assert await wake_lock_holders(pg_url, "events") == []
+    while not listening.empty():
+        listening.get_nowait()
+    await relay.stage_elsewhere([[0.0, 0.05, 0.05]])
+    assert await heard_within(listening, 0.3) == []
+
+
+async def test_every_event_staged_at_random_moments_arrives_within_a_second(
+    relay: Relay,
+) -> None:
+    rand = random.Random(20261128)
+    # Four writers: bursts of quick commits (the relay busy) between idle gaps of up to a
+    # second (the relay idle, going idle, or waking), so commits fall on every state.
+    plan = [
+        [rand.choice((0.0, 0.002, 0.01, 0.05, rand.uniform(0.1, 1.0))) for _ in range(40)]
+        for _ in range(4)
+    ]
+    committed = await relay.stage_elsewhere(plan)
+    lateness = await relay.lateness(committed, within=3.0)
+    assert len(lateness) == 160
+    assert max(lateness) < 1.0, sorted(lateness)[-5:]
+
+
+async def test_stagers_notify_nothing_while_the_relay_is_busy(
+    pg_url: str, tmp_path: Path, listening: asyncio.Queue[str]
+) -> None:
+    # A backlog of small batches to a slow partner keeps the relay busy for seconds: events
+    # staged meanwhile queue no NOTIFY, and the relay's claims find them all the same.
+    relay = Relay(pg_url, tmp_path, batch_size=10, publish_delay=0.1)
+    outbox = Outbox(relay.config)
+    try:
+        await stage_asyncpg(outbox, pg_url, 300, 30)
+    finally:
+        await outbox.close()
+    while not listening.empty():
+        listening.get_nowait()
+    await relay.runner.start()
+    try:
+        await asyncio.sleep(0.3)
+        committed = await relay.stage_elsewhere([[0.05] * 10])
+        assert await heard_within(listening, 0.2) == []
+        await relay.lateness(committed, within=10.0)
+    finally:
+        await relay.runner.shutdown()
