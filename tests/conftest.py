@@ -22,6 +22,7 @@ from sqlalchemy import text
 from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
+from tests.pg_logical import LogicalCluster, make_cluster
 from tests.services import MARIADB, NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -41,6 +42,7 @@ SERVICE_FIXTURES = frozenset(
         "nats_streams",  # NATS JetStream
         "kafka_peer",  # tansu, started per session
         "servicebus_peer",  # the AMQP 1.0 Service Bus peer, started per session
+        "pg_logical",  # a private PostgreSQL cluster with wal_level=logical, per session
     }
 )
 
@@ -77,6 +79,17 @@ def pg_template() -> Iterator[str]:
     asyncio.run(create())
     yield name
     asyncio.run(_drop_database(name))
+
+
+@pytest.fixture(scope="session")
+def pg_logical() -> Iterator[LogicalCluster]:
+    """A private PostgreSQL cluster with wal_level=logical (tests/pg_logical.py), made when a
+    test first asks for it and dropped at the end of the session."""
+    cluster = make_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.drop()
 
 
 @dataclass
