@@ -85,6 +85,13 @@ def stager(log_url: str) -> Iterator[Stager]:
     running.close()
 
 
+@pytest.fixture
+def stager_5432(pg_url: str) -> Iterator[Stager]:
+    running = Stager(pg_url)
+    yield running
+    running.close()
+
+
 class Arrivals:
     """When each message reached the in-memory broker, by message id (wall clock)."""
 
@@ -192,14 +199,39 @@ async def test_a_lost_replication_connection_falls_back_at_once_and_comes_back(
 
 
 async def test_auto_without_logical_decoding_falls_back_and_names_wal_level(pg_url: str) -> None:
-    arrivals = Arrivals()
-    async with relay(pg_url, arrivals, wakeup="auto") as runner:
-        store = store_of(runner)
-
-        async def decided() -> bool:
-            return store.wakeup[0] != "starting"
-
-        await wait_until(decided)
-        mechanism, reason = store.wakeup
+    async with relay(pg_url, Arrivals(), wakeup="auto") as runner:
+        mechanism, reason = await decided(runner)
     assert mechanism == "notify"
     assert "wal_level is replica: set wal_level = logical" in reason
+
+
+async def decided(runner: Runner) -> tuple[str, str]:
+    """The wake-up the relay settled on, once its watcher chose."""
+    store = store_of(runner)
+
+    async def chosen() -> bool:
+        return store.wakeup[0] != "starting"
+
+    await wait_until(chosen)
+    return store.wakeup
+
+
+async def test_auto_without_the_publication_falls_back_and_says_to_run_init_db(
+    log_url: str,
+) -> None:
+    await pg_fetch(log_url, "DROP PUBLICATION router_wakeup")
+    async with relay(log_url, Arrivals(), wakeup="auto") as runner:
+        mechanism, reason = await decided(runner)
+    assert mechanism == "notify"
+    assert reason == "publication router_wakeup is missing: run `router init-db`"
+
+
+async def test_log_asked_of_a_server_without_it_still_delivers_by_listen(
+    pg_url: str, stager_5432: Stager
+) -> None:
+    arrivals = Arrivals()
+    async with relay(pg_url, arrivals, wakeup="log") as runner:
+        mechanism, reason = await decided(runner)
+        assert mechanism == "notify" and "wal_level is replica" in reason
+        message_id, committed = await stager_5432.stage("plain")
+        assert await arrivals.latency(message_id, committed) < 1.0
