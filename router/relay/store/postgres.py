@@ -300,24 +300,26 @@ class PostgresStore:
             self._set_wakeup("notify", "configured")
             await self._listen(wake)
             return
-        problem = await self._log_problem()
-        if problem is not None and setting == "auto":
+        problem, answered = await self._log_problem()
+        if problem is not None and answered and setting == "auto":
             # Probed once: a server that cannot do it now will not until a DBA acts.
             self._set_wakeup("notify", problem, fallback=True)
             await self._listen(wake)
             return
         await self._follow(wake, problem)
 
-    async def _log_problem(self) -> str | None:
-        """What keeps this server from waking the relay from its log (None: nothing seen)."""
+    async def _log_problem(self) -> tuple[str | None, bool]:
+        """What keeps this server from waking the relay from its log (None: nothing seen),
+        and whether the server answered (False: it could not be asked, so nothing is known
+        of its configuration yet)."""
         try:
             conn = await asyncpg.connect(self._dsn, timeout=10)
         except DB_ERRORS as exc:
-            return f"cannot connect to check: {describe_error(exc)}"
+            return f"cannot connect to check: {describe_error(exc)}", False
         try:
-            return await log_problem(conn)
+            return await log_problem(conn), True
         except DB_ERRORS as exc:
-            return f"cannot check: {describe_error(exc)}"
+            return f"cannot check: {describe_error(exc)}", False
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 2)
@@ -345,7 +347,11 @@ class PostgresStore:
                     self._set_wakeup("notify", f"{reason}; retrying", fallback=True)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, LOG_RETRY_MAX)
-                    problem = await self._log_problem()
+                    problem, answered = await self._log_problem()
+                    if problem is not None and answered and self._wakeup_setting == "auto":
+                        # Down when the router started; up now, but without what the log needs.
+                        self._set_wakeup("notify", problem, fallback=True)
+                        await listening
                     continue
                 problem, delay = None, 0.5
                 await _stop(listening)

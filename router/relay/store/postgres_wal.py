@@ -242,6 +242,9 @@ class Follower:
         except (psycopg2.Error, OSError, TimeoutError) as exc:
             self.close()
             raise LogLost(describe_error(exc)) from exc
+        except BaseException:  # cancelled (the router stops) while connecting
+            self.close()
+            raise
 
     async def run(self) -> NoReturn:
         """Wake on every commit that inserted rows; raises ``LogLost`` when the connection
