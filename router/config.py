@@ -276,9 +276,10 @@ class DatabaseSettings(BaseModel):
     wakeup: Literal["auto", "log", "notify", "poll"] = Field(
         "auto",
         description="How the relay learns of new rows: 'log' reads the database's own log "
-        "(PostgreSQL logical decoding, the MySQL/MariaDB binlog, SQLite's WAL file); "
-        "'notify' (PostgreSQL) has stage() notify only while a relay is idle; 'poll' looks "
-        "for new rows on a short timer; 'auto' takes the best the server allows.",
+        "(PostgreSQL logical decoding, the MySQL/MariaDB binlog); 'notify' (PostgreSQL) "
+        "has stage() notify only while a relay is idle and listening; 'poll' looks for new "
+        "rows on a timer (stage() then never notifies); 'auto' takes the best the server "
+        "allows. SQLite always watches its WAL file.",
     )
 
     @model_validator(mode="after")
@@ -313,9 +314,10 @@ class DatabaseSettings(BaseModel):
 
     @property
     def notifies(self) -> bool:
-        """Whether ``stage()`` wakes an idle relay with NOTIFY (PostgreSQL, unless the relay
-        wakes by the database's log or by polling)."""
-        return self.kind == "postgresql" and self.wakeup in ("auto", "notify")
+        """Whether ``stage()`` may wake an idle relay with NOTIFY (PostgreSQL, unless the
+        relay only polls). It does only while a relay listens idle: never while relays follow
+        the log, but at once when one falls back to LISTEN."""
+        return self.kind == "postgresql" and self.wakeup != "poll"
 
     def public_url(self) -> str:
         """The URL without credentials, for logs and status output."""

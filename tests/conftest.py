@@ -23,7 +23,7 @@ from sqlalchemy import text
 from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
-from tests.private_postgres import PrivatePostgres, require_postgres_programs
+from tests.private_postgres import LOGICAL_DECODING, PrivatePostgres, require_postgres_programs
 from tests.services import MARIADB, NATS, POSTGRES, require
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -44,6 +44,7 @@ SERVICE_FIXTURES = frozenset(
         "nats_streams",  # NATS JetStream
         "kafka_peer",  # tansu, started per session
         "servicebus_peer",  # the AMQP 1.0 Service Bus peer, started per session
+        "pg_logical",  # a private PostgreSQL cluster with wal_level=logical, per session
     }
 )
 
@@ -95,8 +96,8 @@ def private_postgres() -> Iterator[PrivatePostgres]:
         _run_aside(server.close())
 
 
-async def _start(server: PrivatePostgres) -> None:
-    await server.create()
+async def _start(server: PrivatePostgres, settings: str = "") -> None:
+    await server.create(settings=settings)
     await server.start()
 
 
@@ -105,6 +106,19 @@ def _run_aside(work: Coroutine[Any, Any, None]) -> None:
     (``request.getfixturevalue``) from inside its event loop, where asyncio.run cannot."""
     with ThreadPoolExecutor(1) as thread:
         thread.submit(asyncio.run, work).result()
+
+
+@pytest.fixture(scope="session")
+def pg_logical() -> Iterator[PrivatePostgres]:
+    """A private PostgreSQL server with ``wal_level = logical``, for the log wake-up's tests
+    (the shared server runs ``replica`` and is never reconfigured). Started when a test first
+    asks for it, removed at the end of the session."""
+    server = PrivatePostgres(require_postgres_programs(), name="logical")
+    try:
+        _run_aside(_start(server, LOGICAL_DECODING))
+        yield server
+    finally:
+        _run_aside(server.close())
 
 
 @dataclass

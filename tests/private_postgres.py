@@ -26,6 +26,7 @@ import pytest
 from tests.services import free_port, in_ci
 
 __all__ = [
+    "LOGICAL_DECODING",
     "PG_PROGRAMS",
     "PG_USER",
     "PrivatePostgres",
@@ -51,6 +52,13 @@ full_page_writes = off
 shared_buffers = 16MB
 max_connections = 100
 """
+
+LOGICAL_DECODING = """
+wal_level = logical
+max_replication_slots = 8
+max_wal_senders = 8
+"""
+"""Settings of a server whose log a relay follows (``wakeup: log``)."""
 
 
 def postgres_bin() -> Path | None:

@@ -140,7 +140,7 @@ async def test_a_commit_notifies_only_while_a_relay_of_its_target_idles(
     assert len(await outbox_rows(pg_url)) == 3 * count * 2
 
 
-async def test_a_database_waking_by_log_or_poll_never_notifies(
+async def test_a_database_waking_by_poll_never_notifies(
     pg_url: str, listening: asyncio.Queue[str], tmp_path: Path
 ) -> None:
     config = make_config({"main": {"url": pg_url, "wakeup": "poll"}}, ONE_TARGET, base_dir=tmp_path)

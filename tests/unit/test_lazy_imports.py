@@ -56,6 +56,13 @@ def test_no_broker_sdk_is_imported(code: str) -> None:
     assert _loaded_after(code) == []
 
 
+def test_psycopg2_is_imported_only_when_a_store_follows_the_log() -> None:
+    """``wakeup: log`` is an extra (postgres-log): the PostgreSQL store, and so `router
+    serve` on a database that does not follow the log, never needs psycopg2."""
+    code = "import router, router.cli.main, router.relay.store.postgres"
+    assert _loaded_after(code, ("psycopg2",)) == []
+
+
 def test_a_sync_script_on_a_db_api_connection_loads_no_sqlalchemy(tmp_path: Path) -> None:
     """SQLAlchemy is for the SQLAlchemy connections: importing the writer, loading a config
     and choosing the driver of a DB-API connection leave it unimported (its import is a third

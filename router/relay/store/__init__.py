@@ -58,4 +58,5 @@ def open_store(
         pool_size=database.pool_size,
         vacuum_after=vacuum_after,
         durable=durable,
+        wakeup=database.wakeup,
     )

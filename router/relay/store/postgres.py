@@ -5,10 +5,13 @@ A claim runs in a transaction that stays open while its batch is published: the 
 transaction before it commits, one write per row (migration 0010). Batches of one target take
 turns across every worker and host (an advisory lock held to the commit), so streams stay in
 order; a worker that dies takes its transaction with it and the rows are queued as they were.
-New rows announce themselves with ``NOTIFY router_outbox``, whose payload names the targets,
-delivered only when the writer commits; a writer sends one only while a relay of its target
-is idle, which a processor shows by holding its wake lock on the LISTEN connection
-(``postgres_wake.py``).
+The relay learns of new rows from the database's log where the server allows it
+(``wakeup: log``, or ``auto``: router/relay/store/postgres_wal.py follows the outbox's inserts
+through logical decoding), else from ``NOTIFY router_outbox``, whose payload names the targets
+and is delivered only when the writer commits. A writer sends one only while a relay of its
+target is idle and listening, which a processor shows by holding its wake lock on the LISTEN
+connection (``postgres_wake.py``); a relay that follows the log holds none, so then no writer
+notifies.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from router.relay.store.outage import Outage
 from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_upkeep import Upkeep
 from router.relay.store.postgres_wake import WakeLocks
+from router.relay.store.postgres_wal import Follower, LogLost, log_problem
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -50,6 +54,11 @@ log = logging.getLogger(__name__)
 # any length (a failover: the replica promoted), delivery resumes within this of the server
 # accepting writes again. One connection attempt per 2 s and worker costs nothing.
 LISTEN_RETRY_MAX = 2.0
+
+# The log follower's longest pause between tries. LISTEN covers the gap, so this only bounds
+# how long writers' commits wake the relay the old way after the replication connection is
+# back (or the DBA fixed what kept it out).
+LOG_RETRY_MAX = 30.0
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
@@ -102,8 +111,11 @@ class PostgresStore:
         pool_size: int = 4,
         vacuum_after: int = 50_000,
         durable: bool = False,
+        wakeup: str = "auto",
     ) -> None:
         self.name = name
+        self._wakeup_setting = wakeup  # auto | log | notify | poll (DatabaseSettings.wakeup)
+        self._wakeup = ("starting", f"wakeup: {wakeup}")
         self.outage = Outage(name)
         self._async_commit = not durable  # see migration 0006
         self._dsn = dsn
@@ -275,7 +287,110 @@ class PostgresStore:
         if problem is not None:
             raise problem
 
+    @property
+    def wakeup(self) -> tuple[str, str]:
+        """The wake-up in use (``log``, ``notify``, ``poll``; ``starting`` until ``watch``
+        decides) and why, for ``check`` and ``status``."""
+        return self._wakeup
+
     async def watch(self, wake: Wake) -> None:
+        """Call ``wake`` when rows may have been added, as ``wakeup`` says: from the log
+        (falling back to LISTEN whenever it is not available), LISTEN, or not at all (poll)."""
+        setting = self._wakeup_setting
+        if setting == "poll":
+            self._set_wakeup("poll", "configured")
+            await asyncio.Event().wait()  # the processors' poll_interval does it all
+            return
+        if setting == "notify":
+            self._set_wakeup("notify", "configured")
+            await self._listen(wake)
+            return
+        problem, answered = await self._log_problem()
+        if problem is not None and answered and setting == "auto":
+            # Probed once: a server that cannot do it now will not until a DBA acts.
+            self._set_wakeup("notify", problem, fallback=True)
+            await self._listen(wake)
+            return
+        await self._follow(wake, problem)
+
+    async def _log_problem(self) -> tuple[str | None, bool]:
+        """What keeps this server from waking the relay from its log (None: nothing seen),
+        and whether the server answered (False: it could not be asked, so nothing is known
+        of its configuration yet)."""
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=10)
+        except DB_ERRORS as exc:
+            return f"cannot connect to check: {describe_error(exc)}", False
+        try:
+            return await log_problem(conn), True
+        except DB_ERRORS as exc:
+            return f"cannot check: {describe_error(exc)}", False
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 2)
+
+    async def _follow(self, wake: Wake, problem: str | None) -> None:
+        """Follow the log; LISTEN whenever it cannot be followed, from the moment it is lost
+        until the follower streams again.
+
+        Not both at once: once stage() notifies only while a relay listens, a relay that
+        listens while the log serves it would make every writer pay NOTIFY's commit lock for
+        nothing. The switch has no gap: the slot sees every commit after its creation, and a
+        wake-up of every target once it streams covers those before; LISTEN, on until then,
+        only keeps those prompt."""
+        listening: asyncio.Task[None] | None = None
+        delay = 0.5
+        try:
+            while True:
+                if listening is None:
+                    listening = asyncio.create_task(self._listen(wake))
+                follower = Follower(self._dsn, wake)
+                try:
+                    await follower.start()
+                except LogLost as exc:
+                    reason = problem or str(exc)
+                    self._set_wakeup("notify", f"{reason}; retrying", fallback=True)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, LOG_RETRY_MAX)
+                    problem, answered = await self._log_problem()
+                    if problem is not None and answered and self._wakeup_setting == "auto":
+                        # Down when the router started; up now, but without what the log needs.
+                        self._set_wakeup("notify", problem, fallback=True)
+                        await listening
+                    continue
+                problem, delay = None, 0.5
+                await _stop(listening)
+                listening = None
+                wake(None)  # committed while switching over: cheap, and never a miss
+                self._set_wakeup("log", f"slot {follower.slot}")
+                try:
+                    await follower.run()
+                except LogLost as exc:
+                    wake(None)  # committed since the last message: look now
+                    listening = asyncio.create_task(self._listen(wake))
+                    log.warning("wakeup.log.lost", extra={"database": self.name, "error": str(exc)})
+                    self._set_wakeup("notify", f"log lost: {exc}; reconnecting", fallback=True)
+                finally:
+                    follower.close()
+                await asyncio.sleep(delay)
+        finally:
+            if listening is not None:
+                await _stop(listening)
+
+    def _set_wakeup(self, mechanism: str, reason: str, *, fallback: bool = False) -> None:
+        """Record the wake-up in use, and log it when it changes."""
+        if self._wakeup == (mechanism, reason):
+            return
+        self._wakeup = (mechanism, reason)
+        extra = {"database": self.name, "wakeup": mechanism, "reason": reason}
+        if not fallback:
+            log.info("wakeup.active", extra=extra)
+            return
+        # Asked for the log: a warning. Left to auto: what to change to have it.
+        level = logging.WARNING if self._wakeup_setting == "log" else logging.INFO
+        log.log(level, "wakeup.fallback", extra=extra)
+
+    async def _listen(self, wake: Wake) -> None:
         """LISTEN for new rows; reconnect with backoff, and wake everyone after a gap."""
         delay = 0.5
         while True:
@@ -431,6 +546,13 @@ def _raise_as_database_error(name: str, exc: BaseException) -> NoReturn:
     if isinstance(exc, DB_ERRORS):
         raise DatabaseError(f"{name}: {describe_error(exc)}") from exc
     raise exc
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it has closed what it opened."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _targets(payload: str) -> set[str] | None:
