@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from envelopes import DatabaseError, SchemaError
 from router.relay.store.outage import Outage
@@ -22,6 +22,7 @@ __all__ = [
     "Marks",
     "OutboxStore",
     "Wake",
+    "Wakeup",
     "describe_error",
     "new_token",
     "schema_problem",
@@ -67,6 +68,15 @@ class BatchLost(DatabaseError):
 
 Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
+
+
+class Wakeup(NamedTuple):
+    """How a store's watcher learns of rows other processes commit, for ``router check`` and
+    ``router status``: ``mechanism`` is 'log' (the database's own log), 'notify' or 'poll';
+    ``reason`` says why this one (the setting, or what keeps a better one off)."""
+
+    mechanism: str
+    reason: str
 
 
 @dataclass(slots=True)  # not frozen, like WireMessage: one is made per claimed row
