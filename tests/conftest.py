@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import nats
@@ -24,7 +24,10 @@ from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from tests.private_postgres import LOGICAL_DECODING, PrivatePostgres, require_postgres_programs
-from tests.services import MARIADB, NATS, POSTGRES, require
+from tests.services import MARIADB, NATS, POSTGRES, in_ci, require
+
+if TYPE_CHECKING:
+    from tests.mariadb_binlog import BinlogServer
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 NATS_URL = "nats://127.0.0.1:4222"
@@ -45,6 +48,7 @@ SERVICE_FIXTURES = frozenset(
         "kafka_peer",  # tansu, started per session
         "servicebus_peer",  # the AMQP 1.0 Service Bus peer, started per session
         "pg_logical",  # a private PostgreSQL cluster with wal_level=logical, per session
+        "mariadb_binlog",  # a private mariadbd with the binlog on, started per session
     }
 )
 
@@ -477,6 +481,36 @@ def make_config(
     }
     config = RouterConfig.model_validate(data)
     return config.with_base_dir(base_dir or Path.cwd())
+
+
+@pytest.fixture(scope="session")
+def mariadb_binlog() -> Iterator[BinlogServer]:
+    """A private MariaDB with the binlog on (ROW), on a free port, for the whole session: the
+    shared server's binlog is off. Fails under CI when it cannot start; skips elsewhere."""
+    from tests.mariadb_binlog import BinlogServer
+
+    server = BinlogServer()
+    try:
+        server.start()
+    except Exception as exc:
+        server.stop()
+        message = f"a private mariadbd with the binlog on did not start: {exc}"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def binlog_url(mariadb_binlog: BinlogServer) -> AsyncIterator[str]:
+    """One fresh, migrated database on the private MariaDB whose binlog is on."""
+    name = f"router_t_{uuid.uuid4().hex[:10]}"
+    await asyncio.to_thread(mariadb_binlog.execute, f"CREATE DATABASE `{name}`")
+    url = mariadb_binlog.url(name)
+    await upgrade(name, DatabaseSettings.model_validate({"url": url}), Path.cwd())
+    yield url
+    await asyncio.to_thread(mariadb_binlog.execute, f"DROP DATABASE IF EXISTS `{name}`")
 
 
 @pytest.fixture(scope="session")

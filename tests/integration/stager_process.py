@@ -5,7 +5,8 @@
 
 ``TARGET``: a config file, or a database URL (then one internal memory broker, ``events``).
 Each event is ``SyncOutbox.stage`` of one ``OrderPlaced`` in a transaction of its own, on a
-connection of the writer's (psycopg 3 on PostgreSQL, PyMySQL on MariaDB, sqlite3 on SQLite),
+connection of the writer's (psycopg 3 on PostgreSQL, SQLAlchemy and PyMySQL on MariaDB,
+sqlite3 on SQLite),
 opened before the first: a commit costs what an application's does. After each COMMIT
 returns it prints ``{"id": message id, "committed": epoch seconds}``.
 
@@ -48,14 +49,11 @@ def connect(outbox: SyncOutbox) -> Any:
         import psycopg
 
         return psycopg.connect(url)
-    if settings.kind == "mysql":
-        import pymysql
-        from sqlalchemy.engine import make_url
+    if settings.kind == "mysql":  # a raw PyMySQL connection is not one stage() takes
+        import sqlalchemy as sa
 
-        parts = make_url(url)
-        return pymysql.connect(
-            host=parts.host, port=parts.port or 3306, user=parts.username, database=parts.database
-        )
+        engine = sa.create_engine(url.replace("mysql://", "mysql+pymysql://", 1))
+        return engine.connect()
     import sqlite3
 
     return sqlite3.connect(sqlite_path(settings, outbox.config.base_dir))

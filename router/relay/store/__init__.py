@@ -15,6 +15,7 @@ from router.relay.store.base import (
     Marks,
     OutboxStore,
     Wake,
+    Wakeup,
     new_token,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "Marks",
     "OutboxStore",
     "Wake",
+    "Wakeup",
     "new_token",
     "open_store",
 ]
@@ -49,7 +51,12 @@ def open_store(
     if database.kind == "mysql":
         from router.relay.store.mysql import MysqlStore
 
-        return MysqlStore(name, mysql_connect_args(database), pool_size=database.pool_size)
+        return MysqlStore(
+            name,
+            mysql_connect_args(database),
+            pool_size=database.pool_size,
+            wakeup=database.wakeup,
+        )
     from router.relay.store.postgres import PostgresStore
 
     return PostgresStore(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from envelopes import DatabaseError, SchemaError
 from router.relay.store.outage import Outage
@@ -22,6 +22,7 @@ __all__ = [
     "Marks",
     "OutboxStore",
     "Wake",
+    "Wakeup",
     "describe_error",
     "new_token",
     "schema_problem",
@@ -67,6 +68,15 @@ class BatchLost(DatabaseError):
 
 Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
+
+
+class Wakeup(NamedTuple):
+    """How a store's watcher learns of rows other processes commit, for ``router check`` and
+    ``router status``: ``mechanism`` is 'log' (the database's own log), 'notify' or 'poll';
+    ``reason`` says why this one (the setting, or what keeps a better one off)."""
+
+    mechanism: str
+    reason: str
 
 
 @dataclass(slots=True)  # not frozen, like WireMessage: one is made per claimed row
@@ -131,6 +141,10 @@ class OutboxStore(Protocol):
     one transaction of a target is open at a time (PostgreSQL): the processor then claims the
     next batch in the current one's transaction (``after``) instead of beside it, and a claim
     may come back ``busy``."""
+
+    @property
+    def wakeup(self) -> Wakeup:
+        """How the store's watcher learns of new rows now, and why that one."""
 
     async def claim(
         self,

@@ -5,16 +5,24 @@ each is there, are in ``router.relay.store.mysql_sql``. A server without ``SKIP 
 (MariaDB before 10.6, MySQL before 8.0) is refused when the store opens.
 
 MySQL has no NOTIFY. A commit through ``Outbox`` in the serving process wakes its processors
-directly (``router._local``); for what other processes do, ``watch`` polls the newest ``seq``
-(new rows), the newest pending ``available_at`` (rows requeued) and the paused targets (a
-resume), one cheap statement every quarter second after a change, backing off to one every
-``watch_interval`` seconds (15: four statements a minute) while nothing changes.
+directly (``router._local``). What other processes commit, ``watch`` learns as the database's
+``wakeup`` setting says:
+
+- ``log``: from the binlog, within milliseconds (``router.relay.store.mysql_binlog``). A poll
+  still runs beside it for requeues and resumes (updates, which the binlog follower ignores):
+  one cheap statement every quarter second after a change, backing off to one every
+  ``watch_interval`` seconds (15) while nothing changes. Whenever the binlog connection is
+  lost, that poll runs every ``WATCH_FAST`` seconds until the follower is back.
+- ``poll``: the poll alone, every ``WATCH_FAST`` seconds (20 statements a second).
+- ``auto`` (the default): ``log`` when the server allows it (binlog on in ROW format, the
+  privileges a replica needs), else ``poll``; ``wakeup`` says which is active, and why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +41,7 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    Wakeup,
     describe_error,
     new_token,
     schema_problem,
@@ -45,9 +54,16 @@ log = logging.getLogger(__name__)
 
 SERVER_VERSION = "SELECT VERSION()"
 
-# The watcher's pace: right after a change, then doubling up to the store's watch_interval.
+# The watcher's pace: right after a change, then doubling up to the store's watch_interval;
+# every WATCH_FAST seconds when the poll is the only wake-up (the statement costs the server
+# about 0.1 ms: docs/production.md has the figures).
 WATCH_BUSY = 0.25
 WATCH_IDLE = 15.0
+WATCH_FAST = 0.05
+# A lost binlog connection is tried again after this long, doubling up to RECONNECT_MAX.
+RECONNECT_FIRST = 1.0
+RECONNECT_MAX = 30.0
+BINLOG_PACKAGE = "pymysqlreplication"
 
 _NO_SUCH_TABLE = 1146
 _DB_ERRORS = (MySQLError, OSError, TimeoutError)
@@ -81,10 +97,14 @@ class MysqlStore:
         *,
         pool_size: int = 4,
         watch_interval: float = WATCH_IDLE,
+        wakeup: str = "auto",
     ) -> None:
         self.name = name
         self.outage = Outage(name)
         self.watch_interval = watch_interval
+        self.wakeup = Wakeup("starting", "not watching yet")
+        """The wake-up active now, and why: ``watch`` keeps it current."""
+        self._wakeup_setting = wakeup
         self._connect_args = connect_args
         self._pool_size = pool_size
         self._pool: Any = None
@@ -214,8 +234,98 @@ class MysqlStore:
         """Nothing to do (see ``idle``)."""
 
     async def watch(self, wake: Wake) -> None:
-        """Wake every processor when rows arrive, are requeued, or a target is resumed
-        (``mysql_sql.WATCH`` says what it reads).
+        """Wake the processors when rows arrive, are requeued, or a target is resumed: from
+        the binlog or a poll, as the ``wakeup`` setting and the server allow (the module's
+        docstring says how each works)."""
+        pace = _Pace(fast=self._wakeup_setting == "poll")
+        poll = asyncio.create_task(self._poll(wake, pace), name=f"poll:{self.name}")
+        try:
+            if self._wakeup_setting == "poll":
+                self._use(Wakeup("poll", "wakeup: poll"))
+            else:
+                await self._follow(wake, pace)
+            await poll
+        finally:
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+
+    async def probe_wakeup(self) -> Wakeup:
+        """The wake-up ``watch`` would pick now, from two cheap statements (``router check``).
+        It cannot see ``REPLICATION SLAVE``: only following the binlog tries that."""
+        if self._wakeup_setting == "poll":
+            return Wakeup("poll", "wakeup: poll")
+        missing = _binlog_package_missing()
+        if missing is not None:
+            return Wakeup("poll", missing)
+        from router.relay.store import mysql_binlog as binlog
+
+        async with self._cursor() as cursor:
+            await cursor.execute("SELECT @@log_bin, @@binlog_format")
+            log_bin, binlog_format = await cursor.fetchone()
+            try:
+                await cursor.execute(binlog.BINLOG_STATUS[0])
+                status = await cursor.fetchone()
+            except MySQLError as exc:
+                problem = binlog.denied(exc)
+                if problem is None:
+                    raise
+                return Wakeup("poll", problem)
+        problem = binlog.binlog_problem(log_bin, binlog_format, status)
+        return Wakeup("poll", problem) if problem else Wakeup("log", "the binlog is on, ROW")
+
+    async def _follow(self, wake: Wake, pace: _Pace) -> None:
+        """Follow the binlog, polling fast whenever it is not connected; returns only when
+        ``auto`` finds the server does not allow it (the poll goes on alone)."""
+        auto = self._wakeup_setting == "auto"
+        missing = _binlog_package_missing()
+        if missing is not None:
+            self._fall_back(pace, missing)
+            if auto:
+                return
+        from router.relay.store.mysql_binlog import BinlogFollower, BinlogUnusable
+
+        follower = BinlogFollower(self.name, self._connect_args)
+        delay, ever = RECONNECT_FIRST, False
+
+        def connected() -> None:
+            nonlocal delay, ever
+            delay, ever = RECONNECT_FIRST, True
+            pace.slow()
+            self._use(Wakeup("log", "following the binlog"))
+            wake(None)  # for commits made before the session started
+
+        while True:
+            try:
+                await follower.follow(wake, connected)
+                reason = "the binlog connection ended"
+            except BinlogUnusable as exc:
+                if auto and not ever:
+                    self._fall_back(pace, str(exc))
+                    return
+                reason = str(exc)
+            except DatabaseError as exc:
+                reason = f"binlog connection lost, reconnecting: {exc}"
+            self._fall_back(pace, reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX)
+
+    def _fall_back(self, pace: _Pace, reason: str) -> None:
+        pace.fast_now()
+        self._use(Wakeup("poll", reason))
+
+    def _use(self, wakeup: Wakeup) -> None:
+        """Make ``wakeup`` the active one; log it when it changed."""
+        if wakeup == self.wakeup:
+            return
+        self.wakeup = wakeup
+        extra = {"database": self.name, "mechanism": wakeup.mechanism, "reason": wakeup.reason}
+        if wakeup.mechanism == "poll" and self._wakeup_setting != "poll":
+            log.warning("wakeup.fallback", extra=extra)
+        else:
+            log.info("wakeup.active", extra=extra)
+
+    async def _poll(self, wake: Wake, pace: _Pace) -> None:
+        """Look for changes (``mysql_sql.WATCH``) as ``pace`` says; wake everyone on one.
 
         A transaction that got a lower ``seq`` may commit just after a higher one was seen,
         without changing it: after each change the next look wakes everyone once more.
@@ -241,7 +351,7 @@ class MysqlStore:
                 wake(None)
             seen, recheck = (seq, *paused), changed
             interval = WATCH_BUSY if changed else min(interval * 2, self.watch_interval)
-            await asyncio.sleep(interval)
+            await pace.wait(interval)
 
     async def close(self) -> None:
         """Close the pool."""
@@ -359,6 +469,39 @@ class MysqlStore:
             await cursor.execute(sql.RELEASE_WORKER, [worker])
             count = cursor.rowcount  # asyncmy types it object; it is an int
             return count if isinstance(count, int) else 0
+
+
+class _Pace:
+    """How often the watcher's poll looks: fast while it is the only wake-up, else backing
+    off; ``fast_now`` also cuts the current wait short."""
+
+    def __init__(self, *, fast: bool) -> None:
+        self.fast = fast
+        self._nudge = asyncio.Event()
+
+    def fast_now(self) -> None:
+        """Poll every WATCH_FAST seconds from now on (the binlog is not connected)."""
+        self.fast = True
+        self._nudge.set()
+
+    def slow(self) -> None:
+        """Back off again (the binlog is connected)."""
+        self.fast = False
+
+    async def wait(self, interval: float) -> None:
+        """Until the next look: WATCH_FAST when fast, else ``interval``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._nudge.wait(), WATCH_FAST if self.fast else interval)
+        self._nudge.clear()
+
+
+def _binlog_package_missing() -> str | None:
+    """Why the binlog cannot be read here, when its package is not installed."""
+    if importlib.util.find_spec(BINLOG_PACKAGE) is not None:
+        return None
+    return (
+        f"the binlog reader is not installed ({BINLOG_PACKAGE}): pip install 'outbox-router[mysql]'"
+    )
 
 
 def _in_stream_order(

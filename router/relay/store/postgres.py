@@ -34,6 +34,7 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    Wakeup,
     describe_error,
     new_token,
     schema_problem,
@@ -115,7 +116,7 @@ class PostgresStore:
     ) -> None:
         self.name = name
         self._wakeup_setting = wakeup  # auto | log | notify | poll (DatabaseSettings.wakeup)
-        self._wakeup = ("starting", f"wakeup: {wakeup}")
+        self._wakeup = Wakeup("starting", f"wakeup: {wakeup}")
         self.outage = Outage(name)
         self._async_commit = not durable  # see migration 0006
         self._dsn = dsn
@@ -288,7 +289,7 @@ class PostgresStore:
             raise problem
 
     @property
-    def wakeup(self) -> tuple[str, str]:
+    def wakeup(self) -> Wakeup:
         """The wake-up in use (``log``, ``notify``, ``poll``; ``starting`` until ``watch``
         decides) and why, for ``check`` and ``status``."""
         return self._wakeup
@@ -381,7 +382,7 @@ class PostgresStore:
         """Record the wake-up in use, and log it when it changes."""
         if self._wakeup == (mechanism, reason):
             return
-        self._wakeup = (mechanism, reason)
+        self._wakeup = Wakeup(mechanism, reason)
         extra = {"database": self.name, "wakeup": mechanism, "reason": reason}
         if not fallback:
             log.info("wakeup.active", extra=extra)

@@ -27,6 +27,7 @@ from router.relay.store.base import (
     ClaimedRow,
     Marks,
     Wake,
+    Wakeup,
     describe_error,
     new_token,
     schema_problem,
@@ -128,6 +129,7 @@ class SqliteStore:
         self.outage = Outage(name)
         self.path = path
         self.watch_interval = watch_interval
+        self.wakeup = Wakeup("log", f"its WAL file, looked at every {watch_interval * 1000:g} ms")
         self._db: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
 
