@@ -15,7 +15,7 @@ from envelopes.errors import (
 )
 from envelopes.exposure import EXPOSABLE_FIELDS, Exposure
 from envelopes.identify import message_id_of
-from envelopes.ids import uuid7
+from envelopes.ids import uuid7, uuid7_text
 from envelopes.metadata import (
     PARTNER_FIELDS,
     EnvelopeMetadata,
@@ -75,4 +75,5 @@ __all__ = [
     "message_id_of",
     "render",
     "uuid7",
+    "uuid7_text",
 ]

@@ -15,6 +15,7 @@ the order of the events, so per stream key, seq follows the order given.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,7 +31,7 @@ from envelopes import (
     StagingError,
     check_cloudevents_extensions,
     make_internal_envelope,
-    uuid7,
+    uuid7_text,
 )
 from router._db import sqlite_time
 from router._wakeup import WAKE_LOCK_NAMESPACE
@@ -109,18 +110,9 @@ def _wake_many(notify: str) -> str:
     return _wake(typed, _WAKE_ANY.format(notify=typed))
 
 
-_PG_INSERT = f"""
-WITH inserted AS (
-    INSERT INTO router_outbox ({_COLUMNS})
-    SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::json[])
-    WHERE {_STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="$8::text[]")}
-    RETURNING 1
-)
-SELECT {{wake}}
-"""
-
-# The same statement with named parameters, for SQLAlchemy's text() and the DB-API drivers
-# (psycopg, psycopg2, Django's cursor), which take ``:name`` or ``%(name)s`` (``Statement``).
+# Many rows at once: every column an array, unnested, after the stream keys' locks. Written
+# with named parameters, as SQLAlchemy's text() and the DB-API drivers take them (``:name`` or
+# ``%(name)s``, ``Statement``); asyncpg gets them numbered (``_numbered``).
 _PG_INSERT_NAMED = f"""
 WITH inserted AS (
     INSERT INTO router_outbox ({_COLUMNS})
@@ -133,9 +125,6 @@ WITH inserted AS (
 SELECT {{wake}}
 """
 
-PG_INSERT = _PG_INSERT.format(wake=_wake_many("$7"))
-PG_INSERT_QUIET = _PG_INSERT.format(wake="CAST($7 AS text)")  # $7 unused, but typed
-"""``PG_INSERT`` for a database whose relay wakes without NOTIFY (``wakeup: log`` or ``poll``)."""
 PG_INSERT_NAMED = _PG_INSERT_NAMED.format(wake=_wake_many(":notify"))
 _PG_INSERT_NAMED_QUIET = _PG_INSERT_NAMED.format(wake="1")
 
@@ -197,7 +186,7 @@ def _pg_simple_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str
 
 
 # Many rows through a driver that can COPY (psycopg 3): one statement takes the stream keys'
-# locks (as PG_INSERT does) and queues the NOTIFY, then COPY writes the rows, the fastest way
+# locks (as PG_INSERT_NAMED does) and queues the wake, then COPY writes the rows, the fastest way
 # in. The locks are held before COPY draws the first seq; the NOTIFY, like any, is delivered
 # only at COMMIT, so queued before the rows it is the same as after them. COPY pays a round
 # trip of its own, so a few dozen rows go faster by unnest.
@@ -306,14 +295,18 @@ class Stager:
         self._sqlite_inserts: dict[int, str] = {}
         self._pg_small_inserts: dict[tuple[tuple[int, ...], bool, int, bool], str] = {}
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
+        self._cloudevents: dict[str, frozenset[str]] = {}
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
-        """Brokers that carry extensions as CloudEvents attributes."""
-        return frozenset(
-            name
-            for name, broker in self.config.brokers_of(database).items()
-            if broker.profile == "cloudevents" and "extensions" not in broker.omit
-        )
+        """Brokers that carry extensions as CloudEvents attributes (known once per database)."""
+        found = self._cloudevents.get(database)
+        if found is None:
+            found = self._cloudevents[database] = frozenset(
+                name
+                for name, broker in self.config.brokers_of(database).items()
+                if broker.profile == "cloudevents" and "extensions" not in broker.omit
+            )
+        return found
 
     def routes(self, database: str, event_class: type[Event]) -> list[Route]:
         """The targets and destinations of an event class in one database."""
@@ -362,7 +355,7 @@ class Stager:
                     raise StagingError(f"event {spec.type!r}: {exc}") from None
             if headers:
                 self._check_headers(headers, routes, headers_checked)
-            message_id = str(uuid7())
+            message_id = uuid7_text()
             envelope = self._envelope(event, spec, message_id, key, now, options)
             if len(envelope) > limit:
                 raise StagingError(
@@ -404,9 +397,12 @@ class Stager:
         self, conn: Any, rows: Sequence[Row], *, notify: bool = True
     ) -> None:
         """Insert rows through a raw asyncpg connection (caller's transaction), waking an
-        idle relay unless ``notify`` is False."""
-        sql = PG_INSERT if notify else PG_INSERT_QUIET
-        await conn.execute(sql, *_columns(rows), _notify_payload(rows), _stream_keys(rows))
+        idle relay unless ``notify`` is False: the statements every driver runs, numbered."""
+        for statement in self.statements("postgresql", rows, notify=notify):
+            assert isinstance(statement, Statement)  # no Copy unless asked for
+            assert isinstance(statement.params, dict)  # PostgreSQL's are named
+            sql, names = _numbered(statement.sql)
+            await conn.execute(sql, *(statement.params[name] for name in names))
 
     def statements(
         self,
@@ -729,6 +725,23 @@ def _columns(
 def _row_names(i: int) -> tuple[str, str]:
     """The parameters of row ``i``'s target and destination in the small form."""
     return f"t{i}", f"d{i}"
+
+
+_NAMED = re.compile(r"(?<![:\w]):([a-z]\w*)")
+
+
+@functools.lru_cache(maxsize=512)
+def _numbered(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql``'s ``:name`` parameters as asyncpg's ``$1, $2...``, and the names in that order
+    (a name used twice keeps its one number). Once per statement text: the texts are few."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return _NAMED.sub(number, sql), tuple(names)
 
 
 @functools.cache
