@@ -19,6 +19,7 @@ from router.config import RouterConfig
 __all__ = ["add_parser", "status"]
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+PROBED = "as a relay starting now would pick it (a running one's: serve's /api/outbox)"
 
 
 def add_parser(commands: Any) -> None:
@@ -61,11 +62,23 @@ async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redac
 
 async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> str:
     from router.ops.status import status
+    from router.ops.wakeup import probe_all
 
     rows = await status(config, args.database)
+    # Another process: it cannot see a running relay's wake-up, only what a probe finds.
+    wakeups = await probe_all(config, args.database)
     if args.json:
-        return redactor(json.dumps({"targets": [r.as_dict() for r in rows]}, indent=2, default=str))
-    return redactor(_human(rows))
+        document = {
+            "targets": [r.as_dict() for r in rows],
+            "wakeups": [w.as_dict() for w in wakeups],
+        }
+        return redactor(json.dumps(document, indent=2, default=str))
+    return redactor(_human(rows) + "\n\n" + _wakeups(wakeups))
+
+
+def _wakeups(reports: list[Any]) -> str:
+    lines = [f"  {r.database}: {r.text}" for r in reports]
+    return "\n".join([f"wake-up, {PROBED}:", *lines])
 
 
 def _human(rows: list[Any]) -> str:

@@ -1,5 +1,8 @@
 """``router check``: validate the config, then reach every database and broker.
 
+Each database that answers gets a second line: the wake-up a relay starting now would use
+(probed read-only, no follower started) and, short of the database's log, what to change.
+
 It changes nothing: a stream or exchange that ``router serve`` would create is reported as
 missing, with what serve would do; ``router check --create`` creates it. A destination the
 broker would refuse (a NATS subject its stream does not capture, say) fails its broker's
@@ -18,6 +21,7 @@ from brokers.settings import NatsSettings
 from envelopes import MissingDestination, RouterError
 from router.config import RouterConfig
 from router.ops.migrate import current_revision, head_revision
+from router.ops.wakeup import describe, probe
 from router.serve.embedded import EmbeddedRun, embedded_brokers
 from router.write.catalog import EventCatalog
 
@@ -59,17 +63,44 @@ async def _check_all(
     create: bool,
     catalog: EventCatalog,
 ) -> list[CheckResult]:
+    groups = await asyncio.gather(
+        *(_database_and_wakeup(config, name, timeout) for name in config.databases),
+        _brokers(config, timeout, embedded, create, catalog),
+    )
+    return [result for group in groups for result in group]
+
+
+async def _database_and_wakeup(
+    config: RouterConfig, name: str, timeout: float
+) -> list[CheckResult]:
+    """The database's line, then, once it answers, the wake-up a relay would use."""
+    settings = config.databases[name]
+    database = await _bounded(
+        _check_database(config, name), "database", name, settings.public_url(), timeout
+    )
+    if not database.ok:
+        return [database]
+    wakeup = await _bounded(
+        _check_wakeup(config, name), "wake-up", name, f"wakeup: {settings.wakeup}", timeout
+    )
+    return [database, wakeup]
+
+
+async def _check_wakeup(config: RouterConfig, name: str) -> str:
+    """A warning, not a failure, when the log is asked for and impossible: the relay then
+    delivers all the same, woken by the fallback, and keeps trying the log."""
+    wakeup = await probe(config, name)
+    return describe(config.databases[name].wakeup, wakeup)
+
+
+async def _brokers(
+    config: RouterConfig,
+    timeout: float,
+    embedded: dict[str, EmbeddedRun],
+    create: bool,
+    catalog: EventCatalog,
+) -> list[CheckResult]:
     checks = [
-        _bounded(
-            _check_database(config, name),
-            "database",
-            name,
-            config.databases[name].public_url(),
-            timeout,
-        )
-        for name in config.databases
-    ]
-    checks += [
         _bounded(
             _check_broker(
                 name,

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     # The operator queries run on SQLAlchemy, imported at the first request that reads the
     # backlog: the server itself is up before the processors start, so it must cost little.
     from router.ops.status import TargetStatus
+    from router.ops.wakeup import WakeupReport
+    from router.relay.store import Wakeup
 
 __all__ = ["Action", "Params", "Query", "Response", "Route", "StatusService", "json_response"]
 
@@ -75,6 +77,8 @@ FLOW_REUSE = 5.0
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
 BAD_LIMIT = {"error": f"limit: a number of rows, at most {MAX_LIMIT}"}
+# How long a probed wake-up (a worker pool's parent runs no relay of its own) is reused.
+WAKEUP_PROBE_REUSE = 30.0
 
 
 class StatusService:
@@ -86,8 +90,13 @@ class StatusService:
         counters: CollectorRegistry,
         health: Callable[[], dict[str, Any]],
         max_age: float = 1.0,
+        wakeups: Callable[[], Mapping[str, Wakeup]] | None = None,
     ) -> None:
+        """``wakeups``: the running relay's wake-up per database; without it (the parent of a
+        worker pool), /api/outbox shows what a probe finds, and says so."""
         self.config = config
+        self._active_wakeups = wakeups
+        self._probed: tuple[float, list[WakeupReport]] | None = None
         self.counters = counters
         self.health = health
         self.max_age = max_age
@@ -203,8 +212,19 @@ class StatusService:
                 "generated_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
                 "error": self._error,
                 "targets": [_target(row, totals, retries) for row in rows],
+                "wakeups": [report.as_dict() for report in await self.wakeups()],
             },
         )
+
+    async def wakeups(self) -> list[WakeupReport]:
+        """Each database's wake-up: the running relay's, or a probe's (reused a while)."""
+        from router.ops import wakeup
+
+        if self._active_wakeups is not None:
+            return wakeup.reports(self.config, self._active_wakeups())
+        if self._probed is None or time.monotonic() - self._probed[0] >= WAKEUP_PROBE_REUSE:
+            self._probed = (time.monotonic(), await wakeup.probe_all(self.config))
+        return self._probed[1]
 
     async def dashboard(self) -> Response:
         """A self-contained page that polls /api/outbox and draws the figures."""

@@ -25,7 +25,7 @@ from router._local import database_key, register
 from router.config import RouterConfig
 from router.relay.metrics import Metrics
 from router.relay.processor import Processor
-from router.relay.store import OutboxStore, open_store
+from router.relay.store import OutboxStore, Wakeup, open_store
 from router.serve.embedded import embedded_brokers
 from router.write.catalog import check_partners, load_catalog
 from router.write.pinning import Received
@@ -178,7 +178,9 @@ class Runner:
             from router.serve.console import StatusService
             from router.serve.http_app import console_server
 
-            service = StatusService(self.config, self.metrics.registry, self._health)
+            service = StatusService(
+                self.config, self.metrics.registry, self._health, wakeups=self._wakeups
+            )
             self.http = console_server(service)
             await self.http.start()
             self._exit_stack.push_async_callback(self.http.stop)
@@ -218,6 +220,9 @@ class Runner:
             self.wake(database, targets)
         elif self._loop is not None:
             self._loop.call_soon_threadsafe(self.wake, database, targets)
+
+    def _wakeups(self) -> dict[str, Wakeup]:
+        return {name: store.wakeup for name, store in self.stores.items()}
 
     def _health(self) -> dict[str, Any]:
         return {

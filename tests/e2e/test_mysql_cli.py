@@ -98,7 +98,12 @@ async def test_the_operations_commands_on_a_fresh_mariadb_database(
     )
     assert target_line(status, "events")[2:7] == ["3", "0", "0", "0", "2"]
     assert target_line(status, "partner")[2:7] == ["1", "0", "0", "2", "2"]
-    assert status.endswith("latest errors:\n  main/partner: connection refused\n")
+    assert status.endswith(
+        "latest errors:\n  main/partner: connection refused\n\n"
+        "wake-up, as a relay starting now would pick it (a running one's: serve's /api/outbox):\n"
+        "  main: poll, not the log: binlog is off: set log_bin and binlog_format=ROW, and GRANT "
+        "REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO the router's user\n"
+    )
 
     assert run(tmp_path, "pause", "partner").stdout == "partner: paused in main\n"
     status = run(tmp_path, "status").stdout

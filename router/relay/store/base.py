@@ -146,6 +146,10 @@ class OutboxStore(Protocol):
     def wakeup(self) -> Wakeup:
         """How the store's watcher learns of new rows now, and why that one."""
 
+    async def probe_wakeup(self) -> Wakeup:
+        """The wake-up ``watch`` would pick if it started now, and why, found by read-only
+        queries without starting a follower (``router check``, ``router status``)."""
+
     async def claim(
         self,
         target: str,

@@ -314,6 +314,21 @@ class PostgresStore:
             return
         await self._follow(wake, problem)
 
+    async def probe_wakeup(self) -> Wakeup:
+        """The wake-up ``watch`` would pick now, from one read-only query and without a
+        follower (``router check``, ``router status``): ``notify`` with what keeps the log
+        off, or ``log``. A replication connection's refusal (``pg_hba.conf``, no free slot)
+        shows only when ``watch`` tries; with ``wakeup: log`` it then retries on ``notify``."""
+        setting = self._wakeup_setting
+        if setting in ("poll", "notify"):
+            return Wakeup(setting, f"wakeup: {setting}")
+        problem, answered = await self._log_problem()
+        if not answered:
+            raise DatabaseError(f"{self.name}: {problem}")
+        if problem is not None:
+            return Wakeup("notify", problem)
+        return Wakeup("log", "wal_level, role and publication allow it")
+
     async def _log_problem(self) -> tuple[str | None, bool]:
         """What keeps this server from waking the relay from its log (None: nothing seen),
         and whether the server answered (False: it could not be asked, so nothing is known

@@ -240,6 +240,10 @@ class SqliteStore:
     def busy(self, target: str) -> None:
         """Nothing to do (see ``idle``)."""
 
+    async def probe_wakeup(self) -> Wakeup:
+        """Always the WAL file watcher, whatever ``wakeup`` says."""
+        return self.wakeup
+
     async def watch(self, wake: Wake) -> None:
         """Wake the processors whenever the database or its WAL file changes."""
         wal = self.path.with_name(self.path.name + "-wal")
