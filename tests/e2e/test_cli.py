@@ -99,7 +99,7 @@ async def test_check_names_the_failing_broker_and_why_without_secrets(
     assert "FAILED" in lines["partner"]
     assert "ConnectionRefusedError" in lines["partner"]
     assert "nats://***@127.0.0.1" in lines["partner"]
-    assert "1 of 3 checks failed" in result.stdout
+    assert "1 of 4 checks failed" in result.stdout  # the database, its wake-up, two brokers
 
 
 async def test_check_reports_a_missing_outbox_table(
@@ -198,7 +198,7 @@ async def test_check_covers_every_broker_type_and_hides_every_kind_of_secret(
     for name in ("dead_rabbit", "dead_redis", "dead_kafka", "dead_bus"):
         assert "FAILED" in lines[name], lines[name]
     assert "rabbitmq amqp://***@127.0.0.1" in lines["dead_rabbit"]
-    assert "4 of 10 checks failed" in result.stdout
+    assert "4 of 11 checks failed" in result.stdout  # with the database's wake-up
     assert result.returncode == 1
 
 
