@@ -483,6 +483,26 @@ def make_config(
     return config.with_base_dir(base_dir or Path.cwd())
 
 
+@pytest.fixture
+async def log_url(pg_logical: PrivatePostgres) -> AsyncIterator[str]:
+    """A fresh database on the private server with wal_level=logical, migrated (so it has
+    the publication ``router_wakeup``)."""
+    name = f"router_log_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(pg_logical.url())
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    url = pg_logical.url(name)
+    await upgrade("main", DatabaseSettings.model_validate({"url": url}), Path.cwd())
+    yield url
+    admin = await asyncpg.connect(pg_logical.url())
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
 @pytest.fixture(scope="session")
 def mariadb_binlog() -> Iterator[BinlogServer]:
     """A private MariaDB with the binlog on (ROW), on a free port, for the whole session: the

@@ -53,8 +53,11 @@ _DUE_RECHECK = 1.0
 # Back-off after a cycle failed (database down, or a bug): from half a second to 30 s.
 _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
 # How long to wait before asking again when another worker's batch holds the target (seconds):
-# from a batch's publish to about a second, so a worker that died is taken over soon after.
-_BUSY_MIN, _BUSY_MAX = 0.02, 1.0
+# from a batch's publish to a tenth of a second. No commit wakes a worker that waits so (its
+# stagers notify only idle relays, router/_wakeup.py), so this is how late it takes over
+# when that batch ends, or its worker is cut off from the broker and gives its rows back. A
+# busy claim returns at once (a try of the target's lock), so ten a second cost nothing.
+_BUSY_MIN, _BUSY_MAX = 0.02, 0.1
 # A run of PostgreSQL batches (one transaction) claims no further batch after this long
 # (seconds): its outcomes become visible when it commits, and the transaction holds back the
 # database's vacuum horizon while it lasts.
@@ -105,6 +108,7 @@ class Processor:
         self._recorded_circuit = "closed"
         self._recorded_probes = 0  # an open circuit is recorded again after every probe
         self._wake = asyncio.Event()
+        self._drained = False  # the last pump claimed all there was (see _going_idle)
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
@@ -144,6 +148,7 @@ class Processor:
         try:
             while not self._stopping:
                 self._wake.clear()
+                self._drained = False
                 try:
                     if self.circuit.is_open:  # only the broker is asked
                         timeout = await self._probe()
@@ -167,7 +172,7 @@ class Processor:
                     # minute by default), or an outage with nothing staged after it would
                     # outlast the broker's return by that long.
                     timeout = min(timeout, self.circuit.probe_in())
-                else:
+                elif self._drained:  # not for a rate limit's or another batch's wait
                     timeout = await self._going_idle(timeout)
                     if timeout <= 0:
                         continue
@@ -457,6 +462,7 @@ class Processor:
         """
         if handled >= limit:  # a full claim: there may be more
             return None
+        self._drained = True  # nothing left to claim now: wait for new rows
         loop = asyncio.get_running_loop()
         recheck = handled == 0 or loop.time() - self._due_checked_at >= _DUE_RECHECK
         if self._check_due or recheck:

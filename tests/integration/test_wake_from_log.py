@@ -11,10 +11,8 @@ import json
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -22,36 +20,14 @@ import pytest
 
 from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, PublishResult
 from router import Runner
-from router.config import DatabaseSettings
-from router.ops.migrate import upgrade
 from router.relay.store.postgres import PostgresStore
 from router.relay.store.postgres_wal import SLOT_PREFIX
 from tests.conftest import make_config, pg_fetch
 from tests.integration.test_delivery import wait_until
-from tests.private_postgres import PrivatePostgres
 
 LATENCY = 0.050  # seconds from the writer's commit to the broker's publish
 GAPS = (1.0, 3.0)  # idle seconds before each event
 SLOTS = "SELECT slot_name, temporary, active FROM pg_replication_slots WHERE slot_name LIKE $1"
-
-
-@pytest.fixture
-async def log_url(pg_logical: PrivatePostgres) -> AsyncIterator[str]:
-    """A fresh database on the private cluster, migrated (so it has the publication)."""
-    name = f"router_log_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(pg_logical.url())
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    url = pg_logical.url(name)
-    await upgrade("main", DatabaseSettings.model_validate({"url": url}), Path.cwd())
-    yield url
-    admin = await asyncpg.connect(pg_logical.url())
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
 
 
 class Stager:

@@ -6,30 +6,24 @@ within milliseconds, idle or busy, at random moments."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, PublishResult
-from router import Outbox, Runner, SyncOutbox
+from router import Outbox, SyncOutbox
 from router._wakeup import CHANNEL, WAKE_LOCK_NAMESPACE
 from router.ops.operations import set_paused
 from tests.conftest import make_config
 from tests.integration.events import OrderPlaced
+from tests.integration.wake_relay import ONE_TARGET, Relay
 
-ROOT = Path(__file__).resolve().parents[2]
-ONE_TARGET = {"events": {"type": "memory", "internal": True}}
 TWO_TARGETS = {**ONE_TARGET, "partner": {"type": "memory"}}
 
 Stage = Callable[[str, int, int], Awaitable[None]]
@@ -167,69 +161,6 @@ async def outbox_rows(url: str) -> list[asyncpg.Record]:
         await conn.close()
 
 
-class SlowBroker(MemoryBroker):
-    """A memory broker that takes ``delay`` seconds over each batch."""
-
-    def __init__(self, name: str, *, handler: Any, delay: float) -> None:
-        super().__init__(name, handler=handler)
-        self.delay = delay
-
-    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
-        await asyncio.sleep(self.delay)
-        return await super().publish(batch)
-
-
-class Relay:
-    """``router serve``'s runner on one database, with a memory broker that notes when each
-    message arrived; ``poll_interval`` an hour, so only wake-ups deliver in time."""
-
-    def __init__(
-        self, url: str, base_dir: Path, *, batch_size: int = 500, publish_delay: float = 0.0
-    ) -> None:
-        outbox = {"poll_interval": 3600, "batch_size": batch_size}
-        self.config = make_config({"main": url}, ONE_TARGET, base_dir=base_dir, outbox=outbox)
-        self.publish_delay = publish_delay
-        self.config_file = base_dir / "config.json"
-        self.config_file.write_text(json.dumps({"databases": {"main": url}, "brokers": ONE_TARGET}))
-        self.arrived: dict[str, float] = {}
-        self.runner = Runner(
-            self.config, broker_factory=self._broker, serve_http=False, run_cleanup=False
-        )
-
-    def _broker(self, name: str, settings: BrokerSettings) -> Broker:
-        return SlowBroker(name, handler=self._note, delay=self.publish_delay)
-
-    def _note(self, message: OutgoingMessage) -> PublishResult | None:
-        self.arrived.setdefault(message.wire.message_id, time.time())
-        return None
-
-    async def stage_elsewhere(self, plan: list[list[float]]) -> dict[str, float]:
-        """Run ``plan`` in a writer process of its own; each message id's commit time."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tests.integration.stager_process",
-            str(self.config_file),
-            json.dumps({"threads": plan}),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        out, err = await process.communicate()
-        assert process.returncode == 0, err.decode()
-        lines = [json.loads(line) for line in out.decode().splitlines()]
-        return {line["id"]: line["committed"] for line in lines}
-
-    async def lateness(self, committed: dict[str, float], within: float = 2.0) -> list[float]:
-        """Seconds from each commit to its arrival, once every one arrived."""
-        deadline = time.monotonic() + within
-        while not committed.keys() <= self.arrived.keys() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        missing = committed.keys() - self.arrived.keys()
-        assert not missing, f"{len(missing)} of {len(committed)} never arrived"
-        return [self.arrived[m] - committed[m] for m in committed]
-
-
 @pytest.fixture
 async def relay(pg_url: str, tmp_path: Path) -> AsyncIterator[Relay]:
     relay = Relay(pg_url, tmp_path)
@@ -313,5 +244,29 @@ async def test_stagers_notify_nothing_while_the_relay_is_busy(
         committed = await relay.stage_elsewhere([[0.05] * 10])
         assert await heard_within(listening, 0.2) == []
         await relay.lateness(committed, within=10.0)
+    finally:
+        await relay.runner.shutdown()
+
+
+async def test_a_rate_limited_relay_with_rows_waiting_holds_no_wake_lock(
+    pg_url: str, tmp_path: Path, listening: asyncio.Queue[str]
+) -> None:
+    # Waiting for its rate limit's tokens, with rows left, a processor is not idle: were it
+    # to hold its wake lock, every writer of the database would pay NOTIFY's commit lock.
+    relay = Relay(pg_url, tmp_path, broker={"rate_limit": 20})
+    outbox = Outbox(relay.config)
+    try:
+        await stage_asyncpg(outbox, pg_url, 200, 10)  # ten seconds' worth at 20/s
+    finally:
+        await outbox.close()
+    await relay.runner.start()
+    try:
+        await asyncio.sleep(1.0)
+        assert 0 < len(relay.arrived) < 200
+        assert await wake_lock_holders(pg_url, "events") == []
+        while not listening.empty():
+            listening.get_nowait()
+        await relay.stage_elsewhere([[0.0]])
+        assert await heard_within(listening, 0.3) == []
     finally:
         await relay.runner.shutdown()

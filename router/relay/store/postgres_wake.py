@@ -18,8 +18,11 @@ Going idle is where a commit could be missed, so it goes:
 4. not taken, and another session holds it exclusively: another relay waits idle, and a
    stager notifies it and this one alike (a NOTIFY reaches every listener). Look again
    within ``COVERED_RECHECK``, in case that relay goes away;
-5. not taken because stagers hold it shared: look again shortly (5 ms, doubling to 200 ms),
-   until the lock is taken or a claim finds rows.
+5. not taken because stagers hold it shared: wait for it (``pg_advisory_lock``), at most
+   ``lock_timeout`` (``WAIT``). While this waits in the lock's queue, a new stager's try
+   conflicts with it and fails, so that stager notifies; those in flight end, the lock is
+   taken, and it goes on as in 3. Past ``WAIT`` (stagers in a long transaction), look again
+   and try anew.
 
 A paused target holds no wake lock: its stagers need not notify (its resume does).
 """
@@ -27,12 +30,12 @@ A paused target holds no wake lock: its stagers need not notify (its resume does
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
+import asyncpg
+
 from router._wakeup import WAKE_LOCK_NAMESPACE
-from router.relay.store.postgres_errors import DB_ERRORS
 
 __all__ = ["COVERED_RECHECK", "WakeLocks"]
 
@@ -40,8 +43,9 @@ log = logging.getLogger(__name__)
 
 COVERED_RECHECK = 1.0
 """Seconds between tries at the wake lock while another relay holds it."""
-_BUSY_FIRST = 0.005
-_BUSY_MAX = 0.2
+WAIT = 0.05
+"""Seconds a processor going idle waits for stagers in flight to let go of its wake lock.
+The LISTEN connection hands no notification over while it waits, so it stays short."""
 
 # One round trip: paused, taken, held by another relay (an exclusive holder), or held shared
 # by stagers in flight. An advisory lock on two int4 keys shows in pg_locks as classid, objid
@@ -57,7 +61,7 @@ SELECT CASE
           AND l.objid = (hashtext($1)::bigint & 4294967295)::oid AND l.objsubid = 2
           AND l.mode = 'ExclusiveLock' AND l.granted
     ) THEN 'covered'
-    ELSE 'in flight'
+    ELSE (SELECT 'taken' FROM (SELECT pg_advisory_lock({WAKE_LOCK_NAMESPACE}, hashtext($1))) AS l)
 END
 """
 GIVE_BACK = f"SELECT pg_advisory_unlock({WAKE_LOCK_NAMESPACE}, hashtext($1))"
@@ -70,7 +74,7 @@ class WakeLocks:
         self.database = database
         self._conn: Any = None  # the LISTEN connection while it is up
         self._held: set[str] = set()
-        self._backoff: dict[str, float] = {}
+        self._waits_bounded: Any = None  # the connection whose lock_timeout is WAIT
         self._ops = asyncio.Lock()  # one statement at a time on the connection
         self._giving_back: set[asyncio.Task[None]] = set()
 
@@ -92,19 +96,24 @@ class WakeLocks:
             if conn is not self._conn:
                 return None
             try:
+                if self._waits_bounded is not conn:
+                    await conn.execute(f"SET lock_timeout = '{WAIT * 1000:.0f}ms'")
+                    self._waits_bounded = conn
                 state = await conn.fetchval(TAKE, target)
-            except DB_ERRORS:
-                return None  # the LISTEN connection is going: its watcher wakes everyone
+            except asyncpg.LockNotAvailableError:
+                return 0.0  # stagers still in flight after WAIT: look again, then try anew
+            except Exception as exc:  # the connection is going (a server gone
+                # mid-statement leaves asyncpg's own InternalClientError): its watcher wakes
+                # everyone once it is back
+                log.debug(
+                    "wakeup.lock_failed", extra={"database": self.database, "error": str(exc)}
+                )
+                return None
         if state == "taken":
             self._held.add(target)
-            self._backoff.pop(target, None)
             return 0.0
         if state == "covered":
             return COVERED_RECHECK
-        if state == "in flight":
-            wait = min(self._backoff.get(target, _BUSY_FIRST / 2) * 2, _BUSY_MAX)
-            self._backoff[target] = wait
-            return wait
         return None  # paused
 
     def busy(self, target: str) -> None:
@@ -121,5 +130,9 @@ class WakeLocks:
         async with self._ops:
             if conn is not self._conn:
                 return  # that connection is gone, and the lock with it
-            with contextlib.suppress(*DB_ERRORS):
+            try:
                 await conn.fetchval(GIVE_BACK, target)
+            except Exception as exc:  # as in idle(): the lock goes with it
+                log.debug(
+                    "wakeup.unlock_failed", extra={"database": self.database, "error": str(exc)}
+                )
