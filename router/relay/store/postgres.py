@@ -423,7 +423,7 @@ class PostgresStore:
             try:
                 conn.add_termination_listener(lambda _conn, ev=closed: ev.set())
                 await conn.add_listener(CHANNEL, lambda *args: wake(_targets(args[3])))
-                self._wake_locks.attach(conn)
+                self._wake_locks.attach(conn, wake)
                 log.debug("db.listen.started", extra={"database": self.name})
                 wake(None)  # anything committed while we were not listening
                 await closed.wait()
@@ -436,8 +436,8 @@ class PostgresStore:
                     await asyncio.wait_for(conn.close(), 2)
 
     async def idle(self, target: str) -> float | None:
-        """``target``'s processor found nothing to claim: seconds within which it must look
-        again (0: at once), or None to wait for a wake-up (``postgres_wake.WakeLocks``)."""
+        """``target``'s processor found nothing to claim: it takes its wake lock in the
+        background and is woken if it must look again (``postgres_wake.WakeLocks``)."""
         return await self._wake_locks.idle(target)
 
     def busy(self, target: str) -> None:

@@ -14,7 +14,9 @@ Going idle is where a commit could be missed, so it goes:
    without notifying holds its shared lock until its transaction ends, so the try fails
    while such a commit may be in flight;
 3. taken: look once more (a commit just before the lock may have notified no one), then
-   wait: every later stager of the target notifies;
+   wait: every later stager of the target notifies. The look is ``PENDING``, a statement of
+   its own after the lock (a statement sees what committed before it began), and only when
+   it finds rows does the processor claim;
 4. not taken, and another session holds it exclusively: another relay waits idle, and a
    stager notifies it and this one alike (a NOTIFY reaches every listener). Look again
    within ``COVERED_RECHECK``, in case that relay goes away;
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import asyncpg
 
 from router._wakeup import WAKE_LOCK_NAMESPACE
+from router.relay.store.base import Wake
 
 __all__ = ["COVERED_RECHECK", "WakeLocks"]
 
@@ -65,66 +69,100 @@ SELECT CASE
 END
 """
 GIVE_BACK = f"SELECT pg_advisory_unlock({WAKE_LOCK_NAMESPACE}, hashtext($1))"
+# Whether the target has rows a claim could take now: what a claim would cost to learn, at the
+# price of one probe of the claim index (ix_router_outbox_claim, status pending or failed).
+PENDING = (
+    "SELECT EXISTS (SELECT 1 FROM router_outbox_queue "
+    "WHERE target = $1 AND status IN ('pending', 'failed') AND available_at <= now())"
+)
 
 
 class WakeLocks:
-    """The wake locks of one database's idle processors, on its LISTEN connection."""
+    """The wake locks of one database's idle processors, on its LISTEN connection.
+
+    Going idle runs in the background: the processor starts its wait at once, so a
+    notification that comes meanwhile wakes it without delay, and it is woken (``wake``)
+    when the look after the lock finds rows, when stagers outlast ``WAIT``, and every
+    ``COVERED_RECHECK`` while another relay holds the lock.
+    """
 
     def __init__(self, database: str) -> None:
         self.database = database
         self._conn: Any = None  # the LISTEN connection while it is up
+        self._wake: Wake | None = None
         self._held: set[str] = set()
+        self._taking: set[str] = set()
+        self._looking: set[str] = set()  # woken to look once more: not busy for that
         self._waits_bounded: Any = None  # the connection whose lock_timeout is WAIT
         self._ops = asyncio.Lock()  # one statement at a time on the connection
-        self._giving_back: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def attach(self, conn: Any) -> None:
-        """``conn`` listens now: idle processors take their locks on it."""
-        self._conn, self._held = conn, set()
+    def attach(self, conn: Any, wake: Wake) -> None:
+        """``conn`` listens now: idle processors take their locks on it; ``wake`` wakes the
+        processors of some targets."""
+        self._conn, self._wake = conn, wake
+        self._held, self._taking, self._looking = set(), set(), set()
 
     def detach(self) -> None:
         """The LISTEN connection is gone, and every lock with it."""
-        self._conn, self._held = None, set()
+        self._conn = None
+        self._held, self._taking, self._looking = set(), set(), set()
 
     async def idle(self, target: str) -> float | None:
-        """``target``'s processor found nothing to claim: seconds within which it must look
-        again (0: at once), or None to wait for a wake-up alone."""
-        conn = self._conn
-        if conn is None or target in self._held:
-            return None
-        async with self._ops:
-            if conn is not self._conn:
-                return None
-            try:
-                if self._waits_bounded is not conn:
-                    await conn.execute(f"SET lock_timeout = '{WAIT * 1000:.0f}ms'")
-                    self._waits_bounded = conn
-                state = await conn.fetchval(TAKE, target)
-            except asyncpg.LockNotAvailableError:
-                return 0.0  # stagers still in flight after WAIT: look again, then try anew
-            except Exception as exc:  # the connection is going (a server gone
-                # mid-statement leaves asyncpg's own InternalClientError): its watcher wakes
-                # everyone once it is back
-                log.debug(
-                    "wakeup.lock_failed", extra={"database": self.database, "error": str(exc)}
-                )
-                return None
-        if state == "taken":
+        """``target``'s processor found nothing to claim and waits: take its wake lock, in
+        the background. Always None: the processor waits for a wake-up alone."""
+        if self._conn is not None and target not in self._held | self._taking:
+            self._taking.add(target)
+            self._spawn(self._go_idle(self._conn, target))
+        return None
+
+    async def _go_idle(self, conn: Any, target: str) -> None:
+        try:
+            async with self._ops:
+                if conn is not self._conn:
+                    return
+                look = await self._take(conn, target)
+        finally:
+            self._taking.discard(target)
+        if look and self._wake is not None:
+            self._looking.add(target)
+            self._wake({target})
+
+    async def _take(self, conn: Any, target: str) -> bool:
+        """Take ``target``'s wake lock; whether its processor must look (again) now."""
+        try:
+            if self._waits_bounded is not conn:
+                await conn.execute(f"SET lock_timeout = '{WAIT * 1000:.0f}ms'")
+                self._waits_bounded = conn
+            state = await conn.fetchval(TAKE, target)
+            if state != "taken":
+                if state == "covered" and self._wake is not None:
+                    asyncio.get_running_loop().call_later(COVERED_RECHECK, self._wake, {target})
+                return False  # covered, or paused
             self._held.add(target)
-            return 0.0
-        if state == "covered":
-            return COVERED_RECHECK
-        return None  # paused
+            return bool(await conn.fetchval(PENDING, target))
+        except asyncpg.LockNotAvailableError:
+            return True  # stagers still in flight after WAIT: look, then try anew
+        except Exception as exc:  # the connection is going (a server gone mid-statement
+            # leaves asyncpg's own InternalClientError): its watcher wakes everyone once back
+            log.debug("wakeup.lock_failed", extra={"database": self.database, "error": str(exc)})
+            return False
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def busy(self, target: str) -> None:
         """``target``'s processor is awake: give its wake lock back, in the background (a
         late give-back only means a few more notifications)."""
+        if target in self._looking:  # the look once more, not new work: keep the lock
+            self._looking.discard(target)
+            return
         if target not in self._held:
             return
         self._held.discard(target)
-        task = asyncio.create_task(self._give_back(self._conn, target))
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
+        self._spawn(self._give_back(self._conn, target))
 
     async def _give_back(self, conn: Any, target: str) -> None:
         async with self._ops:
