@@ -267,6 +267,70 @@ def draw_trickle(fig: Figure, sources: list[Result]) -> None:
     fig.subplots_adjust(left=0.08, right=0.98, top=0.88, bottom=0.17)
 
 
+# Modes of bench.write_concurrency against hand: key in the JSON, label, colour, marker.
+WRITE_MODES = (
+    ("stage/hand", "stage()", "#0072B2", "o"),
+    ("hand+notify/hand", "hand-written + pg_notify", "#E69F00", "^"),
+)
+WRITE_CLIENTS = {
+    "psycopg": "psycopg 3, threads (PostgreSQL)",
+    "asyncpg": "asyncpg, tasks (PostgreSQL)",
+    "mysql": "SQLAlchemy + PyMySQL, threads (MariaDB)",
+}
+
+
+def write_panel(ax: Axes, points: Json, relay: bool) -> None:
+    """One client: each mode's commits/s over hand's, every round a dot, medians joined."""
+    ks = sorted(points, key=int)
+    for key, label, colour, marker in WRITE_MODES:
+        present = [k for k in ks if key in points[k]]
+        if not present:
+            continue
+        for k in present:
+            runs = points[k][key]["runs"]
+            ax.scatter([int(k)] * len(runs), runs, color=colour, marker=marker, s=12, alpha=0.6)
+        ax.plot(
+            [int(k) for k in present],
+            [points[k][key]["median"] for k in present],
+            color=colour,
+            linestyle="--" if relay else "-",
+            label=label,
+        )
+    ax.axhline(0.9, color="#777777", linestyle=":", linewidth=1.0)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator([int(k) for k in ks]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def draw_writes(fig: Figure, sources: list[Result]) -> None:
+    """stage() and hand + NOTIFY against a hand-written outbox, by concurrent writers: quiet,
+    and with router serve on the database (dashed)."""
+    quiet, relayed = sources
+    clients = [c for c in WRITE_CLIENTS if c in quiet.data["figures"]]
+    axes = fig.subplots(1, len(clients), sharey=True, squeeze=False)[0]
+    for ax, client in zip(axes, clients, strict=True):
+        write_panel(ax, quiet.data["figures"][client], relay=False)
+        if client in relayed.data["figures"]:
+            write_panel(ax, relayed.data["figures"][client], relay=True)
+        ax.set_title(WRITE_CLIENTS[client])
+        ax.set_xlabel("writers (connections committing flat out)")
+    axes[0].set_ylabel("commits/s over the hand-written outbox's")
+    handles = [Line2D([], [], color=c, marker=m, label=n) for _, n, c, m in WRITE_MODES]
+    handles += [
+        Line2D([], [], color="#555555", linestyle="--", label="router serve running (paused)"),
+        Line2D([], [], color="#777777", linestyle=":", label="0.9"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=4)
+    parameters = quiet.data["parameters"]
+    fig.suptitle(
+        "One business row and one event per transaction, commits/s over a hand-written outbox "
+        f"(one prepared INSERT)\n{quiet.file}, {quiet.when}, and {relayed.file}; "
+        f"{parameters['rounds']} interleaved rounds of {parameters['seconds']:g} s, a dot each"
+    )
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.85, bottom=0.22, wspace=0.08)
+
+
 PLOTS = (
     Plot("drain.png", ("drain.json", "drain-100k.json"), draw_drain, (10.0, 5.0)),
     Plot(
@@ -276,6 +340,12 @@ PLOTS = (
         (10.0, 6.5),
     ),
     Plot("trickle-latency.png", ("trickle.json",), draw_trickle, (10.0, 5.0)),
+    Plot(
+        "write-concurrency.png",
+        ("write-concurrency.json", "write-concurrency-relay.json"),
+        draw_writes,
+        (12.0, 4.5),
+    ),
 )
 
 
