@@ -1,12 +1,11 @@
 """PostgreSQL: a commit notifies only while a relay of its target is idle (it holds the
 target's wake lock), through every statement form ``stage()`` sends; and a relay that waits
-with ``poll_interval`` at an hour still delivers every event staged from another process
-within milliseconds, idle or busy, at random moments."""
+with ``poll_interval`` at an hour still delivers events staged from another process within
+milliseconds (at random moments: tests/integration/test_wake_random.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from decimal import Decimal
@@ -207,22 +206,6 @@ async def test_a_paused_target_holds_no_wake_lock_so_its_stagers_never_notify(
         listening.get_nowait()
     await relay.stage_elsewhere([[0.0, 0.05, 0.05]])
     assert await heard_within(listening, 0.3) == []
-
-
-async def test_every_event_staged_at_random_moments_arrives_within_a_second(
-    relay: Relay,
-) -> None:
-    rand = random.Random(20261128)
-    # Four writers: bursts of quick commits (the relay busy) between idle gaps of up to a
-    # second (the relay idle, going idle, or waking), so commits fall on every state.
-    plan = [
-        [rand.choice((0.0, 0.002, 0.01, 0.05, rand.uniform(0.1, 1.0))) for _ in range(40)]
-        for _ in range(4)
-    ]
-    committed = await relay.stage_elsewhere(plan)
-    lateness = await relay.lateness(committed, within=3.0)
-    assert len(lateness) == 160
-    assert max(lateness) < 1.0, sorted(lateness)[-5:]
 
 
 async def test_stagers_notify_nothing_while_the_relay_is_busy(
