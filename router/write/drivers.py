@@ -24,7 +24,7 @@ import sqlite3
 from typing import Any, Protocol
 
 from envelopes import StagingError
-from router.write.staging import Copy, Statement, clause
+from router.write.statements import Copy, Statement, clause
 
 __all__ = ["SyncDriver", "sync_driver"]
 
@@ -41,8 +41,9 @@ class SyncDriver(Protocol):
     simple: bool
     """Whether it prepares nothing and runs a ``simple`` statement (``Stager.statements``)."""
 
-    def execute(self, statement: Statement | Copy) -> None:
-        """Run one statement in the caller's transaction."""
+    def execute(self, statement: Statement | Copy) -> int:
+        """Run one statement in the caller's transaction; the rows it wrote (-1 where the
+        driver cannot tell)."""
 
     def scalar(self, sql: str) -> object:
         """The first value of a read-only query without parameters, in the caller's
@@ -127,13 +128,14 @@ class SqlAlchemyDriver:
                 )
             )
 
-    def execute(self, statement: Statement | Copy) -> None:
-        """Run one statement on the connection."""
+    def execute(self, statement: Statement | Copy) -> int:
+        """Run one statement on the connection; the rows it wrote."""
         assert isinstance(statement, Statement)
         if statement.named:
-            self.connection.execute(clause(statement.sql), statement.params)
+            result = self.connection.execute(clause(statement.sql), statement.params)
         else:
-            self.connection.exec_driver_sql(statement.sql, statement.params)
+            result = self.connection.exec_driver_sql(statement.sql, statement.params)
+        return int(result.rowcount)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row."""
@@ -171,8 +173,8 @@ class DjangoDriver:
             self._raw is None or (self._raw.prepare_threshold is None and not piped)
         )
 
-    def execute(self, statement: Statement | Copy) -> None:
-        """Run one statement in the connection's transaction.
+    def execute(self, statement: Statement | Copy) -> int:
+        """Run one statement in the connection's transaction; the rows it wrote.
 
         On PostgreSQL with psycopg 3 it goes on a server-binding cursor of the connection
         Django holds, its arrays in binary: Django's own cursor binds on the client (unless
@@ -181,12 +183,12 @@ class DjangoDriver:
         ``execute_wrapper``s do not see this statement; the transaction is the same.
         """
         if self._raw is not None:
-            _psycopg_execute(self._raw, statement)
-            return
+            return _psycopg_execute(self._raw, statement)
         assert isinstance(statement, Statement)
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
+            return int(cursor.rowcount)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, on Django's cursor."""
@@ -203,26 +205,27 @@ class DjangoDriver:
         return raw if type(raw).__module__.partition(".")[0] == "psycopg" else None
 
 
-def _psycopg_execute(connection: Any, statement: Statement | Copy) -> None:
+def _psycopg_execute(connection: Any, statement: Statement | Copy) -> int:
     """Run ``statement`` on a server-binding cursor of a psycopg 3 connection, whatever
     cursor class the connection makes by default, its arrays sent in binary (psycopg's text
     arrays cost the server a parse of every element). A statement is prepared on its first
     run (``prepare=True``): the few statements stage() sends repeat on every connection
     (unless the connection has preparing off, as Django's has by default). A ``simple`` one
-    goes on a client-binding cursor, which sends it as a simple query."""
+    goes on a client-binding cursor, which sends it as a simple query. The rows it wrote."""
     if isinstance(statement, Statement) and statement.simple:
         with _cursor_class(client=True)(connection) as cursor:
             cursor.execute(pyformat(statement.sql), statement.params)
-        return
+            return int(cursor.rowcount)
     with _cursor_class()(connection) as cursor:
         if isinstance(statement, Copy):
             with cursor.copy(statement.sql) as copy:
                 copy.set_types(statement.types)
                 for row in statement.rows:
                     copy.write_row(row)
-            return
+            return int(cursor.rowcount)
         sql = pyformat(statement.sql, "b") if statement.named else statement.sql
         cursor.execute(sql, statement.params, prepare=True)
+        return int(cursor.rowcount)
 
 
 @functools.cache
@@ -253,9 +256,9 @@ class PsycopgDriver:
                 )
             )
 
-    def execute(self, statement: Statement | Copy) -> None:
+    def execute(self, statement: Statement | Copy) -> int:
         """Run one statement on a cursor of the connection (``_psycopg_execute``)."""
-        _psycopg_execute(self.connection, statement)
+        return _psycopg_execute(self.connection, statement)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, as a tuple whatever the connection's
@@ -304,12 +307,13 @@ class Psycopg2Driver:
                 )
             )
 
-    def execute(self, statement: Statement | Copy) -> None:
-        """Run one statement on a cursor of the connection."""
+    def execute(self, statement: Statement | Copy) -> int:
+        """Run one statement on a cursor of the connection; the rows it wrote."""
         assert isinstance(statement, Statement)
         sql = pyformat(statement.sql) if statement.named else statement.sql
         with self.connection.cursor() as cursor:
             cursor.execute(sql, statement.params)
+            return int(cursor.rowcount)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, as a tuple whatever the connection's
@@ -343,10 +347,10 @@ class Sqlite3Driver:
                 )
             )
 
-    def execute(self, statement: Statement | Copy) -> None:
-        """Run one statement on the connection."""
+    def execute(self, statement: Statement | Copy) -> int:
+        """Run one statement on the connection; the rows it wrote."""
         assert isinstance(statement, Statement)
-        self.connection.execute(statement.sql, statement.params)
+        return self.connection.execute(statement.sql, statement.params).rowcount
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row."""

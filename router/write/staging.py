@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Unpack
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -38,10 +38,9 @@ from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.config import RouterConfig
 from router.write.checks import check_no_nul, json_problem
 from router.write.events import Event, EventSpec
+from router.write.mysql import mysql_statements
 from router.write.pinning import check_pin
-
-if TYPE_CHECKING:
-    from sqlalchemy import TextClause
+from router.write.statements import Copy, Row, Statement, clause
 
 __all__ = ["Copy", "Route", "Row", "Stager", "Statement", "clause"]
 
@@ -202,28 +201,6 @@ PG_COPY = f"COPY router_outbox ({_COLUMNS}) FROM STDIN (FORMAT BINARY)"
 _PG_COPY_TYPES = ("bytea", "text", "text", "text", "text", "text")
 
 
-# Per-stream commit order on MySQL and MariaDB, which have no transaction-scoped advisory lock.
-# GET_LOCK() would be one, but it belongs to the session: it outlives COMMIT and ROLLBACK, so
-# stage() (which never sees the caller's commit) could not release it, and a pooled session
-# would hold it for the next user. So the transaction locks one row per stream key in
-# router_streams instead (migration 0002): an upsert of the keys, in sorted order, before the
-# rows get their seq. On a key that exists ON DUPLICATE KEY UPDATE takes the row's exclusive
-# lock (a record lock on the primary key, no gap lock, even in REPEATABLE READ); on a new key
-# the inserted row is locked. InnoDB holds row locks until the transaction ends, so a second
-# transaction staging on the same key waits for the first's COMMIT or ROLLBACK, and per stream
-# key seq order is commit order, as with PostgreSQL's advisory locks.
-_MYSQL_STREAM_LOCKS = (
-    "INSERT INTO router_streams (stream_key) VALUES {values} "
-    "ON DUPLICATE KEY UPDATE stream_key = stream_key"
-)
-_MYSQL_INSERT = f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {{values}}"
-_MYSQL_ROW = "(%s, %s, %s, %s, %s, %s)"
-# One statement per stage() call, split only past a few MB of envelopes: a statement must fit
-# the server's max_allowed_packet (4 MB on older servers, 16 MB on MariaDB, 64 MB on MySQL 8).
-_MYSQL_MAX_BYTES = 4 << 20
-MYSQL_MAX_STREAM_KEY = 512
-"""The longest stream key MySQL keeps (``router_streams`` and ``router_outbox`` index it)."""
-
 _SQLITE_FIELDS = ("m", "t", "d", "e", "k", "v", "a", "c")
 _SQLITE_MAX_ROWS = 1000  # stays far below SQLite's 32,766 bound variables
 
@@ -234,56 +211,6 @@ class Route:
 
     target: str
     destination: str
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One outbox row to insert."""
-
-    message_id: str
-    target: str
-    destination: str
-    event_type: str
-    stream_key: str | None
-    envelope: str
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """Rows to write with ``COPY ... FROM STDIN`` (``sql``, binary format), each a tuple of
-    the columns, their wire types ``types``."""
-
-    sql: str
-    types: tuple[str, ...]
-    rows: list[tuple[bytes | str | None, ...]]
-
-
-@dataclass(frozen=True, slots=True)
-class Statement:
-    """One statement of an insert, as every driver's ``execute`` can take it: ``sql`` with
-    ``:name`` parameters and a dict (SQLAlchemy's ``text()``, sqlite3; ``%(name)s`` for the
-    pyformat drivers), or with ``%s`` parameters and a tuple (the MySQL drivers' own form)."""
-
-    sql: str
-    params: dict[str, Any] | tuple[Any, ...]
-    simple: bool = False
-    """Several statements in one text: only a client-binding cursor (a simple query) runs it."""
-
-    @property
-    def named(self) -> bool:
-        """True for ``:name`` parameters and a dict."""
-        return isinstance(self.params, dict)
-
-
-@functools.lru_cache(maxsize=512)
-def clause(sql: str) -> TextClause:
-    """SQLAlchemy's ``text(sql)``, one per statement text: the texts are few (PostgreSQL's
-    one, a MySQL chunk's per row count, SQLite's per row count), and compiling one costs more
-    than a row. SQLAlchemy is imported at the first call: a script staging on a raw psycopg
-    connection never needs it, and its import costs a third of a second at start."""
-    from sqlalchemy import text
-
-    return text(sql)
 
 
 class Stager:
@@ -445,7 +372,7 @@ class Stager:
             }
             return [Statement(PG_INSERT_NAMED if notify else _PG_INSERT_NAMED_QUIET, params)]
         if dialect == "mysql":
-            return [*_mysql_statements(rows)]
+            return [*mysql_statements(rows)]
         return [*self._sqlite_statements(rows)]
 
     async def insert_sqlalchemy(
@@ -454,10 +381,9 @@ class Stager:
         """Insert rows through a SQLAlchemy AsyncConnection (caller's transaction)."""
         for statement in self.statements(dialect, rows, notify=notify):
             assert isinstance(statement, Statement)  # no Copy unless asked for
-            if statement.named:
-                await conn.execute(clause(statement.sql), statement.params)
-            else:
-                await conn.exec_driver_sql(statement.sql, statement.params)
+            if await _run_async(conn, statement) == 0 and statement.repair is not None:
+                await _run_async(conn, statement.repair)
+                await _run_async(conn, statement)
 
     def _pg_small(
         self, rows: Sequence[Row], keys: Sequence[str], simple: bool, notify: bool
@@ -663,49 +589,13 @@ def _keys_per_event(
     return keys
 
 
-def _mysql_statements(rows: Sequence[Row]) -> list[Statement]:
-    """Lock the rows' stream keys (see ``_MYSQL_STREAM_LOCKS``), then insert the rows."""
-    keys = _stream_keys(rows)
-    for key in keys:
-        if len(key) > MYSQL_MAX_STREAM_KEY:
-            raise StagingError(
-                f"stream key {key[:40]!r}... is {len(key):,} characters; "
-                f"a MySQL outbox keeps stream keys of at most {MYSQL_MAX_STREAM_KEY}"
-            )
-    statements = []
-    if keys:
-        values = ", ".join(["(%s)"] * len(keys))
-        statements.append(Statement(_MYSQL_STREAM_LOCKS.format(values=values), tuple(keys)))
-    for chunk in _mysql_chunks(rows):
-        params = tuple(
-            value
-            for r in chunk
-            for value in (
-                r.message_id,
-                r.target,
-                r.destination,
-                r.event_type,
-                r.stream_key,
-                r.envelope,
-            )
-        )
-        values = ", ".join([_MYSQL_ROW] * len(chunk))
-        statements.append(Statement(_MYSQL_INSERT.format(values=values), params))
-    return statements
-
-
-def _mysql_chunks(rows: Sequence[Row]) -> list[Sequence[Row]]:
-    """The rows in order, cut where a statement would pass ``_MYSQL_MAX_BYTES``."""
-    chunks: list[Sequence[Row]] = []
-    start, size = 0, 0
-    for i, row in enumerate(rows):
-        length = len(row.envelope) + len(row.destination) + len(row.event_type) + 200
-        if i > start and size + length > _MYSQL_MAX_BYTES:
-            chunks.append(rows[start:i])
-            start, size = i, 0
-        size += length
-    chunks.append(rows[start:])
-    return chunks
+async def _run_async(conn: Any, statement: Statement) -> int:
+    """Run one statement on a SQLAlchemy AsyncConnection; the rows it wrote."""
+    if statement.named:
+        result = await conn.execute(clause(statement.sql), statement.params)
+    else:
+        result = await conn.exec_driver_sql(statement.sql, statement.params)
+    return int(result.rowcount)
 
 
 def _columns(

@@ -23,6 +23,7 @@ from router.write.checks import (
 from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
 from router.write.staging import Row, Stager
+from router.write.statements import Statement
 
 __all__ = ["Writer", "message_ids"]
 
@@ -92,7 +93,10 @@ class Writer:
         )
         try:
             for statement in statements:
-                driver.execute(statement)
+                written = driver.execute(statement)
+                if written == 0 and isinstance(statement, Statement) and statement.repair:
+                    driver.execute(statement.repair)
+                    driver.execute(statement)
         except Exception as exc:
             refused = table_refusal(exc, name, driver.dialect)
             if refused is None:

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from router import Event, Outbox, StagingError, SyncOutbox
 from router._wakeup import WAKE_LOCK_NAMESPACE
-from router.write.staging import MYSQL_MAX_STREAM_KEY
+from router.write.mysql import MYSQL_MAX_STREAM_KEY
 from tests.conftest import (
     MEMORY_BROKERS,
     Database,

@@ -20,7 +20,7 @@ from router import Outbox, StagingError, correlation
 from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
-from router.write.staging import MYSQL_MAX_STREAM_KEY
+from router.write.mysql import MYSQL_MAX_STREAM_KEY
 from tests.conftest import MEMORY_BROKERS, Grantees, MysqlDatabases, PgDatabases, make_config
 
 # The database helper moved to tests/conftest.py; test_ordering and test_idle_claims import it

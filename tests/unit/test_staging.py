@@ -409,3 +409,22 @@ def test_header_names_only_the_broker_that_receives_them_is_asked_about() -> Non
     }
     assert build(config(hidden), Placed(order_id="o"), headers={"body": "x", "h" * 200: "x"})
     assert build(config(PARTNERS), Reserved(order_id="o"), headers={"body": "x"})
+
+
+def test_mysql_locks_one_key_in_its_insert_and_many_keys_by_sorted_slots_first() -> None:
+    from router.write.mysql import mysql_statements, slot_of
+
+    def row(key: str | None) -> Row:
+        return Row("id", "events", "d", "e", key, "{}")
+
+    [one] = mysql_statements([row("a"), row("a")])
+    assert one.sql.startswith("INSERT INTO router_outbox") and "FOR UPDATE" in one.sql
+    assert one.params[-1] == slot_of("a") and one.repair is not None
+    assert one.repair.params == (slot_of("a"),)
+    lock, insert = mysql_statements([row("a"), row("b"), row(None), row("a")])
+    assert lock.sql.startswith("INSERT INTO router_streams")
+    assert lock.params == tuple(sorted({slot_of("a"), slot_of("b")}))
+    assert insert.sql.count("(%s, %s, %s, %s, %s, %s)") == 4 and insert.repair is None
+    [plain] = mysql_statements([row(None)])
+    assert "router_streams" not in plain.sql
+    assert all(0 <= int(slot_of(f"key-{i}")) < 1024 for i in range(1000))
