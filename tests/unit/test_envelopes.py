@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import time
 import uuid
 from datetime import UTC, datetime
@@ -303,6 +304,26 @@ def test_uuid7_is_version_7_rfc_4122_and_strictly_increasing() -> None:
     # The first 48 bits are Unix milliseconds; a burst may borrow a few from the future.
     assert before <= ids[0].int >> 80 <= after
     assert before <= ids[-1].int >> 80 <= after + 10
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX")
+def test_a_forked_child_draws_random_bits_of_its_own() -> None:
+    # The random bits come from a pool: a child must not go on with its parent's copy.
+    uuid7()  # the pool is filled
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(write, uuid7().bytes)
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = uuid.UUID(bytes=os.read(read, 16))
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = uuid7()
+    random_bits = (1 << 62) - 1
+    assert child.int & random_bits != parent.int & random_bits
 
 
 @pytest.mark.parametrize(
