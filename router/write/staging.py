@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -236,7 +236,9 @@ class Route:
     destination: str
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, 1.5 us more per
+# row on stage()'s path, a tenth of the call. Nothing changes a Row once made.
+@dataclass(slots=True)
 class Row:
     """One outbox row to insert."""
 
@@ -330,17 +332,29 @@ class Stager:
         The keywords are ``Outbox.stage()``'s: one stream key for all events or one per event,
         and the metadata every envelope of the call carries.
         """
-        _check_options(stream_key, options)
-        keys = _keys_per_event(stream_key, stream_keys, len(events))
-        _check_texts(stream_key, stream_keys, options)
-        extensions = options.get("extensions")
-        problem = json_problem(extensions, "extensions") if extensions else None
-        if problem is not None:
-            raise StagingError(problem)
-        headers = options.get("headers")
+        keys: Sequence[str | None]
+        if stream_keys is None and _only_text_ids(stream_key, options):
+            # The common call: one stream key or none, and no metadata but the ids a context
+            # sets (correlation, traceparent), each a str. The type checks (a strict
+            # validation) and the checks of headers and extensions can find nothing in it;
+            # what the others could, a NUL in the key or an id, is looked for in their order.
+            check_no_nul(stream_key, "stream_key")
+            for name in _TEXT_IDS:
+                check_no_nul(options.get(name), name)
+            keys = [stream_key] * len(events)
+            extensions = headers = None
+        else:
+            _check_options(stream_key, options)
+            keys = _keys_per_event(stream_key, stream_keys, len(events))
+            _check_texts(stream_key, stream_keys, options)
+            extensions = options.get("extensions")
+            problem = json_problem(extensions, "extensions") if extensions else None
+            if problem is not None:
+                raise StagingError(problem)
+            headers = options.get("headers")
         headers_checked: set[str] = set()
         limit = self.config.outbox.max_payload_bytes
-        cloudevents = self._cloudevents_targets(database)
+        cloudevents = self._cloudevents_targets(database) if extensions else frozenset()
         now = datetime.now(UTC)
         rows: list[Row] = []
         for event, key in zip(events, keys, strict=True):
@@ -363,9 +377,8 @@ class Stager:
                     f"the limit (outbox.max_payload_bytes) is {limit:,}"
                 )
             stored = envelope.decode()
-            rows.extend(
-                Row(message_id, r.target, r.destination, spec.type, key, stored) for r in routes
-            )
+            for r in routes:
+                rows.append(Row(message_id, r.target, r.destination, spec.type, key, stored))
         return rows
 
     def _check_headers(
@@ -622,6 +635,23 @@ def _check_options(stream_key: object, options: Mapping[str, Any]) -> None:
         raise StagingError(f"{place} must be {expected}, got {got}") from None
 
 
+# The metadata a context may set on every stage() call, all text that travels as a header.
+_TextId = Literal["correlation_id", "causation_id", "traceparent"]
+_TEXT_IDS: tuple[_TextId, ...] = ("correlation_id", "causation_id", "traceparent")
+
+
+def _only_text_ids(stream_key: object, options: Mapping[str, Any]) -> bool:
+    """True when ``stream_key`` is None or a str and ``options`` holds only ``_TEXT_IDS``,
+    each a str: what ``_check_options`` would pass without a word (as its strict validation
+    passes a str for ``str | None``)."""
+    if stream_key is not None and type(stream_key) is not str:
+        return False
+    for name, value in options.items():
+        if type(value) is not str or name not in _TEXT_IDS:
+            return False
+    return True
+
+
 def _check_texts(
     stream_key: str | None, stream_keys: Sequence[str | None] | None, options: StageOptions
 ) -> None:
@@ -629,12 +659,12 @@ def _check_texts(
     check_no_nul(stream_key, "stream_key")
     for i, key in enumerate(stream_keys or ()):
         check_no_nul(key, f"stream_keys[{i}]")
-    for name in ("correlation_id", "causation_id", "traceparent"):
+    for name in _TEXT_IDS:
         value = options.get(name)
         check_no_nul(value if isinstance(value, str) else None, name)
-    for name, value in (options.get("headers") or {}).items():
-        check_no_nul(name, "header")
-        check_no_nul(value, f"header {name!r} value")
+    for header, value in (options.get("headers") or {}).items():
+        check_no_nul(header, "header")
+        check_no_nul(value, f"header {header!r} value")
 
 
 def _keys_per_event(

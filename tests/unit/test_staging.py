@@ -3,6 +3,7 @@ written (``Stager.build_rows`` contacts no database and no broker)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from datetime import UTC, datetime
@@ -33,6 +34,8 @@ class Opaque(Event, type="orders.opaque", published=True):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
     thing: Any
 
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 BROKERS: dict[str, Any] = {
     "events": {"type": "memory", "internal": True, "destination": "{service}.{event_type}"},
@@ -452,3 +455,49 @@ def test_header_names_only_the_broker_that_receives_them_is_asked_about() -> Non
     }
     assert build(config(hidden), Placed(order_id="o"), headers={"body": "x", "h" * 200: "x"})
     assert build(config(PARTNERS), Reserved(order_id="o"), headers={"body": "x"})
+
+
+def without_id_and_time(row: Row) -> Row:
+    """``row`` with its message id and time, new on every call, made the same."""
+    envelope = row.envelope.replace(row.message_id, "<id>")
+    envelope = re.sub(r'"time":"[^"]*"', '"time":"<time>"', envelope)
+    return dataclasses.replace(row, message_id="<id>", envelope=envelope)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"stream_key": "o-1"},
+        {"stream_key": 'ordre "été" 注文'},
+        {"stream_key": "o-1", "correlation_id": "c", "traceparent": TRACEPARENT},
+        {"causation_id": "c", "correlation_id": "d"},
+    ],
+)
+def test_the_common_call_makes_the_rows_the_fully_checked_call_makes(
+    options: dict[str, Any],
+) -> None:
+    stager = Stager(config())
+    events = [Placed(order_id="1"), Reserved(order_id="2"), Charged(amount=3)]
+    common = stager.build_rows("main", events, **options)
+    # tenant=None changes no envelope, but takes the call through every check.
+    checked = stager.build_rows("main", events, tenant=None, **options)
+    assert [without_id_and_time(r) for r in common] == [without_id_and_time(r) for r in checked]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stream_key": 5}, "stream_key must be a string, got int"),
+        ({"stream_key": "o", "correlation_id": 5}, "correlation_id must be a string, got int"),
+        ({"correlation_id": "c\x00", "traceparent": "\x00"}, "correlation_id 'c\\x00' holds"),
+        ({"traceparent": "\x00", "causation_id": "\x00"}, "causation_id '\\x00' holds"),
+    ],
+)
+def test_the_common_call_refuses_what_the_fully_checked_call_refuses(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(StagingError, match=re.escape(message)):
+        build(config(), Reserved(order_id="o"), **options)
+    with pytest.raises(StagingError, match=re.escape(message)):
+        build(config(), Reserved(order_id="o"), tenant=None, **options)
