@@ -138,6 +138,9 @@ _PG_INSERT_NAMED_QUIET = _PG_INSERT_NAMED.format(wake="1")
 _PG_SMALL_ROWS = 16
 _PG_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, {_SLOT.format(key=':k')})"
 _PG_ROW = "(CAST(:m{j} AS uuid), :t{i}, :d{i}, :e{j}, :s{j}, CAST(:v{j} AS json))"
+# The parameters of one event's own values in the small form (``_event_names(0)``) and its
+# stream key's lock; the others depend only on the event's targets and destinations.
+_ONE_EVENT_OWN = frozenset({"k", "m0", "e0", "s0", "v0"})
 
 
 def _pg_small_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
@@ -260,7 +263,8 @@ class Copy:
     rows: list[tuple[bytes | str | None, ...]]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as Row: 0.8 us more per stage() call. Nothing changes a Statement once made.
+@dataclass(slots=True)
 class Statement:
     """One statement of an insert, as every driver's ``execute`` can take it: ``sql`` with
     ``:name`` parameters and a dict (SQLAlchemy's ``text()``, sqlite3; ``%(name)s`` for the
@@ -296,6 +300,9 @@ class Stager:
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
         self._pg_small_inserts: dict[tuple[tuple[int, ...], bool, int, bool], str] = {}
+        self._pg_one_events: dict[
+            tuple[tuple[tuple[str, str], ...], bool, bool, bool], tuple[str, dict[str, Any]]
+        ] = {}
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
         self._cloudevents: dict[str, frozenset[str]] = {}
 
@@ -432,6 +439,9 @@ class Stager:
         ``simple``: the driver prepares nothing and can run a ``simple`` statement.
         ``notify``: wake an idle relay on PostgreSQL (False: it wakes by ``log`` or ``poll``)."""
         if dialect == "postgresql":
+            one = self._pg_one_event(rows, simple, notify) if len(rows) <= _PG_SMALL_ROWS else None
+            if one is not None:
+                return [one]
             keys = _stream_keys(rows)
             if len(rows) <= _PG_SMALL_ROWS and len(keys) <= 1:
                 return [self._pg_small(rows, keys, simple, notify)]
@@ -471,6 +481,39 @@ class Stager:
                 await conn.execute(clause(statement.sql), statement.params)
             else:
                 await conn.exec_driver_sql(statement.sql, statement.params)
+
+    def _pg_one_event(self, rows: Sequence[Row], simple: bool, notify: bool) -> Statement | None:
+        """``_pg_small``'s statement for the rows of one event (None for any other rows),
+        from what it was for the first event with these targets and destinations: the text
+        and every parameter but the event's id, type, stream key and envelope are the same."""
+        if not rows:
+            return None
+        first = rows[0]
+        for r in rows:
+            if r.message_id != first.message_id or r.stream_key != first.stream_key:
+                return None
+        key = first.stream_key
+        locked = key is not None
+        shape = (tuple([(r.target, r.destination) for r in rows]), locked, simple, notify)
+        cached = self._pg_one_events.get(shape)
+        if cached is None:
+            statement = self._pg_small(rows, [] if key is None else [key], simple, notify)
+            assert isinstance(statement.params, dict)  # PostgreSQL's are named
+            shared = {k: v for k, v in statement.params.items() if k not in _ONE_EVENT_OWN}
+            if len(self._pg_one_events) < 256:  # the targets of an application's events are few
+                self._pg_one_events[shape] = (statement.sql, shared)
+            return statement
+        sql, shared = cached
+        params = shared.copy()
+        if locked:
+            params["k"] = key
+        params["m0"], params["e0"], params["s0"], params["v0"] = (
+            first.message_id,
+            first.event_type,
+            key,
+            first.envelope,
+        )
+        return Statement(sql, params, simple)
 
     def _pg_small(
         self, rows: Sequence[Row], keys: Sequence[str], simple: bool, notify: bool

@@ -4,6 +4,7 @@ written (``Stager.build_rows`` contacts no database and no broker)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from datetime import UTC, datetime
@@ -501,3 +502,31 @@ def test_the_common_call_refuses_what_the_fully_checked_call_refuses(
         build(config(), Reserved(order_id="o"), **options)
     with pytest.raises(StagingError, match=re.escape(message)):
         build(config(), Reserved(order_id="o"), tenant=None, **options)
+
+
+class Shipped(Event, type="orders.shipped", published=True):
+    """Placed's targets, other destinations."""
+
+    order_id: str
+
+
+POSTGRES_CALLS: list[tuple[list[Event], dict[str, Any]]] = [
+    ([Placed(order_id="1")], {"stream_key": "o-1"}),
+    ([Placed(order_id="2")], {}),
+    ([Reserved(order_id="3")], {"stream_key": "o-3"}),
+    ([Charged(amount=4)], {"stream_key": "c'4"}),
+    ([Placed(order_id="5"), Placed(order_id="6")], {"stream_key": "o-5"}),
+    ([Placed(order_id="7"), Reserved(order_id="8")], {"stream_keys": ["o-7", "o-8"]}),
+    ([Placed(order_id="9")], {"stream_key": "o-9"}),
+    ([Shipped(order_id="9")], {"stream_key": "o-9"}),
+]
+
+
+def test_an_events_statement_is_the_same_made_afresh_or_from_the_last_with_its_targets() -> None:
+    cfg = config(database="postgresql://u@127.0.0.1/x")
+    warm = Stager(cfg)
+    for events, options in POSTGRES_CALLS * 2:
+        rows = warm.build_rows("main", events, **options)
+        for simple, notify in itertools.product([False, True], repeat=2):
+            afresh = Stager(cfg).statements("postgresql", rows, simple=simple, notify=notify)
+            assert warm.statements("postgresql", rows, simple=simple, notify=notify) == afresh
