@@ -57,6 +57,21 @@ def json_problem(value: object, path: str) -> str | None:
     """
     if type(value) in _PLAIN:
         return None
+    if isinstance(value, BaseModel):
+        # Every event is a model, most of them holding plain values alone: one pass over
+        # them. It looks at the values, not at the annotations, which cannot be trusted to
+        # rule a value out: model_construct() and an assignment without validate_assignment
+        # store anything, and the serialiser writes a NaN in a ``str`` field as null and a
+        # naive datetime in an ``int`` field without a zone (with a warning), the very loss
+        # this check is for.
+        extra = value.__pydantic_extra__
+        fields = value.__dict__.items()
+        for name, child in [*fields, *extra.items()] if extra else fields:
+            if type(child) not in _PLAIN:
+                problem = json_problem(child, f"{path}.{name}")
+                if problem is not None:
+                    return problem
+        return None
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{path}: {_name(value)} is not valid JSON"
     if isinstance(value, datetime):
@@ -76,11 +91,6 @@ def json_problem(value: object, path: str) -> str | None:
 
 def _children(value: object) -> Iterable[tuple[object, object, str]]:
     """The values inside a container: each one's key, the value, and its path's format."""
-    if isinstance(value, BaseModel):
-        fields = value.__dict__.items()
-        extra = value.__pydantic_extra__
-        items = [*fields, *extra.items()] if extra else fields
-        return ((name, child, "{}.{}") for name, child in items)
     if isinstance(value, Mapping):
         return ((key, child, "{}[{!r}]") for key, child in value.items())
     if isinstance(value, Sequence | set | frozenset) and not isinstance(value, bytes | bytearray):

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -137,6 +137,9 @@ _PG_INSERT_NAMED_QUIET = _PG_INSERT_NAMED.format(wake="1")
 _PG_SMALL_ROWS = 16
 _PG_LOCK = f"pg_advisory_xact_lock({STREAM_LOCK_NAMESPACE}, {_SLOT.format(key=':k')})"
 _PG_ROW = "(CAST(:m{j} AS uuid), :t{i}, :d{i}, :e{j}, :s{j}, CAST(:v{j} AS json))"
+# The parameters of one event's own values in the small form (``_event_names(0)``) and its
+# stream key's lock; the others depend only on the event's targets and destinations.
+_ONE_EVENT_OWN = frozenset({"k", "m0", "e0", "s0", "v0"})
 
 
 def _pg_small_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
@@ -221,6 +224,9 @@ class Stager:
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
         self._sqlite_inserts: dict[int, str] = {}
         self._pg_small_inserts: dict[tuple[tuple[int, ...], bool, int, bool], str] = {}
+        self._pg_one_events: dict[
+            tuple[tuple[tuple[str, str], ...], bool, bool, bool], tuple[str, dict[str, Any]]
+        ] = {}
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
         self._cloudevents: dict[str, frozenset[str]] = {}
 
@@ -257,17 +263,29 @@ class Stager:
         The keywords are ``Outbox.stage()``'s: one stream key for all events or one per event,
         and the metadata every envelope of the call carries.
         """
-        _check_options(stream_key, options)
-        keys = _keys_per_event(stream_key, stream_keys, len(events))
-        _check_texts(stream_key, stream_keys, options)
-        extensions = options.get("extensions")
-        problem = json_problem(extensions, "extensions") if extensions else None
-        if problem is not None:
-            raise StagingError(problem)
-        headers = options.get("headers")
+        keys: Sequence[str | None]
+        if stream_keys is None and _only_text_ids(stream_key, options):
+            # The common call: one stream key or none, and no metadata but the ids a context
+            # sets (correlation, traceparent), each a str. The type checks (a strict
+            # validation) and the checks of headers and extensions can find nothing in it;
+            # what the others could, a NUL in the key or an id, is looked for in their order.
+            check_no_nul(stream_key, "stream_key")
+            for name in _TEXT_IDS:
+                check_no_nul(options.get(name), name)
+            keys = [stream_key] * len(events)
+            extensions = headers = None
+        else:
+            _check_options(stream_key, options)
+            keys = _keys_per_event(stream_key, stream_keys, len(events))
+            _check_texts(stream_key, stream_keys, options)
+            extensions = options.get("extensions")
+            problem = json_problem(extensions, "extensions") if extensions else None
+            if problem is not None:
+                raise StagingError(problem)
+            headers = options.get("headers")
         headers_checked: set[str] = set()
         limit = self.config.outbox.max_payload_bytes
-        cloudevents = self._cloudevents_targets(database)
+        cloudevents = self._cloudevents_targets(database) if extensions else frozenset()
         now = datetime.now(UTC)
         rows: list[Row] = []
         for event, key in zip(events, keys, strict=True):
@@ -290,9 +308,8 @@ class Stager:
                     f"the limit (outbox.max_payload_bytes) is {limit:,}"
                 )
             stored = envelope.decode()
-            rows.extend(
-                Row(message_id, r.target, r.destination, spec.type, key, stored) for r in routes
-            )
+            for r in routes:
+                rows.append(Row(message_id, r.target, r.destination, spec.type, key, stored))
         return rows
 
     def _check_headers(
@@ -346,6 +363,9 @@ class Stager:
         ``simple``: the driver prepares nothing and can run a ``simple`` statement.
         ``notify``: wake an idle relay on PostgreSQL (False: it wakes by ``log`` or ``poll``)."""
         if dialect == "postgresql":
+            one = self._pg_one_event(rows, simple, notify) if len(rows) <= _PG_SMALL_ROWS else None
+            if one is not None:
+                return [one]
             keys = _stream_keys(rows)
             if len(rows) <= _PG_SMALL_ROWS and len(keys) <= 1:
                 return [self._pg_small(rows, keys, simple, notify)]
@@ -384,6 +404,39 @@ class Stager:
             if await _run_async(conn, statement) == 0 and statement.repair is not None:
                 await _run_async(conn, statement.repair)
                 await _run_async(conn, statement)
+
+    def _pg_one_event(self, rows: Sequence[Row], simple: bool, notify: bool) -> Statement | None:
+        """``_pg_small``'s statement for the rows of one event (None for any other rows),
+        from what it was for the first event with these targets and destinations: the text
+        and every parameter but the event's id, type, stream key and envelope are the same."""
+        if not rows:
+            return None
+        first = rows[0]
+        for r in rows:
+            if r.message_id != first.message_id or r.stream_key != first.stream_key:
+                return None
+        key = first.stream_key
+        locked = key is not None
+        shape = (tuple([(r.target, r.destination) for r in rows]), locked, simple, notify)
+        cached = self._pg_one_events.get(shape)
+        if cached is None:
+            statement = self._pg_small(rows, [] if key is None else [key], simple, notify)
+            assert isinstance(statement.params, dict)  # PostgreSQL's are named
+            shared = {k: v for k, v in statement.params.items() if k not in _ONE_EVENT_OWN}
+            if len(self._pg_one_events) < 256:  # the targets of an application's events are few
+                self._pg_one_events[shape] = (statement.sql, shared)
+            return statement
+        sql, shared = cached
+        params = shared.copy()
+        if locked:
+            params["k"] = key
+        params["m0"], params["e0"], params["s0"], params["v0"] = (
+            first.message_id,
+            first.event_type,
+            key,
+            first.envelope,
+        )
+        return Statement(sql, params, simple)
 
     def _pg_small(
         self, rows: Sequence[Row], keys: Sequence[str], simple: bool, notify: bool
@@ -548,6 +601,23 @@ def _check_options(stream_key: object, options: Mapping[str, Any]) -> None:
         raise StagingError(f"{place} must be {expected}, got {got}") from None
 
 
+# The metadata a context may set on every stage() call, all text that travels as a header.
+_TextId = Literal["correlation_id", "causation_id", "traceparent"]
+_TEXT_IDS: tuple[_TextId, ...] = ("correlation_id", "causation_id", "traceparent")
+
+
+def _only_text_ids(stream_key: object, options: Mapping[str, Any]) -> bool:
+    """True when ``stream_key`` is None or a str and ``options`` holds only ``_TEXT_IDS``,
+    each a str: what ``_check_options`` would pass without a word (as its strict validation
+    passes a str for ``str | None``)."""
+    if stream_key is not None and type(stream_key) is not str:
+        return False
+    for name, value in options.items():
+        if type(value) is not str or name not in _TEXT_IDS:
+            return False
+    return True
+
+
 def _check_texts(
     stream_key: str | None, stream_keys: Sequence[str | None] | None, options: StageOptions
 ) -> None:
@@ -555,12 +625,12 @@ def _check_texts(
     check_no_nul(stream_key, "stream_key")
     for i, key in enumerate(stream_keys or ()):
         check_no_nul(key, f"stream_keys[{i}]")
-    for name in ("correlation_id", "causation_id", "traceparent"):
+    for name in _TEXT_IDS:
         value = options.get(name)
         check_no_nul(value if isinstance(value, str) else None, name)
-    for name, value in (options.get("headers") or {}).items():
-        check_no_nul(name, "header")
-        check_no_nul(value, f"header {name!r} value")
+    for header, value in (options.get("headers") or {}).items():
+        check_no_nul(header, "header")
+        check_no_nul(value, f"header {header!r} value")
 
 
 def _keys_per_event(

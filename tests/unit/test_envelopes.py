@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
+import re
 import time
 import uuid
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta, timezone
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -26,6 +30,7 @@ from envelopes import (
     render,
     uuid7,
 )
+from envelopes.metadata import METADATA_DEFAULTS
 
 MESSAGE_ID = "01a203f9-08e9-7771-82c9-d8857af1413c"
 PAYLOAD = orjson.dumps({"order_id": "o-1", "note": None, "lines": [{"sku": "A", "qty": 2}]})
@@ -74,6 +79,85 @@ def test_the_stored_envelope_carries_a_sha256_checksum_of_the_payload_bytes() ->
     assert document["time"] == "2026-11-22T15:00:01.250000Z"
     other = orjson.loads(stored(payload=b'{"order_id":"o-2"}'))
     assert other["checksum"] == "sha256:" + hashlib.sha256(b'{"order_id":"o-2"}').hexdigest()
+
+
+def generic_envelope(
+    time: datetime, payload: bytes, event_class: str | None, metadata: dict[str, Any]
+) -> bytes:
+    """The stored envelope as first written: every metadata field visited in declaration
+    order, the time through isoformat(), the document dumped by orjson."""
+    moment = time.astimezone(UTC).replace(tzinfo=None)
+    document: dict[str, Any] = {
+        "id": MESSAGE_ID,
+        "type": "order_placed",
+        "version": 3,
+        "time": moment.isoformat(timespec="microseconds") + "Z",
+        "source": "shop",
+    }
+    for name, default in METADATA_DEFAULTS.items():
+        value = metadata.get(name, default)
+        if value is not None and value != {}:
+            document[name] = dict(value) if isinstance(value, Mapping) else value
+    document["checksum"] = "sha256:" + hashlib.sha256(payload).hexdigest()
+    if event_class is not None:
+        document["event_class"] = event_class
+    document["payload"] = orjson.Fragment(payload)
+    return orjson.dumps(document)
+
+
+class FrozenClock(datetime):
+    """A datetime subclass, as freezegun's clock returns (orjson writes none)."""
+
+
+ENVELOPE_TIMES = [
+    datetime(2026, 11, 22, 15, 0, 1, 250000, tzinfo=UTC),
+    datetime(2026, 11, 22, 15, 0, 1, tzinfo=UTC),  # orjson would leave the fraction out
+    datetime(2026, 11, 22, 15, 0, 1, 7, tzinfo=timezone(timedelta(hours=-5))),
+    datetime(1, 1, 1, 0, 0, 0, 1, tzinfo=UTC),
+    FrozenClock(2026, 11, 22, 15, 0, 1, 5, tzinfo=UTC),
+]
+ENVELOPE_METADATA: list[dict[str, Any]] = [
+    {},
+    {"stream": None},
+    {"stream": "order-1"},
+    {"stream": 'ordre "été" \\ 注文 \u2028 \x01 🛒'},
+    {"stream": "o-1", "correlation_id": "corr", "traceparent": TRACEPARENT},
+    {"traceparent": TRACEPARENT, "stream": "o-1", "causation_id": "cause"},  # any order given
+    {"stream": "o-1", "correlation_id": None, "asynchronous": True},
+    {"stream": "o-1", "asynchronous": False, "priority": 0, "expected_version": 0},
+    {"headers": {"channel": "web", 'ké"y': "vä\nlue"}, "tenant": "acme"},
+    {"headers": {}, "extensions": {}, "positions": {}},
+    {"positions": {"store": 41}, "extensions": {"region": "eu", "n": [1.5, None, {"a": "b"}]}},
+    {"extensions": {"at": datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)}},
+    {"extensions": MappingProxyType({"b": 1, "a": 2}), "headers": MappingProxyType({"h": "v"})},
+    {name: value for name, value in EVERYTHING.items() if name != "event_class"},
+]
+
+
+@pytest.mark.parametrize("metadata", ENVELOPE_METADATA)
+@pytest.mark.parametrize("event_class", [None, "shop.events.OrderPlaced"])
+def test_the_stored_envelope_is_byte_for_byte_the_generic_document(
+    metadata: dict[str, Any], event_class: str | None
+) -> None:
+    for moment in ENVELOPE_TIMES:
+        for payload in (PAYLOAD, b"{}", '{"note":"\u00e9\\\\"}'.encode()):
+            made = make_internal_envelope(
+                message_id=MESSAGE_ID,
+                event_type="order_placed",
+                version=3,
+                time=moment,
+                source="shop",
+                payload_json=payload,
+                event_class=event_class,
+                **metadata,
+            )
+            assert made == generic_envelope(moment, payload, event_class, metadata)
+
+
+def test_unknown_metadata_is_a_type_error_however_often_it_is_given() -> None:
+    for _ in range(2):  # once to learn the names given, once as known
+        with pytest.raises(TypeError, match=re.escape("unknown metadata ['colour', 'size']")):
+            stored(stream="o-1", size=1, colour="red")
 
 
 def test_internal_profile_keeps_every_field_plus_the_sequence() -> None:
@@ -303,6 +387,26 @@ def test_uuid7_is_version_7_rfc_4122_and_strictly_increasing() -> None:
     # The first 48 bits are Unix milliseconds; a burst may borrow a few from the future.
     assert before <= ids[0].int >> 80 <= after
     assert before <= ids[-1].int >> 80 <= after + 10
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX")
+def test_a_forked_child_draws_random_bits_of_its_own() -> None:
+    # The random bits come from a pool: a child must not go on with its parent's copy.
+    uuid7()  # the pool is filled
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(write, uuid7().bytes)
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = uuid.UUID(bytes=os.read(read, 16))
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = uuid7()
+    random_bits = (1 << 62) - 1
+    assert child.int & random_bits != parent.int & random_bits
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ written (``Stager.build_rows`` contacts no database and no broker)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import re
 from datetime import UTC, datetime
@@ -33,6 +35,8 @@ class Opaque(Event, type="orders.opaque", published=True):
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
     thing: Any
 
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 BROKERS: dict[str, Any] = {
     "events": {"type": "memory", "internal": True, "destination": "{service}.{event_type}"},
@@ -292,6 +296,49 @@ def test_a_payload_value_json_cannot_hold_is_refused_naming_its_path(
     assert message in str(refused.value)
 
 
+class Reading(Event, type="meter.reading"):
+    value: float
+
+
+class Stamped(Event, type="meter.stamped"):
+    at: datetime
+
+
+class Plain(Event, type="meter.plain"):
+    meter: str
+    count: int
+    ok: bool
+    note: str | None = None
+
+
+def test_a_float_or_datetime_field_is_checked_on_every_call_not_just_the_first() -> None:
+    stager = Stager(config())
+    for _ in range(2):  # what a first, good event taught must not wave later ones through
+        stager.build_rows("main", [Reading(value=1.5)], stream_key="m-1")
+        stager.build_rows("main", [Stamped(at=datetime(2026, 1, 2, tzinfo=UTC))])
+    with pytest.raises(StagingError, match=re.escape("payload.value: NaN is not valid JSON")):
+        stager.build_rows("main", [Reading(value=math.nan)], stream_key="m-1")
+    with pytest.raises(StagingError, match="payload.at: a datetime without a timezone"):
+        stager.build_rows("main", [Stamped(at=datetime(2026, 1, 2))], stream_key="m-1")
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
+def test_a_model_of_plain_fields_is_staged_and_its_values_are_still_checked() -> None:
+    stager = Stager(config())
+    rows = stager.build_rows("main", [Plain(meter="m", count=3, ok=True)], stream_key="m-1")
+    payload = InternalEnvelope.model_validate_json(rows[0].envelope).payload
+    assert payload == {"meter": "m", "count": 3, "ok": True, "note": None}
+    # Annotations promise nothing: model_construct() stores any value, and the serialiser
+    # would write this NaN as null (with a warning). The values are what is checked.
+    naive: Any = datetime(2026, 1, 2)  # what the annotations rule out, on purpose
+    built = Plain.model_construct(meter=math.nan, count=naive, ok=True)  # type: ignore[arg-type]
+    with pytest.raises(StagingError, match=re.escape("payload.meter: NaN is not valid JSON")):
+        stager.build_rows("main", [built], stream_key="m-1")
+    built = Plain.model_construct(meter="m", count=naive, ok=True)
+    with pytest.raises(StagingError, match="payload.count: a datetime without a timezone"):
+        stager.build_rows("main", [built], stream_key="m-1")
+
+
 def test_finite_floats_and_aware_datetimes_are_staged_as_given() -> None:
     event = Measured(reading=2.5, taken_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
     payload = InternalEnvelope.model_validate_json(build(config(), event)[0].envelope).payload
@@ -429,3 +476,77 @@ def test_mysql_locks_one_key_in_its_insert_and_many_keys_by_sorted_slots_first()
     [plain] = mysql_statements([row(None)])
     assert "router_streams" not in plain.sql
     assert all(0 <= int(slot_of(f"key-{i}")) < 1024 for i in range(1000))
+
+
+def without_id_and_time(row: Row) -> Row:
+    """``row`` with its message id and time, new on every call, made the same."""
+    envelope = row.envelope.replace(row.message_id, "<id>")
+    envelope = re.sub(r'"time":"[^"]*"', '"time":"<time>"', envelope)
+    return dataclasses.replace(row, message_id="<id>", envelope=envelope)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"stream_key": "o-1"},
+        {"stream_key": 'ordre "été" 注文'},
+        {"stream_key": "o-1", "correlation_id": "c", "traceparent": TRACEPARENT},
+        {"causation_id": "c", "correlation_id": "d"},
+    ],
+)
+def test_the_common_call_makes_the_rows_the_fully_checked_call_makes(
+    options: dict[str, Any],
+) -> None:
+    stager = Stager(config())
+    events = [Placed(order_id="1"), Reserved(order_id="2"), Charged(amount=3)]
+    common = stager.build_rows("main", events, **options)
+    # tenant=None changes no envelope, but takes the call through every check.
+    checked = stager.build_rows("main", events, tenant=None, **options)
+    assert [without_id_and_time(r) for r in common] == [without_id_and_time(r) for r in checked]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stream_key": 5}, "stream_key must be a string, got int"),
+        ({"stream_key": "o", "correlation_id": 5}, "correlation_id must be a string, got int"),
+        ({"correlation_id": "c\x00", "traceparent": "\x00"}, "correlation_id 'c\\x00' holds"),
+        ({"traceparent": "\x00", "causation_id": "\x00"}, "causation_id '\\x00' holds"),
+    ],
+)
+def test_the_common_call_refuses_what_the_fully_checked_call_refuses(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(StagingError, match=re.escape(message)):
+        build(config(), Reserved(order_id="o"), **options)
+    with pytest.raises(StagingError, match=re.escape(message)):
+        build(config(), Reserved(order_id="o"), tenant=None, **options)
+
+
+class Shipped(Event, type="orders.shipped", published=True):
+    """Placed's targets, other destinations."""
+
+    order_id: str
+
+
+POSTGRES_CALLS: list[tuple[list[Event], dict[str, Any]]] = [
+    ([Placed(order_id="1")], {"stream_key": "o-1"}),
+    ([Placed(order_id="2")], {}),
+    ([Reserved(order_id="3")], {"stream_key": "o-3"}),
+    ([Charged(amount=4)], {"stream_key": "c'4"}),
+    ([Placed(order_id="5"), Placed(order_id="6")], {"stream_key": "o-5"}),
+    ([Placed(order_id="7"), Reserved(order_id="8")], {"stream_keys": ["o-7", "o-8"]}),
+    ([Placed(order_id="9")], {"stream_key": "o-9"}),
+    ([Shipped(order_id="9")], {"stream_key": "o-9"}),
+]
+
+
+def test_an_events_statement_is_the_same_made_afresh_or_from_the_last_with_its_targets() -> None:
+    cfg = config(database="postgresql://u@127.0.0.1/x")
+    warm = Stager(cfg)
+    for events, options in POSTGRES_CALLS * 2:
+        rows = warm.build_rows("main", events, **options)
+        for simple, notify in itertools.product([False, True], repeat=2):
+            afresh = Stager(cfg).statements("postgresql", rows, simple=simple, notify=notify)
+            assert warm.statements("postgresql", rows, simple=simple, notify=notify) == afresh
