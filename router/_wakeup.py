@@ -1,6 +1,6 @@
 """How a commit wakes the relay on PostgreSQL: the names stagers and relays share.
 
-A stager (``router/write/staging.py``) notifies ``CHANNEL`` only while a relay is idle and
+A stager (``router/write/postgres.py``) notifies ``CHANNEL`` only while a relay is idle and
 listening, which a relay shows by holding its target's wake lock (``WAKE_LOCK_NAMESPACE``,
 ``hashtext(target)``); ``router/relay/store/postgres_wake.py`` has the relay's half and why it
 cannot miss a commit. docs/architecture.md ("Waking the relay") draws the whole protocol.

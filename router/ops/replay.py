@@ -34,6 +34,7 @@ from router.ops import audit, connections
 from router.ops.operations import requeue_rows
 from router.ops.schema import audit as audit_table
 from router.ops.schema import outbox
+from router.write.async_drivers import async_driver, insert
 from router.write.catalog import EventCatalog, load_catalog
 from router.write.staging import Row, Stager
 
@@ -348,5 +349,6 @@ async def _backfill_batch(
             continue
         rows[message_id] = Row(message_id, plan.target, destination, event_type, stream_key, text)
     if rows:
-        await stager.insert_sqlalchemy(conn, conn.dialect.name, list(rows.values()))
+        driver = await async_driver(conn)
+        await insert(driver, stager.statements(driver.dialect, list(rows.values())))
     return len(found), len(rows), skipped

@@ -30,6 +30,7 @@ from envelopes import StageOptions, StagingError
 from router._db import create_engine
 from router._local import announce, listening
 from router.config import RouterConfig
+from router.write.async_drivers import async_driver, insert
 from router.write.checks import (
     SCHEMA_PROBE,
     check_schema_probe,
@@ -37,7 +38,7 @@ from router.write.checks import (
     table_refusal,
 )
 from router.write.events import Event
-from router.write.staging import Row
+from router.write.statements import Row
 from router.write.writer import Writer, message_ids
 
 __all__ = ["Outbox", "Transaction"]
@@ -85,40 +86,15 @@ class Outbox(Writer):
     async def _insert(self, connection: Any, name: str, rows: Sequence[Row]) -> None:
         """One INSERT of ``rows`` in the caller's transaction, refused outside of one."""
         database = self.config.databases[name]
-        kind = database.kind
-        if _is_asyncpg(connection):
-            self._expect(name, kind, "postgresql")
-            if not connection.is_in_transaction():
-                raise StagingError(
-                    "stage() needs the connection inside a transaction "
-                    "(async with connection.transaction(): ...)"
-                )
-            if needs_schema_probe("postgresql", database):
-                check_schema_probe(await connection.fetchval(SCHEMA_PROBE), database, name)
-            try:
-                await self._stager.insert_postgres_raw(connection, rows, notify=database.notifies)
-            except Exception as exc:
-                _reraise(exc, name, "postgresql")
-            return
-        conn = await _sqlalchemy_connection(connection)
-        self._expect(name, kind, conn.dialect.name)
-        if _autocommits(conn):
-            raise StagingError(
-                "stage() needs the connection inside a transaction, but it runs in "
-                "AUTOCOMMIT (isolation_level='AUTOCOMMIT'), so each statement would "
-                "commit on its own, apart from the caller's work; stage on a connection "
-                "without AUTOCOMMIT, in a transaction (async with session.begin(): ... "
-                "or async with engine.begin() as connection: ...)"
-            )
-        if needs_schema_probe(conn.dialect.name, database):
-            probed = await conn.exec_driver_sql(SCHEMA_PROBE)
-            check_schema_probe(probed.scalar(), database, name)
+        driver = await async_driver(connection)
+        self._expect(name, database.kind, driver.dialect)
+        if needs_schema_probe(driver.dialect, database):
+            check_schema_probe(await driver.scalar(SCHEMA_PROBE), database, name)
+        statements = self._stager.statements(driver.dialect, rows, notify=database.notifies)
         try:
-            await self._stager.insert_sqlalchemy(
-                conn, conn.dialect.name, rows, notify=database.notifies
-            )
+            await insert(driver, statements)
         except Exception as exc:
-            _reraise(exc, name, conn.dialect.name)
+            _reraise(exc, name, driver.dialect)
         if isinstance(connection, AsyncSession):
             self._announce_after_commit(connection, name, rows)
 
@@ -223,30 +199,6 @@ class Transaction:
         return ids
 
 
-async def _sqlalchemy_connection(connection: Any) -> AsyncConnection:
-    if isinstance(connection, AsyncSession):
-        return await connection.connection()
-    if isinstance(connection, AsyncConnection):
-        return connection
-    sync = type(connection).__module__.partition(".")[0] in {"sqlalchemy", "django"}
-    raise StagingError(
-        "stage() takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
-        f"connection; got {type(connection).__name__}"
-        + (" (a sync connection: stage on it with SyncOutbox.stage(...))" if sync else "")
-    )
-
-
-def _autocommits(conn: AsyncConnection) -> bool:
-    """True when each statement on ``conn`` would commit on its own.
-
-    A transaction SQLAlchemy autobegan is a real one the caller commits; only AUTOCOMMIT
-    (on the engine or in execution options) makes its BEGIN a no-op. SQLAlchemy keeps the
-    engine-wide setting on the dialect with no public accessor, so this asks the same
-    private method SQLAlchemy itself consults before emitting BEGIN.
-    """
-    return conn.sync_connection is not None and conn.sync_connection._is_autocommit_isolation()
-
-
 def _reraise(error: Exception, database: str, dialect: str) -> NoReturn:
     """Raise ``error``, or ``StagingError`` saying what to do if it says the router's tables
     are missing or not granted (``router.write.checks.table_refusal``)."""
@@ -261,7 +213,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _is_asyncpg(connection: Any) -> bool:
-    return type(connection).__module__.partition(".")[0] == "asyncpg"

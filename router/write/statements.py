@@ -1,6 +1,6 @@
 """The statements ``stage()`` runs, as every driver takes them: the rows, a statement with
-its parameters, a binary COPY. Built by ``router.write.staging`` and ``router.write.mysql``,
-run by the drivers (``router.write.drivers``, the async writer)."""
+its parameters, a binary COPY. Built by ``router.write.postgres``, ``mysql`` and ``sqlite``,
+run by the drivers (``router.write.drivers``, ``router.write.async_drivers``)."""
 
 from __future__ import annotations
 

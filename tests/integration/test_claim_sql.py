@@ -12,7 +12,7 @@ from router.ops.migrate import upgrade
 from router.relay.store.base import OPEN_STATUSES
 from router.relay.store.postgres_ring import RING_LOCK
 from router.relay.store.postgres_sql import CLAIM_FUNCTION, CLAIM_LOCK_NAMESPACE, MARK_FUNCTION
-from router.write.staging import STREAM_LOCK_NAMESPACE
+from router.write.postgres import STREAM_LOCK_NAMESPACE
 from tests.conftest import PgDatabases
 
 DEFINITIONS = """

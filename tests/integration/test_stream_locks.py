@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from router import Outbox, SyncOutbox
-from router.write.staging import STREAM_LOCK_NAMESPACE, STREAM_LOCK_SLOTS
+from router.write.postgres import STREAM_LOCK_NAMESPACE, STREAM_LOCK_SLOTS
 from tests.conftest import PgDatabases, make_config
 from tests.integration.events import StockReserved
 

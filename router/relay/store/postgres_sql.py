@@ -23,7 +23,7 @@ __all__ = [
 
 CLAIM_LOCK_NAMESPACE = 1869903203
 """First key of the per-target advisory lock a claim takes. The router's other advisory
-locks (``router.write.staging.STREAM_LOCK_NAMESPACE``, one per stream key's slot while
+locks (``router.write.postgres.STREAM_LOCK_NAMESPACE``, one per stream key's slot while
 staging) use another namespace, so a claim never waits on a stager."""
 
 

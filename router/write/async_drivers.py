@@ -1,0 +1,124 @@
+"""The connections ``Outbox.stage`` takes, each behind the shape ``router.write.drivers``
+gives the sync ones: its dialect, ``execute`` for one ``Statement`` in the caller's
+transaction, and ``scalar`` for the schema probe.
+
+- SQLAlchemy's ``AsyncSession`` and ``AsyncConnection`` (asyncpg, aiosqlite, asyncmy,
+  aiomysql): ``text()`` statements, or the driver's own ``%s`` form for MySQL's.
+- A raw asyncpg connection: the same statements, their parameters numbered (``$1``...).
+
+``async_driver`` refuses, before anything is written, a connection outside a transaction or
+in AUTOCOMMIT, and sync connections, which ``SyncOutbox.stage`` takes. ``insert`` runs a
+call's statements, putting back what a statement found missing (``Statement.repair``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from envelopes import StagingError
+from router.write.postgres import numbered
+from router.write.statements import Copy, Statement, clause
+
+__all__ = ["AsyncDriver", "async_driver", "insert"]
+
+
+class AsyncDriver(Protocol):
+    """One caller's async connection, as the async writer uses it."""
+
+    dialect: str
+    """``postgresql``, ``mysql`` or ``sqlite``: which statements it takes."""
+
+    async def execute(self, statement: Statement) -> int:
+        """Run one statement in the caller's transaction; the rows it wrote."""
+
+    async def scalar(self, sql: str) -> object:
+        """The first value of a read-only query without parameters, in the caller's
+        transaction."""
+
+
+async def async_driver(connection: Any) -> AsyncDriver:
+    """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
+    if type(connection).__module__.partition(".")[0] == "asyncpg":
+        return AsyncpgDriver(connection)
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(connection, AsyncSession):
+        return SqlAlchemyAsyncDriver(await connection.connection())
+    if isinstance(connection, AsyncConnection):
+        return SqlAlchemyAsyncDriver(connection)
+    sync = type(connection).__module__.partition(".")[0] in {"sqlalchemy", "django"}
+    raise StagingError(
+        "stage() takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
+        f"connection; got {type(connection).__name__}"
+        + (" (a sync connection: stage on it with SyncOutbox.stage(...))" if sync else "")
+    )
+
+
+async def insert(driver: AsyncDriver, statements: Sequence[Statement | Copy]) -> None:
+    """Run ``statements`` in order. One that wrote no row and has a ``repair`` (it inserts
+    by joining a lock row that was missing) gets the row put back and runs again."""
+    for statement in statements:
+        assert isinstance(statement, Statement)  # no Copy: async drivers do not ask for one
+        if await driver.execute(statement) == 0 and statement.repair is not None:
+            await driver.execute(statement.repair)
+            await driver.execute(statement)
+
+
+class AsyncpgDriver:
+    """A raw asyncpg connection, inside ``connection.transaction()``."""
+
+    dialect = "postgresql"
+
+    def __init__(self, connection: Any) -> None:
+        if not connection.is_in_transaction():
+            raise StagingError(
+                "stage() needs the connection inside a transaction "
+                "(async with connection.transaction(): ...)"
+            )
+        self.connection = connection
+
+    async def execute(self, statement: Statement) -> int:
+        """Run one statement, its parameters numbered; the rows it wrote."""
+        assert isinstance(statement.params, dict)  # PostgreSQL's are named
+        sql, names = numbered(statement.sql)
+        status = await self.connection.execute(sql, *(statement.params[n] for n in names))
+        # The command tag: "INSERT 0 3", "SELECT 1".
+        return int(status.rpartition(" ")[2] or -1)
+
+    async def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row."""
+        return await self.connection.fetchval(sql)
+
+
+class SqlAlchemyAsyncDriver:
+    """A SQLAlchemy ``AsyncConnection`` (an ``AsyncSession``'s, in its transaction)."""
+
+    def __init__(self, connection: Any) -> None:
+        # A transaction SQLAlchemy autobegan is a real one the caller commits; only
+        # AUTOCOMMIT (on the engine or in execution options) makes its BEGIN a no-op.
+        # SQLAlchemy keeps the engine-wide setting on the dialect with no public accessor, so
+        # this asks the same private method SQLAlchemy itself consults before emitting BEGIN.
+        sync = connection.sync_connection
+        if sync is not None and sync._is_autocommit_isolation():
+            raise StagingError(
+                "stage() needs the connection inside a transaction, but it runs in "
+                "AUTOCOMMIT (isolation_level='AUTOCOMMIT'), so each statement would "
+                "commit on its own, apart from the caller's work; stage on a connection "
+                "without AUTOCOMMIT, in a transaction (async with session.begin(): ... "
+                "or async with engine.begin() as connection: ...)"
+            )
+        self.connection = connection
+        self.dialect: str = connection.dialect.name
+
+    async def execute(self, statement: Statement) -> int:
+        """Run one statement; the rows it wrote."""
+        if statement.named:
+            result = await self.connection.execute(clause(statement.sql), statement.params)
+        else:
+            result = await self.connection.exec_driver_sql(statement.sql, statement.params)
+        return int(result.rowcount)
+
+    async def scalar(self, sql: str) -> object:
+        """The first value of ``sql``'s first row."""
+        return (await self.connection.exec_driver_sql(sql)).scalar()

@@ -1,0 +1,60 @@
+"""The statements ``stage()`` runs on SQLite: one INSERT of up to 1,000 rows. SQLite has one
+writer at a time, so per-stream order needs no lock, and its relay watches the database file
+rather than waiting for a notification."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from router._db import sqlite_time
+from router.write.statements import Row, Statement
+
+__all__ = ["SqliteStatements"]
+
+_COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
+_FIELDS = ("m", "t", "d", "e", "k", "v", "a", "c")
+_MAX_ROWS = 1000  # stays far below SQLite's 32,766 bound variables
+
+
+class SqliteStatements:
+    """The statements of ``stage()`` calls on SQLite, with each row count's text kept."""
+
+    def __init__(self) -> None:
+        self._inserts: dict[int, str] = {}
+
+    def statements(self, rows: Sequence[Row]) -> list[Statement]:
+        """The statements that insert ``rows`` in order."""
+        stamp = sqlite_time(datetime.now(UTC))
+        statements = []
+        for start in range(0, len(rows), _MAX_ROWS):
+            chunk = rows[start : start + _MAX_ROWS]
+            params: dict[str, Any] = {}
+            for i, row in enumerate(chunk):
+                values = (
+                    row.message_id,
+                    row.target,
+                    row.destination,
+                    row.event_type,
+                    row.stream_key,
+                    row.envelope,
+                    stamp,
+                    stamp,
+                )
+                params.update({f"{f}{i}": v for f, v in zip(_FIELDS, values, strict=True)})
+            statements.append(Statement(self._insert(len(chunk)), params))
+        return statements
+
+    def _insert(self, count: int) -> str:
+        statement = self._inserts.get(count)
+        if statement is None:
+            values = ", ".join(
+                "(" + ", ".join(f":{f}{i}" for f in _FIELDS) + ")" for i in range(count)
+            )
+            statement = (
+                f"INSERT INTO router_outbox ({_COLUMNS}, available_at, created_at) VALUES {values}"
+            )
+            if len(self._inserts) < 256:
+                self._inserts[count] = statement
+        return statement
