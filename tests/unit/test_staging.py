@@ -419,6 +419,7 @@ def test_mysql_locks_one_key_in_its_insert_and_many_keys_by_sorted_slots_first()
 
     [one] = mysql_statements([row("a"), row("a")])
     assert one.sql.startswith("INSERT INTO router_outbox") and "FOR UPDATE" in one.sql
+    assert isinstance(one.params, tuple)  # the MySQL drivers' %s form
     assert one.params[-1] == slot_of("a") and one.repair is not None
     assert one.repair.params == (slot_of("a"),)
     lock, insert = mysql_statements([row("a"), row("b"), row(None), row("a")])
