@@ -21,7 +21,7 @@ import pymysql
 
 from tests.services import free_port, program, require_programs
 
-__all__ = ["PROGRAMS", "BinlogServer"]
+__all__ = ["PROGRAMS", "BinlogServer", "binlog_options"]
 
 PROGRAMS = ("mariadbd", "mariadb-install-db")
 START_TIMEOUT = 60.0
@@ -32,6 +32,13 @@ INNODB = (
     "--innodb-log-file-size=16M",
     "--innodb-log-buffer-size=4M",
 )
+
+
+def binlog_options(folder: Path) -> tuple[str, ...]:
+    """What a ``mariadbd`` needs for a router to follow its binlog: the binlog on (its files
+    in ``folder``), row events (the follower reads each row's target), and a server id of its
+    own (a replica, which the follower is, must not share it)."""
+    return (f"--log-bin={folder / 'binlog'}", "--binlog-format=ROW", f"--server-id={SERVER_ID}")
 
 
 class BinlogServer:
@@ -76,9 +83,7 @@ class BinlogServer:
                 f"--socket={self._socket()}",
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
-                f"--log-bin={self.folder / 'binlog'}",
-                "--binlog-format=ROW",
-                f"--server-id={SERVER_ID}",
+                *binlog_options(self.folder),
                 f"--pid-file={self.folder / 'pid'}",
                 f"--log-error={self.folder / 'mariadbd.log'}",
                 "--skip-name-resolve",

@@ -7,6 +7,7 @@ Run as a user would run the tool::
     python -m tests.chaos.chaos --size harsh        # 600/s, the broker and database crash
     python -m tests.chaos.chaos --graceful-stops 10 # and 10 workers stopped with SIGTERM
     python -m tests.chaos.chaos --database mysql    # on MariaDB
+    python -m tests.chaos.chaos --wakeup log        # woken by the database's log, which is cut
 
 What happens:
 
@@ -23,7 +24,12 @@ What happens:
   SIGKILL of mariadbd, then crash recovery). Once, the router's path to NATS stops passing
   packets for five seconds while its connections stay open (a gray partition). With
   ``--graceful-stops N`` a worker is also
-  stopped with SIGTERM N times, which must cause no duplicate at all. On PostgreSQL
+  stopped with SIGTERM N times, which must cause no duplicate at all. With ``--wakeup log``
+  the relay learns of commits from the database's own log (a server with ``wal_level =
+  logical``, or a mariadbd with its binlog on), and its connections that follow it are cut
+  twice (``pg_terminate_backend`` of the walsenders, ``KILL`` of the binlog dumps): it must
+  fall back (LISTEN, or the poll) at once and follow the log again, missing nothing that was
+  committed meanwhile. The database crash cuts them too. On PostgreSQL
   the router's own claims and marks commit without waiting for the WAL flush, so the most
   recent of them are lost, as in a real crash: a repeat whose first copy reached the broker
   in the database's ``commit_window`` before it is explained by it. On MariaDB each of them
@@ -71,7 +77,7 @@ from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_data
 from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.ledger import Ledger, check_stream
 from tests.chaos.proxy import DelayingProxy
-from tests.chaos.report import Report, worker_starts
+from tests.chaos.report import Report, wakeup_changes, worker_starts
 from tests.private_postgres import PrivatePostgres
 from tests.services import free_port
 
@@ -82,6 +88,13 @@ STREAM, SUBJECT = "CHAOS", "chaos"
 LEASE_SECONDS = 10
 # How long the router's path to NATS passes nothing, once per run (see _partition).
 PARTITION_SECONDS = 5.0
+# With wakeup: log, when the relay's log connections are cut (fractions of the run): away
+# from the broker restart and the database crash, so each cut's fallback and return show
+# on their own in the router's log.
+LOG_CUTS = (0.2, 0.5)
+# How long a cut waits for the followers to be connected (one may be reconnecting).
+LOG_CUT_WAIT = 10.0
+WAKEUPS = ("auto", "log", "notify", "poll")
 
 
 class Tick(Event, type="chaos.tick"):
@@ -129,6 +142,7 @@ class Chaos:
         database_restarts: int = 1,
         broker_kill: bool = False,
         postgres: PrivatePostgres | None = None,
+        wakeup: str = "auto",
     ) -> None:
         self.size = size
         self.events = events
@@ -146,7 +160,10 @@ class Chaos:
         # The streams producers pick and the workers killed; timing is the machine's.
         self.report.seed = random.randrange(1 << 32) if seed is None else seed
         self.random = random.Random(self.report.seed)
-        self.db: ChaosDatabase = chaos_database(database, folder, postgres)
+        self.wakeup = wakeup
+        self.report.wakeup = wakeup
+        self._log_cuts: list[tuple[float, int]] = []  # (time.time(), connections cut)
+        self.db: ChaosDatabase = chaos_database(database, folder, postgres, log=wakeup == "log")
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
         self.nats = EmbeddedNats(self.nats_url, folder / "nats")
         self.router: subprocess.Popen[bytes] | None = None
@@ -193,8 +210,9 @@ class Chaos:
             await self.db.drop()
         self.report.seconds = time.monotonic() - started
         # Read once the parent has stopped: its log is complete.
-        with (self.folder / "router.log").open() as log:
-            self.report.set_worker_starts(worker_starts(log), self._disrupted)
+        lines = (self.folder / "router.log").read_text(errors="replace").splitlines()
+        self.report.set_worker_starts(worker_starts(lines), self._disrupted)
+        self.report.set_wakeups(wakeup_changes(lines), self._log_cuts)
         return self.report
 
     # -- setup ----------------------------------------------------------------------------
@@ -207,7 +225,7 @@ class Chaos:
         router_nats = f"nats://127.0.0.1:{self.proxy.port}" if self.ack_delay else self.nats_url
         config = {
             "service": "chaos",
-            "databases": {"main": self.db.url},
+            "databases": {"main": {"url": self.db.url, "wakeup": self.wakeup}},
             "brokers": {
                 "events": {
                     "type": "nats",
@@ -401,6 +419,8 @@ class Chaos:
             (expected * (i + 0.5) / self.graceful_stops, self._stop_worker_gracefully)
             for i in range(self.graceful_stops)
         ]
+        if self.wakeup == "log":
+            plan += [(expected * at, self._cut_log) for at in LOG_CUTS]
         return sorted(plan, key=lambda step: step[0])
 
     def _disrupted_at(self, what: str) -> None:
@@ -482,6 +502,26 @@ class Chaos:
         while time.monotonic() < ends:
             await self._note_in_flight("%", failed_too=True)
             await asyncio.sleep(0.05)
+
+    async def _cut_log(self) -> None:
+        """The relay's connections that follow the database's log end, the database and the
+        router up: each worker falls back (LISTEN on PostgreSQL, the poll on MariaDB) at once
+        and follows the log again once it reconnects. Nothing it publishes is cut, so this
+        explains no repeat: what was committed meanwhile must arrive once, in order."""
+        deadline = time.monotonic() + LOG_CUT_WAIT
+        while True:
+            at = time.time()
+            cut = 0
+            with contextlib.suppress(*self.db.away):
+                cut = await self.db.cut_log()
+            if cut or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)  # no follower connected now: one is reconnecting
+        self.report.disruptions.append((round(at - self._started_at, 3), f"log cut ({cut})"))
+        if cut:
+            self._log_cuts.append((at, cut))
+            self.report.wake_cuts += 1
+            self.report.wake_connections_cut += cut
 
     async def _restart_broker(self) -> None:
         self._disrupted_at(f"broker {'kill' if self.broker_kill else 'stop'}")
@@ -574,7 +614,9 @@ async def run_chaos(
     size: str, folder: Path, database: str = "postgresql", **overrides: Any
 ) -> Report:
     """Run one chaos test of ``size`` (a key of ``SIZES``) on ``database`` ('postgresql' or
-    'mysql') in ``folder``; ``postgres=`` a private server to use (else the run starts one)."""
+    'mysql') in ``folder``; ``postgres=`` a private server to use (else the run starts one;
+    with ``wakeup="log"`` it must have wal_level = logical), ``wakeup=`` the database's
+    ``wakeup:`` setting (``WAKEUPS``; default auto, whatever the server allows)."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
 
@@ -588,6 +630,12 @@ def main() -> None:
         choices=sorted(DATABASES),
         default="postgresql",
         help="mysql: MariaDB, on a server the run starts (its mariadbd is the one crashed)",
+    )
+    parser.add_argument(
+        "--wakeup",
+        choices=WAKEUPS,
+        default="auto",
+        help="the database's wakeup setting; log: a server with its log on, cut twice mid-run",
     )
     parser.add_argument("--events", type=int)
     parser.add_argument("--streams", type=int)
@@ -631,6 +679,7 @@ def main() -> None:
             graceful_stops=args.graceful_stops,
             inbox=args.inbox,
             ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
+            wakeup=args.wakeup,
         )
     )
     if report.passed:
@@ -641,6 +690,7 @@ def main() -> None:
     name = f"chaos-{args.size}" + ("-inbox" if args.inbox else "")
     name += "-graceful" if args.graceful_stops else ""
     name += "" if args.database == "postgresql" else f"-{args.database}"
+    name += "" if args.wakeup == "auto" else f"-{args.wakeup}"
     target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(

@@ -3,7 +3,8 @@
 The run (``tests.chaos.chaos``) has one flow; what differs per database is here: making and
 dropping the run's database, the URL the router gets, a producer connection that stages in a
 transaction, the three reads the run makes (is this id committed, which rows are in flight,
-how many are still open) and ``crash()``, the server crash and its recovery.
+how many are still open), ``crash()``, the server crash and its recovery, and ``cut_log()``,
+which ends the relay's connections that follow the database's log (``wakeup: log``).
 
 - ``Postgres``: a fresh database on a PostgreSQL server of the run's own
   (``tests.private_postgres``: the test session's, or one the run starts and removes), crashed
@@ -11,6 +12,10 @@ how many are still open) and ``crash()``, the server crash and its recovery.
 - ``Mariadb``: a private ``mariadbd`` the run starts on a free port with its datadir in the
   run's folder, killed with SIGKILL and started again on the same datadir (InnoDB crash
   recovery).
+
+With ``log=True`` the server keeps a log the relay can follow: ``wal_level = logical``
+(``LOGICAL_DECODING``) on PostgreSQL, the binlog in ROW format on MariaDB
+(``tests.mariadb_binlog.binlog_options``).
 
 The shared servers on 5432 and 3306 are never touched: crashing them would cut every other
 test and session on the machine.
@@ -38,7 +43,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import NullPool
 
 from router.relay.store.postgres_sql import RING_SLOTS
-from tests.private_postgres import PrivatePostgres, postgres_bin
+from tests.mariadb_binlog import binlog_options
+from tests.private_postgres import LOGICAL_DECODING, PrivatePostgres, postgres_bin
 from tests.services import free_port, program
 
 __all__ = ["DATABASES", "ChaosDatabase", "Mariadb", "Postgres", "Producer", "chaos_database"]
@@ -71,8 +77,9 @@ class ChaosDatabase(ABC):
     commit_window: ClassVar[float]
     """How long before a crash a commit the router was told of may still be lost."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, log: bool = False) -> None:
         self.folder = folder
+        self.log = log
         self.name = f"chaos_{uuid.uuid4().hex[:8]}"
 
     @property
@@ -112,6 +119,11 @@ class ChaosDatabase(ABC):
     @abstractmethod
     async def crash(self) -> None:
         """Crash the server and wait until it answers again, recovered."""
+
+    @abstractmethod
+    async def cut_log(self) -> int:
+        """End every connection that follows the run's database's log (the relay's, one per
+        worker), the server and the router staying up; returns how many were ended."""
 
 
 # -- PostgreSQL -------------------------------------------------------------------------------
@@ -155,8 +167,10 @@ class Postgres(ChaosDatabase):
     # by default): a crash may forget those of its last moments. 2 s leaves room.
     commit_window = 2.0
 
-    def __init__(self, folder: Path, server: PrivatePostgres | None = None) -> None:
-        super().__init__(folder)
+    def __init__(
+        self, folder: Path, server: PrivatePostgres | None = None, *, log: bool = False
+    ) -> None:
+        super().__init__(folder, log=log)
         self.owns_server = server is None
         self.server = server or PrivatePostgres(_postgres_programs())
 
@@ -172,10 +186,17 @@ class Postgres(ChaosDatabase):
 
     async def create(self) -> None:
         """Start the server if the run owns it, then CREATE DATABASE with pgrowlocks (see
-        ``in_flight``)."""
+        ``in_flight``). With ``log``, a server given must have wal_level = logical already."""
         if self.owns_server:
-            await self.server.create()
+            await self.server.create(settings=LOGICAL_DECODING if self.log else "")
             await self.server.start()
+        elif self.log:
+            [(wal_level,)] = await self._fetch_server("SHOW wal_level")
+            if wal_level != "logical":
+                raise RuntimeError(
+                    f"the server given has wal_level = {wal_level}; a run on the log wake-up "
+                    "needs one with LOGICAL_DECODING (the pg_logical fixture)"
+                )
         await self.server.execute(f'CREATE DATABASE "{self.name}"')
         await self.server.execute("CREATE EXTENSION IF NOT EXISTS pgrowlocks", database=self.name)
 
@@ -229,8 +250,21 @@ class Postgres(ChaosDatabase):
         done."""
         await self.server.crash()
 
+    async def cut_log(self) -> int:
+        """``pg_terminate_backend`` of the walsenders streaming the run's database (not
+        another test's on a shared server): each takes its temporary slot with it."""
+        rows = await self._fetch(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE backend_type = 'walsender' AND datname = $1",
+            self.name,
+        )
+        return sum(1 for (ended,) in rows if ended)
+
     async def _fetch(self, query: str, *args: Any) -> list[Any]:
-        conn = await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT)
+        return await self._fetch_server(query, *args, database=self.name)
+
+    async def _fetch_server(self, query: str, *args: Any, database: str = "postgres") -> list[Any]:
+        conn = await asyncpg.connect(self.server.url(database), timeout=CONNECT_TIMEOUT)
         try:
             return list(await conn.fetch(query, *args))
         finally:
@@ -257,10 +291,12 @@ START_TIMEOUT = 60.0
 
 
 class MariadbServer:
-    """A private ``mariadbd``: its own datadir, socket and port, started and killed by pid."""
+    """A private ``mariadbd``: its own datadir, socket and port, started and killed by pid;
+    with ``log``, its binlog on as a router's follower needs it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, log: bool = False) -> None:
         self.folder = folder
+        self.binlog = binlog_options(folder) if log else ()
         self.datadir = folder / "data"
         self.port = free_port()
         self.log = folder / "mariadbd.log"
@@ -347,6 +383,7 @@ class MariadbServer:
                     f"--log-error={self.log}",
                     *_as_user(),
                     *INNODB,
+                    *self.binlog,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -391,9 +428,9 @@ class Mariadb(ChaosDatabase):
     away = (OSError, TimeoutError, MySQLError, SQLAlchemyError)
     commit_window = 0.0  # see INNODB
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder)
-        self.server = MariadbServer(folder / "mariadb")
+    def __init__(self, folder: Path, *, log: bool = False) -> None:
+        super().__init__(folder, log=log)
+        self.server = MariadbServer(folder / "mariadb", log=log)
         self._engine: AsyncEngine | None = None
 
     @property
@@ -461,6 +498,23 @@ class Mariadb(ChaosDatabase):
         self.server.kill()
         await self.server.start()
 
+    async def cut_log(self) -> int:
+        """``KILL`` of every 'Binlog Dump' thread: the server is the run's own, so each is
+        one of the relay's followers."""
+        conn = await self.server.connect()
+        cut = 0
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute("SHOW PROCESSLIST")
+                dumps = [row[0] for row in await cursor.fetchall() if row[4] == "Binlog Dump"]
+                for thread in dumps:
+                    with contextlib.suppress(MySQLError):  # ended on its own meanwhile
+                        await cursor.execute(f"KILL {int(thread)}")
+                        cut += 1
+        finally:
+            await conn.ensure_closed()
+        return cut
+
     async def _fetch(self, query: str, args: Sequence[Any] = ()) -> list[Any]:
         conn = await self.server.connect(self.name)
         try:
@@ -475,13 +529,14 @@ DATABASES: dict[str, type[ChaosDatabase]] = {"postgresql": Postgres, "mysql": Ma
 
 
 def chaos_database(
-    kind: str, folder: Path, postgres: PrivatePostgres | None = None
+    kind: str, folder: Path, postgres: PrivatePostgres | None = None, *, log: bool = False
 ) -> ChaosDatabase:
     """The run's database of ``kind`` ('postgresql' or 'mysql'), its files under ``folder``;
-    on PostgreSQL, on the ``postgres`` server when given (else on one of the run's own)."""
+    on PostgreSQL, on the ``postgres`` server when given (else on one of the run's own); with
+    ``log``, on a server whose log the relay can follow."""
     if kind == "postgresql":
-        return Postgres(folder, postgres)
-    return DATABASES[kind](folder)
+        return Postgres(folder, postgres, log=log)
+    return DATABASES[kind](folder, log=log)
 
 
 def _postgres_programs() -> Path:

@@ -6,6 +6,8 @@ of plain data that ``test_report.py`` checks on hand-made timelines, without any
 - ``percentile`` and ``delay_figures``: p50, p99 and max of the commit-to-publish delays;
 - ``longest_stall``: the longest stretch during which an event was waiting and none arrived;
 - ``worker_starts``: the parent's ``worker.started`` / ``worker.ready`` JSON log lines;
+- ``wakeup_changes`` and ``cuts_recovered``: the workers' ``wakeup.active`` /
+  ``wakeup.fallback`` lines, and whether each cut of the log they follow shows in them;
 - ``Report``: every figure, its table and its JSON.
 """
 
@@ -16,19 +18,28 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any, NamedTuple
 
 __all__ = [
     "DelayFigures",
     "Report",
     "Stall",
+    "WakeupChange",
     "WorkerStarts",
+    "cuts_recovered",
     "delay_figures",
     "disruptions_near",
     "longest_stall",
     "percentile",
+    "wakeup_changes",
     "worker_starts",
 ]
+
+# After the run cut the log connections: how soon each must have logged its fallback, and
+# how soon its follower must be back (MariaDB's tries again after 1 s, PostgreSQL's at 0.5 s).
+FALLBACK_WITHIN = 2.0
+BACK_WITHIN = 10.0
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:
@@ -143,6 +154,50 @@ def worker_starts(lines: Iterable[str]) -> WorkerStarts:
     return starts
 
 
+class WakeupChange(NamedTuple):
+    """One ``wakeup.active`` or ``wakeup.fallback`` line of the router's log."""
+
+    at: float
+    """When it was logged, in seconds since the epoch."""
+    event: str
+    mechanism: str
+    """'log', or the fallback's ('notify' on PostgreSQL, 'poll' on MariaDB), ..."""
+
+
+def wakeup_changes(lines: Iterable[str]) -> list[WakeupChange]:
+    """The wake-up changes the relay logged, from JSON log lines; other lines are skipped."""
+    changes = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") not in ("wakeup.active", "wakeup.fallback"):
+            continue
+        at = datetime.fromisoformat(record["time"]).timestamp()
+        changes.append(WakeupChange(at, record["event"], str(record.get("mechanism"))))
+    return changes
+
+
+def cuts_recovered(cuts: Iterable[tuple[float, int]], changes: Sequence[WakeupChange]) -> int:
+    """How many of ``cuts`` ((when, connections cut), the clock of ``changes``) the log shows
+    handled: a fallback per connection within FALLBACK_WITHIN, then as many log sessions
+    started within BACK_WITHIN."""
+    recovered = 0
+    for at, connections in cuts:
+        after = [(c.at - at, c) for c in changes if c.at >= at]
+        fell_back = [c for d, c in after if c.event == "wakeup.fallback" and d <= FALLBACK_WITHIN]
+        back = [c for d, c in after if _follows_log(c) and d <= BACK_WITHIN]
+        recovered += len(fell_back) >= connections and len(back) >= connections
+    return recovered
+
+
+def _follows_log(change: WakeupChange) -> bool:
+    return change.event == "wakeup.active" and change.mechanism == "log"
+
+
 @dataclass
 class Report:
     """What the run found; every figure a user of the router would care about."""
@@ -172,6 +227,19 @@ class Report:
     partitions: int = 0
     """Times the router's path to the broker went silent (connections open)."""
     database_restarts: int = 0
+    wakeup: str = "auto"
+    """The database's ``wakeup:`` setting."""
+    wake_first: str = ""
+    """The wake-up mechanism the router's log names first."""
+    wake_cuts: int = 0
+    """Times the run cut the relay's connections that follow the database's log."""
+    wake_connections_cut: int = 0
+    wake_cuts_recovered: int = 0
+    """Of the cuts, those after which every cut connection logged its fallback at once and
+    a log session started again (``cuts_recovered``)."""
+    wake_log_starts: int = 0
+    """``wakeup.active`` lines naming the log: each worker's start, each reconnect."""
+    wake_fallbacks: int = 0
     producer_retries: int = 0
     workers_started: int = 0
     workers_ready: int = 0
@@ -225,6 +293,16 @@ class Report:
             self.ready_median_seconds = statistics.median(self.ready_seconds)
             self.ready_max_seconds = self.ready_seconds[-1]
 
+    def set_wakeups(
+        self, changes: Sequence[WakeupChange], cuts: Iterable[tuple[float, int]]
+    ) -> None:
+        """Fill the wake-up figures from the router's log and the run's ``cuts`` of the log
+        connections ((when, connections cut), the log's clock)."""
+        self.wake_first = changes[0].mechanism if changes else ""
+        self.wake_log_starts = sum(1 for c in changes if _follows_log(c))
+        self.wake_fallbacks = sum(1 for c in changes if c.event == "wakeup.fallback")
+        self.wake_cuts_recovered = cuts_recovered(cuts, changes)
+
     def to_json(self) -> dict[str, Any]:
         """Every field, the derived figures and the verdict."""
         return {
@@ -253,6 +331,9 @@ class Report:
             (f"broker restarts ({self.broker_stop})", self.broker_restarts),
             ("partitions (path to the broker silent)", self.partitions),
             ("database restarts", self.database_restarts),
+            (f"wake-up (wakeup: {self.wakeup}), first used", self.wake_first or "-"),
+            ("  log sessions started / fallbacks", self._wake_changes()),
+            ("  log connections cut (recovered)", self._wake_cuts()),
             ("producer retries (unknown commit)", self.producer_retries),
             ("workers started / ready", f"{self.workers_started} / {self.workers_ready}"),
             ("  never ready (killed first)", self._never_ready()),
@@ -280,6 +361,13 @@ class Report:
         if near:
             text += ": " + ", ".join(f"{what} at {at:.1f}" for at, what in near)
         return text
+
+    def _wake_changes(self) -> str:
+        return f"{self.wake_log_starts} / {self.wake_fallbacks}"
+
+    def _wake_cuts(self) -> str:
+        connections = f"{self.wake_connections_cut} connections"
+        return f"{self.wake_cuts} times, {connections} ({self.wake_cuts_recovered})"
 
     def _never_ready(self) -> str:
         return f"{self.workers_never_ready} ({self.workers_never_ready_disrupted})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pytest
 
@@ -13,6 +14,7 @@ from tests.chaos.report import (
     disruptions_near,
     longest_stall,
     percentile,
+    wakeup_changes,
     worker_starts,
 )
 
@@ -113,6 +115,36 @@ def test_worker_starts_pairs_started_and_ready_lines_by_pid() -> None:
     assert (report.workers_started, report.workers_ready, report.workers_never_ready) == (3, 2, 1)
     assert report.workers_never_ready_disrupted == 1
     assert (report.ready_median_seconds, report.ready_max_seconds) == (1.0, 1.25)
+
+
+def test_wake_up_figures_come_from_the_relay_s_log_lines_and_the_cuts() -> None:
+    def line(second: float, event: str, **fields: object) -> str:
+        time = datetime.fromtimestamp(second, UTC).isoformat()
+        return json.dumps({"time": time, "level": "info", "event": event, **fields})
+
+    lines = [
+        line(100.0, "worker.started", pid=10),
+        line(100.5, "wakeup.active", mechanism="log", reason="slot router_wakeup_a"),
+        line(100.6, "wakeup.active", mechanism="log", reason="slot router_wakeup_b"),
+        # Cut at 110.0 (two connections): both fall back at once, both come back.
+        line(110.01, "wakeup.fallback", mechanism="notify", reason="log lost"),
+        line(110.02, "wakeup.fallback", mechanism="notify", reason="log lost"),
+        line(110.6, "wakeup.active", mechanism="log", reason="slot router_wakeup_c"),
+        line(111.1, "wakeup.active", mechanism="log", reason="slot router_wakeup_d"),
+        # Cut at 130.0 (two): one falls back, late, and neither comes back.
+        line(133.0, "wakeup.fallback", mechanism="poll", reason="binlog connection lost"),
+    ]
+    changes = wakeup_changes(lines)
+    assert [c.event for c in changes].count("wakeup.fallback") == 3
+    assert changes[0].at == pytest.approx(100.5)
+
+    report = Report("small", 10, 1, wakeup="log", wake_cuts=2, wake_connections_cut=4)
+    report.set_wakeups(changes, cuts=[(110.0, 2), (130.0, 2)])
+    assert report.wake_first == "log"
+    assert (report.wake_log_starts, report.wake_fallbacks) == (4, 3)
+    assert report.wake_cuts_recovered == 1
+    assert "2 times, 4 connections (1)" in report.table()
+    assert report.to_json()["wake_cuts_recovered"] == 1
 
 
 def test_the_table_and_json_carry_the_time_figures() -> None:

@@ -398,7 +398,7 @@ class PostgresStore:
         if self._wakeup == (mechanism, reason):
             return
         self._wakeup = Wakeup(mechanism, reason)
-        extra = {"database": self.name, "wakeup": mechanism, "reason": reason}
+        extra = {"database": self.name, "mechanism": mechanism, "reason": reason}
         if not fallback:
             log.info("wakeup.active", extra=extra)
             return
