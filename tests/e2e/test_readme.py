@@ -15,6 +15,7 @@ one must be used by some page. Each sample is its own test, named by page and li
 
 Every other shell block (```bash, ```console, ```shell, or any block with a ``$ `` line) must
 be in ``PROVEN_ELSEWHERE``, with the test that runs it: a new shell sample nobody runs fails.
+(The Python and YAML blocks are tests/unit/test_docs_code.py's.)
 
 Nothing here is skipped: it needs no outside service.
 """
@@ -35,10 +36,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_blocks import README, Block, every_block
 from tests.e2e.helpers import ROOT, Serving, python, router
 from tests.services import free_port
 
-README = ROOT / "README.md"
 SHIPPED_NATS, SHIPPED_HTTP = "127.0.0.1:4333", "127.0.0.1:8642"
 
 FRESH = "embedded default, fresh"
@@ -107,52 +108,7 @@ PROVEN_ELSEWHERE = {
     FLASK_COMMANDS: "tests/e2e/test_flask_example.py (the app through Flask's test client)",
     FASTAPI_COMMANDS: "tests/e2e/test_fastapi_example.py (the app through TestClient)",
 }
-SHELLS = {"bash", "sh", "shell", "console", "zsh"}
-MARKER = re.compile(r"^<!-- readme-test: (.*?) -->$")
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-
 pytestmark = pytest.mark.timeout(120)
-
-
-def pages() -> list[Path]:
-    """README.md and every page of the docs site."""
-    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
-
-
-@dataclass(frozen=True)
-class Block:
-    """One fenced block of a page."""
-
-    page: str  # relative to the repository
-    line: int  # of the opening fence
-    language: str
-    text: str
-    setup: str | None  # the readme-test marker right above it, if any
-
-    @property
-    def is_shell(self) -> bool:
-        """A shell block, by its language or its ``$`` lines."""
-        lines = self.text.splitlines()
-        return self.language in SHELLS or any(line.startswith("$ ") for line in lines)
-
-
-def blocks(page: Path) -> list[Block]:
-    """Every fenced block of ``page``, in order."""
-    text = page.read_text(encoding="utf-8")
-    found = []
-    for match in FENCE.finditer(text):
-        above = text[: match.start()].removesuffix("\n").rpartition("\n")[2]
-        marker = MARKER.fullmatch(above)  # the line right above the fence
-        found.append(
-            Block(
-                page=str(page.relative_to(ROOT)),
-                line=text[: match.start()].count("\n") + 1,
-                language=match[1],
-                text=match[2],
-                setup=marker[1].strip() if marker else None,
-            )
-        )
-    return found
 
 
 @dataclass
@@ -188,7 +144,7 @@ def sample_of(block: Block) -> Sample:
     return sample
 
 
-BLOCKS = [block for page in pages() for block in blocks(page)]
+BLOCKS = every_block()
 SAMPLES = [sample_of(block) for block in BLOCKS if block.setup is not None]
 
 
