@@ -15,8 +15,13 @@ __all__ = ["current_traceparent"]
 
 def current_traceparent() -> str | None:
     """The active span's traceparent from OpenTelemetry's context, if any."""
-    inject = _inject()
-    if inject is None:
+    found = _opentelemetry()
+    if found is None:
+        return None
+    inject, current_span = found
+    # No span, or one that is not recording a trace: the W3C propagator writes nothing then,
+    # and asking it costs every propagator of the global composite (a few us a stage()).
+    if not current_span().get_span_context().is_valid:
         return None
     carrier: dict[str, str] = {}
     inject(carrier)
@@ -24,11 +29,13 @@ def current_traceparent() -> str | None:
 
 
 @functools.cache
-def _inject() -> Callable[[dict[str, str]], Any] | None:
-    """OpenTelemetry's ``inject``, or None without it: looked up once, as an import that
-    fails is searched for again on every try (a stage() would pay it per call)."""
+def _opentelemetry() -> tuple[Callable[[dict[str, str]], Any], Callable[[], Any]] | None:
+    """OpenTelemetry's ``inject`` and ``get_current_span``, or None without it: looked up
+    once, as an import that fails is searched for again on every try (a stage() would pay
+    it per call)."""
     try:
         from opentelemetry.propagate import inject
+        from opentelemetry.trace import get_current_span
     except ImportError:
         return None
-    return inject
+    return inject, get_current_span

@@ -60,6 +60,7 @@ class Stager:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._routes: dict[tuple[str, type[Event]], list[Route]] = {}
+        self._event_classes: set[type[Event]] = set()
         self._postgres = PostgresStatements()
         self._sqlite = SqliteStatements()
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
@@ -124,8 +125,12 @@ class Stager:
         now = datetime.now(UTC)
         rows: list[Row] = []
         for event, key in zip(events, keys, strict=True):
-            if not isinstance(event, Event):
-                raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
+            # isinstance() on a pydantic model class goes through ABCMeta's check; the classes
+            # seen already are a set lookup.
+            if type(event) not in self._event_classes:
+                if not isinstance(event, Event):
+                    raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
+                self._event_classes.add(type(event))
             spec = type(event).__event__
             routes = self.routes(database, type(event))
             if extensions and any(r.target in cloudevents for r in routes):
