@@ -16,7 +16,7 @@ from brokers import BrokerSettings
 from router.config import OutboxSettings, RouterConfig
 from router.ops import connections
 from router.ops.flow import WINDOW, Flow, flows, time_to_empty
-from router.ops.operations import OPEN, RETRY_WINDOW
+from router.ops.outbox import OPEN, RETRY_WINDOW
 from router.ops.schema import outbox, targets
 from router.ops.times import utc as _utc
 from router.relay.circuit import stale_after

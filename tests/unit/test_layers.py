@@ -159,8 +159,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
 def test_the_private_name_check_sees_one(tmp_path: Path) -> None:
     path = ROOT / "router/ops/status.py"
     copy = tmp_path / "status.py"
-    copy.write_text(path.read_text() + "\nfrom router.ops.operations import _upsert_target\n")
+    copy.write_text(path.read_text() + "\nfrom router.ops.outbox import _upsert_target\n")
     assert private_name_imports(copy, "router.ops.status") == [
         "router.ops.status:"
-        f"{copy.read_text().count(chr(10))}: from router.ops.operations import _upsert_target"
+        f"{copy.read_text().count(chr(10))}: from router.ops.outbox import _upsert_target"
     ]
