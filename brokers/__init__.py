@@ -1,4 +1,9 @@
-"""Broker adapters behind one small protocol, plus an in-memory broker for processor tests."""
+"""Broker adapters behind one small protocol, plus an in-memory broker for processor tests.
+
+This root is what the core (``router``) imports: the common base and union of the settings
+and kind-neutral helpers, and no kind's own settings class (``brokers.settings`` and each
+kind's package export those), so the core cannot branch on a kind.
+"""
 
 from brokers._expose import Expose
 from brokers._factory import create_broker
@@ -16,7 +21,7 @@ from brokers._settings import (
     UnsetSecret,
     redact_url,
 )
-from brokers.memory import MemoryBroker, MemorySettings
+from brokers.memory import MemoryBroker
 from brokers.ordering import NOT_SENT, publish_in_order, waves
 from brokers.settings import AnyBrokerSettings
 
@@ -30,7 +35,6 @@ __all__ = [
     "EventRoute",
     "Expose",
     "MemoryBroker",
-    "MemorySettings",
     "MissingClient",
     "NativeProperties",
     "OnBacklog",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import errno
+from typing import TYPE_CHECKING
 
-__all__ = ["describe", "refused"]
+if TYPE_CHECKING:
+    from brokers._settings import BrokerSettings
+
+__all__ = ["describe", "refused", "unreachable"]
 
 
 def describe(exc: BaseException) -> str:
@@ -31,3 +35,15 @@ def refused(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def unreachable(exc: BaseException, settings: BrokerSettings) -> str:
+    """Why a broker cannot be reached: a refused connection or a silence names where (the
+    address without credentials); anything else is the client library's exception."""
+    address = settings.public_url()
+    where = f"{address}: " if address else ""
+    if refused(exc):
+        return f"{where}connection refused"
+    if type(exc) is TimeoutError:  # our own limit ran out; the library said nothing
+        return f"{where}no answer within {settings.connect_timeout:g} s"
+    return describe(exc)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 from typing import Any, ClassVar
 
-from brokers._describe import describe, refused
+from brokers._describe import unreachable
 from brokers._settings import BrokerSettings
 from envelopes import BrokerError, BrokerUnavailable
 
@@ -38,17 +38,9 @@ class FastStreamAdapter:
         """Anything to do once connected (declare an exchange, check an answer)."""
 
     def _connect_error(self, exc: BaseException) -> BrokerError:
-        return BrokerUnavailable(f"{self.name}: cannot connect to {self.kind}: {self._reason(exc)}")
-
-    def _reason(self, exc: BaseException) -> str:
-        """Why the broker cannot be reached; a refused connection or a silence names where."""
-        address = self.settings.public_url()  # without credentials
-        where = f"{address}: " if address else ""
-        if refused(exc):
-            return f"{where}connection refused"
-        if type(exc) is TimeoutError:  # our own limit ran out; the library said nothing
-            return f"{where}no answer within {self.settings.connect_timeout:g} s"
-        return describe(exc)
+        return BrokerUnavailable(
+            f"{self.name}: cannot connect to {self.kind}: {unreachable(exc, self.settings)}"
+        )
 
     async def connect(self) -> None:
         """Connect and prepare, within connect_timeout."""

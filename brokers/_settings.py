@@ -321,6 +321,15 @@ class BrokerSettings(BaseModel):
     adapter: ClassVar[str] = ""
     extra: ClassVar[str | None] = None
     client_modules: ClassVar[tuple[str, ...]] = ()
+    # How the partner contract (router contract export) names this kind: its product name
+    # and AsyncAPI's protocol, with the protocol's version where it has several. Unset: the
+    # kind's ``type``.
+    title: ClassVar[str | None] = None
+    asyncapi_protocol: ClassVar[str | None] = None
+    asyncapi_protocol_version: ClassVar[str | None] = None
+    # What a native property means where it differs by kind (the unit of ``timestamp``), by
+    # property name; the contract describes the rest alike on every kind.
+    property_descriptions: ClassVar[Mapping[str, str]] = {}
 
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:
@@ -372,6 +381,35 @@ class BrokerSettings(BaseModel):
         consumer is bound to (the RabbitMQ exchange and virtual host, the JetStream stream,
         ...). Nothing for a kind whose destination says it all (Kafka's topic)."""
         return {}
+
+    def delivery(self) -> dict[str, bool]:
+        """How the router sends, where a partner can tell (RabbitMQ's ``persistent`` and
+        ``mandatory``): the contract lock records it beside ``location``. Nothing by
+        default."""
+        return {}
+
+    # The AsyncAPI document carries what ``location`` and ``delivery`` say as the protocol's
+    # bindings where the spec has one (amqp, kafka) and as ``x-`` extensions where it has
+    # none: a partner binds its consumer to them by name, so they belong in its contract.
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """The AsyncAPI channel's members that say where ``destination`` is consumed:
+        ``bindings`` and ``x-`` extensions. Nothing by default."""
+        return {}
+
+    def operation_bindings(self) -> dict[str, Any]:
+        """The AsyncAPI send operation's bindings, by protocol. Nothing by default."""
+        return {}
+
+    def message_bindings(self, event_type: str) -> dict[str, Any]:
+        """The AsyncAPI message's bindings for ``event_type``, by protocol. Nothing by
+        default."""
+        return {}
+
+    def template_problems(self) -> list[str]:
+        """Why this broker would refuse every destination its template makes, told from
+        these settings alone (``router check`` reports it before looking at any event).
+        Nothing by default: a kind that can tell overrides it."""
+        return []
 
     def native_properties(self, wire: WireMessage) -> NativeProperties:
         """The broker's own message properties ``wire`` carries besides its headers (AMQP

@@ -28,7 +28,10 @@ Handler = Callable[[OutgoingMessage], PublishResult | None]
 class MemorySettings(BrokerSettings):
     """Settings of the in-memory broker (``type: memory``); for tests only."""
 
-    type: Literal["memory"] = Field(description="The in-memory broker, for tests.")
+    type: Literal["memory"] = Field(
+        description="The in-memory broker, for tests only: it keeps messages in the process "
+        "and delivers them nowhere. Never a broker to deploy."
+    )
 
 
 class MemoryBroker:

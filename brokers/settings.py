@@ -32,12 +32,16 @@ __all__ = [
     "redact_url",
 ]
 
+# ``type: memory`` is the test broker, not one to deploy. It stays in the union a config can
+# name because users' unit tests of code built on the processor configure it
+# (docs/configuration.md), as the project's own tests do through the same loaders, in fresh
+# interpreters too (subprocesses), where only the production union is there to parse it.
 AnyBrokerSettings = Annotated[
     NatsSettings
     | KafkaSettings
     | RabbitSettings
     | RedisSettings
     | ServiceBusSettings
-    | MemorySettings,
+    | MemorySettings,  # for tests only
     Field(discriminator="type"),
 ]

@@ -2,7 +2,7 @@
 
 It lives in the lowest package so that ``envelopes``, ``brokers`` and ``router`` can all
 raise from it while imports keep flowing one way (``envelopes`` <- ``brokers`` <- ``router``).
-``router.errors`` re-exports it; that is the place users import from.
+``router.errors`` re-exports it: the public error module, the place users import from.
 
     RouterError
     ├── ConfigError            invalid config.yaml (names the YAML path and the problem)

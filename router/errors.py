@@ -1,4 +1,8 @@
-"""The error tree (defined in ``envelopes.errors`` so every package can raise from it).
+"""The public error module: every error and warning outbox-router raises, to catch by
+kind. Import them from here or from ``router``, which serves them from here. The exceptions
+are defined in ``envelopes.errors``, the lowest package, so that ``brokers`` and
+``envelopes`` raise the same classes while imports flow one way; the warning, which only
+``router`` raises, is defined here.
 
 RouterError
 ├── ConfigError

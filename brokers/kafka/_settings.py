@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -11,10 +12,16 @@ from brokers._native import NativeProperties, event_millis
 from brokers._settings import BrokerSettings, redact_url
 from envelopes import WireMessage
 
-__all__ = ["CORRELATION_HEADER", "KafkaSasl", "KafkaSettings"]
+__all__ = ["CORRELATION_HEADER", "KAFKA_BINDING", "KafkaSasl", "KafkaSettings"]
 
 CORRELATION_HEADER = "correlation_id"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+KAFKA_BINDING = "0.5.0"  # the AsyncAPI kafka binding's version
+_STREAM_KEY = {
+    "type": "string",
+    "description": "The event's stream key (absent when staged without one): the events of "
+    "one stream share a partition, in commit order.",
+}
 
 
 class KafkaSasl(BaseModel):
@@ -37,6 +44,12 @@ class KafkaSettings(BrokerSettings):
     extra: ClassVar[str | None] = "kafka"
     client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aiokafka")
     cloudevents_prefix: ClassVar[str] = "ce_"  # the Kafka binding's header prefix
+    title: ClassVar[str | None] = "Apache Kafka"
+    asyncapi_protocol: ClassVar[str | None] = "kafka"
+    property_descriptions: ClassVar[Mapping[str, str]] = {
+        "timestamp": "The event's time (not the publish time), in milliseconds since the "
+        "epoch (the record's CreateTime; a topic with LogAppendTime replaces it).",
+    }
 
     # Plain text on purpose: addresses are not secret (credentials go in `sasl`), and
     # output must still say where a failing broker is.
@@ -55,6 +68,14 @@ class KafkaSettings(BrokerSettings):
     )
     max_request_size: int = Field(1_048_576, ge=1024, description="Largest record, in bytes.")
     max_in_flight: int = Field(256, ge=1, description="Messages awaiting their ack at most.")
+
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """AsyncAPI's kafka channel binding: the destination is the topic."""
+        return {"bindings": {"kafka": {"topic": destination, "bindingVersion": KAFKA_BINDING}}}
+
+    def message_bindings(self, event_type: str) -> dict[str, Any]:
+        """The record key: the stream key."""
+        return {"kafka": {"key": dict(_STREAM_KEY), "bindingVersion": KAFKA_BINDING}}
 
     def check_header_name(self, name: str) -> None:
         """Any name: a Kafka record header key is any string."""

@@ -79,6 +79,8 @@ class NatsSettings(BrokerSettings):
     extra: ClassVar[str | None] = "nats"
     client_modules: ClassVar[tuple[str, ...]] = ("nats",)
     cloudevents_prefix: ClassVar[str] = "ce-"  # the NATS binding's header prefix
+    title: ClassVar[str | None] = "NATS JetStream"
+    asyncapi_protocol: ClassVar[str | None] = "nats"
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )
@@ -120,6 +122,22 @@ class NatsSettings(BrokerSettings):
     def location(self) -> dict[str, Any]:
         """The JetStream stream that captures the subject."""
         return {"stream": self.stream.name}
+
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """The stream and subject as ``x-jetstream``: AsyncAPI's nats binding has no channel
+        fields (its operation binding names a queue group only)."""
+        return {"x-jetstream": {"stream": self.stream.name, "subject": destination}}
+
+    def template_problems(self) -> list[str]:
+        """A destination template whose fixed subject tokens no stream subject captures."""
+        template = self.destination
+        if any(_may_capture(pattern, template) for pattern in self.stream.subjects):
+            return []
+        return [
+            f"destination {template!r}: no subject it makes is captured by stream "
+            f"{self.stream.name!r} (subjects {self.stream.subjects}); stage() "
+            "refuses every event sent there"
+        ]
 
     def servers(self) -> list[str]:
         """The configured server URLs."""
@@ -164,6 +182,23 @@ def _check_subject(subject: str, *, wildcards: bool) -> None:
                 raise ValueError(f"{subject!r}: '>' must be the last token")
         elif "*" in token or ">" in token:
             raise ValueError(f"{subject!r}: wildcards must be whole tokens")
+
+
+def _may_capture(pattern: str, template: str) -> bool:
+    """Whether a stream subject can capture some subject the template makes: compared token
+    by token up to the first placeholder, past which (an event type may hold dots) anything
+    may follow."""
+    wanted, given = pattern.split("."), template.split(".")
+    for i, token in enumerate(given):
+        if "{" in token:
+            return True
+        if i >= len(wanted):
+            return False
+        if wanted[i] == ">":
+            return True
+        if wanted[i] not in ("*", token):
+            return False
+    return len(given) == len(wanted)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:

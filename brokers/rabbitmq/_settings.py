@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self
 from urllib.parse import unquote, urlsplit
 
@@ -11,7 +12,9 @@ from brokers._native import NativeProperties, event_seconds
 from brokers._settings import BrokerSettings, redact_url
 from envelopes import WireMessage
 
-__all__ = ["MAX_HEADER_NAME_BYTES", "RabbitExchange", "RabbitSettings"]
+__all__ = ["AMQP_BINDING", "MAX_HEADER_NAME_BYTES", "RabbitExchange", "RabbitSettings"]
+
+AMQP_BINDING = "0.3.0"  # the AsyncAPI amqp binding's version
 
 MAX_HEADER_NAME_BYTES = 128
 """The longest header name RabbitMQ's client carries whole (pamqp truncates longer ones)."""
@@ -38,6 +41,12 @@ class RabbitSettings(BrokerSettings):
     extra: ClassVar[str | None] = "rabbitmq"
     client_modules: ClassVar[tuple[str, ...]] = ("faststream", "aio_pika")
     cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
+    title: ClassVar[str | None] = "RabbitMQ"
+    asyncapi_protocol: ClassVar[str | None] = "amqp"
+    asyncapi_protocol_version: ClassVar[str | None] = "0.9.1"
+    property_descriptions: ClassVar[Mapping[str, str]] = {
+        "timestamp": "The event's time (not the publish time), in seconds since the epoch.",
+    }
 
     url: SecretStr = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
@@ -84,6 +93,31 @@ class RabbitSettings(BrokerSettings):
             "exchange": {"name": exchange.name, "type": exchange.type, "durable": exchange.durable},
             "vhost": vhost,
         }
+
+    def delivery(self) -> dict[str, bool]:
+        """``persistent`` (whether messages survive a broker restart) and ``mandatory``
+        (whether one no queue is bound to is refused and retried, or dropped)."""
+        return {"persistent": self.persistent, "mandatory": self.mandatory}
+
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """AsyncAPI's amqp channel binding: the destination is the exchange's routing key."""
+        where = self.location()
+        exchange = {**where["exchange"], "autoDelete": False, "vhost": where["vhost"]}
+        amqp = {"is": "routingKey", "exchange": exchange, "bindingVersion": AMQP_BINDING}
+        return {"bindings": {"amqp": amqp}}
+
+    def operation_bindings(self) -> dict[str, Any]:
+        """``delivery`` as AsyncAPI's amqp operation binding."""
+        amqp = {
+            "deliveryMode": 2 if self.persistent else 1,
+            "mandatory": self.mandatory,
+            "bindingVersion": AMQP_BINDING,
+        }
+        return {"amqp": amqp}
+
+    def message_bindings(self, event_type: str) -> dict[str, Any]:
+        """The AMQP message type: the event type."""
+        return {"amqp": {"messageType": event_type, "bindingVersion": AMQP_BINDING}}
 
     def check_destination(self, destination: str) -> None:
         """A routing key of at most 255 bytes."""

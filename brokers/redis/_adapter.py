@@ -30,7 +30,7 @@ import redis.exceptions
 from redis.asyncio import ConnectionPool, Redis
 from redis.typing import EncodableT, FieldT
 
-from brokers._describe import describe, refused
+from brokers._describe import describe, unreachable
 from brokers._lazy import MissingClient, install_hint
 from brokers._protocol import OutgoingMessage, PublishResult
 from brokers.ordering import NOT_SENT, waves
@@ -111,7 +111,7 @@ class RedisBroker:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise BrokerUnavailable(
-                f"{self.name}: cannot connect to Redis: {self._reason(exc)}"
+                f"{self.name}: cannot connect to Redis: {unreachable(exc, self.settings)}"
             ) from exc
         return client
 
@@ -120,15 +120,6 @@ class RedisBroker:
         assert self._client is not None  # connect() set it or raised
         return self._client
 
-    def _reason(self, exc: BaseException) -> str:
-        """Why Redis cannot be reached; a refused connection or a silence names where."""
-        where = f"{self.settings.public_url()}: "  # without credentials
-        if refused(exc):
-            return f"{where}connection refused"
-        if type(exc) is TimeoutError:  # our own limit ran out; the client said nothing
-            return f"{where}no answer within {self.settings.connect_timeout:g} s"
-        return describe(exc)
-
     async def ping(self) -> None:
         """PING; a failure says why (refused, timed out, refused the password)."""
         client = await self._connected()
@@ -136,7 +127,7 @@ class RedisBroker:
             await asyncio.wait_for(client.ping(), self.settings.connect_timeout)
         except _PING_FAILED as exc:
             raise BrokerUnavailable(
-                f"{self.name}: Redis does not answer: {self._reason(exc)}"
+                f"{self.name}: Redis does not answer: {unreachable(exc, self.settings)}"
             ) from exc
 
     async def close(self) -> None:

@@ -26,6 +26,8 @@ class RedisSettings(BrokerSettings):
     extra: ClassVar[str | None] = "redis"
     # What every format needs; ``format: faststream`` also needs FastStream (missing_client).
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
+    title: ClassVar[str | None] = "Redis Streams"
+    asyncapi_protocol: ClassVar[str | None] = "redis"
 
     url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."
@@ -70,6 +72,10 @@ class RedisSettings(BrokerSettings):
         """The database number the stream lives in (the URL's path; 0 by default)."""
         path = urlsplit(self.url.get_secret_value()).path.strip("/")
         return {"db": int(path) if path.isdigit() else 0}
+
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """The stream and database as ``x-redis``: AsyncAPI's redis binding has no fields."""
+        return {"x-redis": {"stream": destination, **self.location()}}
 
     def check_destination(self, destination: str) -> None:
         """Any non-empty key of reasonable length."""

@@ -24,6 +24,10 @@ class ServiceBusSettings(BrokerSettings):
     extra: ClassVar[str | None] = "servicebus"
     client_modules: ClassVar[tuple[str, ...]] = ("azure.servicebus",)
     cloudevents_prefix: ClassVar[str] = "cloudEvents:"  # the AMQP binding's prefix
+    title: ClassVar[str | None] = "Azure Service Bus"
+    # Service Bus speaks AMQP 1.0, whose AsyncAPI binding is named amqp1.
+    asyncapi_protocol: ClassVar[str | None] = "amqp1"
+    asyncapi_protocol_version: ClassVar[str | None] = "1.0"
 
     connection_string: SecretStr = Field(
         description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."
@@ -47,6 +51,10 @@ class ServiceBusSettings(BrokerSettings):
     def location(self) -> dict[str, Any]:
         """Whether the destination names a queue or a topic, and whether it has sessions."""
         return {"entity": self.entity, "sessions": self.sessions}
+
+    def channel_bindings(self, destination: str) -> dict[str, Any]:
+        """The entity as ``x-servicebus``: AsyncAPI's amqp1 binding has no fields."""
+        return {"x-servicebus": {**self.location(), "name": destination}}
 
     def native_properties(self, wire: WireMessage) -> NativeProperties:
         """The message's own properties: ``message_id`` (the key of duplicate detection),

@@ -91,7 +91,7 @@ def add_cleanup(commands: Any) -> None:
 
 
 async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import operations
+    from router.ops import outbox
     from router.ops.audit import cli_actor
 
     if args.group:
@@ -99,7 +99,7 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 
         return await requeue_group(config, args, redactor)
     statuses = ("abandoned", "failed") if args.failed else ("abandoned",)
-    counts = await operations.requeue(
+    counts = await outbox.requeue(
         config,
         args.database,
         targets_=args.target,
@@ -119,14 +119,14 @@ async def requeue(config: RouterConfig, args: argparse.Namespace, redactor: Reda
 
 
 async def trace(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import operations
+    from router.ops import outbox
 
-    ids = await operations.matching_ids(config, args.message_id, _SHOWN_MATCHES)
+    ids = await outbox.matching_ids(config, args.message_id, _SHOWN_MATCHES)
     if len(ids) > 1:
         _print_matches(args.message_id, ids)
         return EXIT_CONFIG
     message_id = ids[0] if ids else args.message_id
-    rows = await operations.trace(config, message_id) if ids else []
+    rows = await outbox.trace(config, message_id) if ids else []
     if not rows and not args.json:
         print(f"no outbox row has message id {args.message_id}")
         return EXIT_FAILED
@@ -176,12 +176,12 @@ def _receipt_text(receipt: dict[str, Any] | None) -> str | None:
 
 
 async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import operations
+    from router.ops import outbox
     from router.ops.audit import cli_actor
 
     paused = args.command == "pause"
     by = cli_actor()
-    databases = await operations.set_paused(
+    databases = await outbox.set_paused(
         config, args.target, paused=paused, database=args.database, by=by, actor=by
     )
     state = "paused" if paused else "resumed"
@@ -195,9 +195,9 @@ async def pause(config: RouterConfig, args: argparse.Namespace, redactor: Redact
 
 
 async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> int:
-    from router.ops import operations
+    from router.ops import outbox
 
-    done = await operations.cleanup(config, args.database)
+    done = await outbox.cleanup(config, args.database)
     retention = config.outbox.retention
     human = "\n".join(
         f"{d.database}: deleted {d.published} published row(s) older than "

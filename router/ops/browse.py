@@ -25,7 +25,7 @@ from brokers import BrokerSettings
 from envelopes import DowncastError
 from router.config import RouterConfig
 from router.ops import connections
-from router.ops.operations import trace
+from router.ops.outbox import trace
 from router.ops.preview import OnWire
 from router.ops.schema import outbox
 from router.write.pinning import Received
@@ -225,7 +225,7 @@ def _next_cursors(pages: Mapping[str, list[MessageRow]], shown: list[MessageRow]
 
 
 async def message(config: RouterConfig, message_id: str) -> list[dict[str, Any]]:
-    """Every target's row of one message (``operations.trace``), each with ``message``: the
+    """Every target's row of one message (``router.ops.outbox.trace``), each with ``message``: the
     message as that target receives it, rendered as its processor renders it. Empty when no
     row has the id."""
     try:

@@ -24,7 +24,7 @@ from router.config import RouterConfig
 from router.ops import connections
 from router.ops.audit import record
 from router.ops.error_text import Signature, signature
-from router.ops.operations import exact_errors, requeue
+from router.ops.outbox import exact_errors, requeue
 from router.ops.schema import outbox
 from router.ops.times import utc as _utc
 
@@ -204,7 +204,7 @@ def _context(group: FailureGroup) -> dict[str, Any]:
 async def requeue_group(
     config: RouterConfig, group: FailureGroup, *, dry_run: bool = False, actor: str | None = None
 ) -> int:
-    """Put the group's rows back to pending (``router.ops.operations.requeue``)."""
+    """Put the group's rows back to pending (``router.ops.outbox.requeue``)."""
     counts = await requeue(
         config,
         group.database,

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from envelopes import ConfigError
 from router.config import RouterConfig
 from router.ops import audit, connections
-from router.ops.operations import requeue_rows
+from router.ops.outbox import requeue_rows
 from router.ops.schema import audit as audit_table
 from router.ops.schema import outbox
 from router.write.async_drivers import async_driver, insert

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -16,7 +16,7 @@ from brokers import BrokerSettings
 from router.config import OutboxSettings, RouterConfig
 from router.ops import connections
 from router.ops.flow import WINDOW, Flow, flows, time_to_empty
-from router.ops.operations import OPEN, RETRY_WINDOW
+from router.ops.outbox import OPEN, RETRY_WINDOW
 from router.ops.schema import outbox, targets
 from router.ops.times import utc as _utc
 from router.relay.circuit import stale_after
@@ -91,6 +91,66 @@ async def status(
     return found
 
 
+class _Counts(NamedTuple):
+    """One target's rows by state, from ``_counts_query``; all zero for a target without."""
+
+    pending: int = 0  # never tried, or processing with its lease run out
+    in_flight: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    published: int = 0
+    oldest_claimable: datetime | None = None
+    recent_attempts: int = 0  # failed or abandoned within RETRY_WINDOW
+    open_staged: int = 0  # unfinished, staged within the flow's WINDOW
+
+    @classmethod
+    def of(cls, row: sa.Row[Any]) -> _Counts:
+        """From a row of ``_counts_query``: its sums are NULL where no row matched."""
+        values = row._mapping
+        return cls(
+            **{name: int(values[name] or 0) for name in _COUNTED},
+            oldest_claimable=_utc(values["oldest_claimable"]),
+        )
+
+    @property
+    def queued(self) -> int:
+        """Rows waiting to be delivered: pending, in flight or waiting to retry."""
+        return self.pending + self.in_flight + self.failed
+
+
+_COUNTED = tuple(name for name in _Counts._fields if name != "oldest_claimable")
+
+
+def _counts_query(now: datetime, published: bool) -> sa.Select[Any]:
+    """Per target, the columns of ``_Counts`` (labelled as its fields)."""
+    o = outbox
+    due = sa.case((o.c.status == "processing", o.c.locked_until), else_=o.c.available_at)
+    claimable = sa.and_(o.c.status.in_(OPEN), due <= now)
+    lease_over = sa.and_(o.c.status == "processing", o.c.locked_until <= now)
+    recent_attempt = sa.and_(
+        o.c.status.in_(("failed", "abandoned")), o.c.last_attempt_at > now - RETRY_WINDOW
+    )
+    oldest = sa.func.min(sa.case((claimable, o.c.created_at)))
+    query = sa.select(
+        o.c.target,
+        _count(sa.or_(o.c.status == "pending", lease_over)).label("pending"),
+        _count(sa.and_(o.c.status == "processing", o.c.locked_until > now)).label("in_flight"),
+        _count(o.c.status == "failed").label("failed"),
+        _count(o.c.status == "abandoned").label("abandoned"),
+        _count(o.c.status == "published").label("published"),
+        sa.type_coerce(oldest, o.c.created_at.type).label("oldest_claimable"),
+        _count(recent_attempt).label("recent_attempts"),
+        _count(sa.and_(o.c.status.in_(OPEN), o.c.created_at > now - WINDOW)).label("open_staged"),
+    ).group_by(o.c.target)
+    if not published:
+        query = query.where(o.c.status.in_((*OPEN, "abandoned")))
+    return query
+
+
+def _count(condition: Any) -> Any:
+    return sa.func.sum(sa.case((condition, 1), else_=0))
+
+
 async def _status_of(
     conn: AsyncConnection,
     database: str,
@@ -100,79 +160,73 @@ async def _status_of(
     outbox_settings: OutboxSettings | None = None,
 ) -> list[TargetStatus]:
     now = connections.now()
-    o = outbox
-    due = sa.case((o.c.status == "processing", o.c.locked_until), else_=o.c.available_at)
-    claimable = sa.and_(o.c.status.in_(OPEN), due <= now)
-
-    def count(condition: Any) -> Any:
-        return sa.func.sum(sa.case((condition, 1), else_=0))
-
-    query = sa.select(
-        o.c.target,
-        count(
-            sa.or_(
-                o.c.status == "pending",
-                sa.and_(o.c.status == "processing", o.c.locked_until <= now),
-            )
-        ),
-        count(sa.and_(o.c.status == "processing", o.c.locked_until > now)),
-        count(o.c.status == "failed"),
-        count(o.c.status == "abandoned"),
-        count(o.c.status == "published"),
-        sa.type_coerce(sa.func.min(sa.case((claimable, o.c.created_at))), o.c.created_at.type),
-        count(
-            sa.and_(
-                o.c.status.in_(("failed", "abandoned")), o.c.last_attempt_at > now - RETRY_WINDOW
-            )
-        ),
-        count(sa.and_(o.c.status.in_(OPEN), o.c.created_at > now - WINDOW)),
-    ).group_by(o.c.target)
-    if not published:
-        query = query.where(o.c.status.in_((*OPEN, "abandoned")))
-    rows = {r[0]: r for r in (await conn.execute(query)).all()}
+    rows = (await conn.execute(_counts_query(now, published))).all()
+    counts = {row.target: _Counts.of(row) for row in rows}
     states = {r.target: r for r in (await conn.execute(sa.select(targets))).all()}
     errors = await _latest_errors(conn)
     slos = {name: settings.slo_seconds for name, settings in configured.items()}
-    open_staged = {t: int(r[8] or 0) for t, r in rows.items()}
+    open_staged = {target: c.open_staged for target, c in counts.items()}
     moving = await flows(conn, slos, open_staged, now, reuse=flow_reuse)
+    breaker = outbox_settings or OutboxSettings()
     result = []
-    for target in sorted(set(configured) | set(rows)):
-        row = rows.get(target)
-        state = states.get(target)
-        oldest = _utc(row[6]) if row is not None else None
-        flow = moving.get(target, Flow())
-        settings = configured.get(target)
-        queued = sum(int(row[i] or 0) for i in (1, 2, 3)) if row else 0
-        paused = bool(state.paused) if state else False
-        circuit = _circuit(state, settings, outbox_settings or OutboxSettings(), now)
-        # Rows behind an open circuit wait untried, with no error of their own: the circuit's
-        # reason is why they wait.
-        error = errors.get(target)
-        if error is None and circuit == "open" and state is not None:
-            error = state.circuit_error
+    for target in sorted(set(configured) | set(counts)):
+        state, settings = states.get(target), configured.get(target)
         result.append(
-            TargetStatus(
-                database=database,
-                target=target,
-                pending=int(row[1] or 0) if row else 0,
-                in_flight=int(row[2] or 0) if row else 0,
-                failed=int(row[3] or 0) if row else 0,
-                abandoned=int(row[4] or 0) if row else 0,
-                published=(int(row[5] or 0) if row else 0) if published else None,
-                oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
-                retries_per_minute=round(int(row[7] or 0) / 5, 2) if row else 0.0,
-                circuit=circuit,
-                circuit_since=connections.iso(state.circuit_since) if state else None,
-                paused=paused,
-                last_error=error,
-                staged_per_second=flow.staged_per_second,
-                published_per_second=flow.published_per_second,
-                time_to_empty_seconds=time_to_empty(queued, flow, paused),
-                delivered_within_slo=flow.delivered_within_slo,
-                **_limits(settings),
+            _target_status(
+                database,
+                target,
+                counts.get(target, _Counts()),
+                published=published,
+                state=state,
+                settings=settings,
+                circuit=_circuit(state, settings, breaker, now),
+                flow=moving.get(target, Flow()),
+                error=errors.get(target),
+                now=now,
             )
         )
     return result
+
+
+def _target_status(
+    database: str,
+    target: str,
+    counts: _Counts,
+    *,
+    published: bool,
+    state: Any,
+    flow: Flow,
+    error: str | None,
+    settings: BrokerSettings | None,
+    circuit: str,
+    now: datetime,
+) -> TargetStatus:
+    paused = bool(state.paused) if state else False
+    # Rows behind an open circuit wait untried, with no error of their own: the circuit's
+    # reason is why they wait.
+    if error is None and circuit == "open" and state is not None:
+        error = state.circuit_error
+    oldest = counts.oldest_claimable
+    return TargetStatus(
+        database=database,
+        target=target,
+        pending=counts.pending,
+        in_flight=counts.in_flight,
+        failed=counts.failed,
+        abandoned=counts.abandoned,
+        published=counts.published if published else None,
+        oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
+        retries_per_minute=round(counts.recent_attempts / (RETRY_WINDOW.total_seconds() / 60), 2),
+        circuit=circuit,
+        circuit_since=connections.iso(state.circuit_since) if state else None,
+        paused=paused,
+        last_error=error,
+        staged_per_second=flow.staged_per_second,
+        published_per_second=flow.published_per_second,
+        time_to_empty_seconds=time_to_empty(counts.queued, flow, paused),
+        delivered_within_slo=flow.delivered_within_slo,
+        **_limits(settings),
+    )
 
 
 def _circuit(

@@ -94,7 +94,7 @@ class BacklogWatch:
             log.warning("backlog.over_limit", extra={**labels, "action": rule.action})
             self.over.add(key)
         if rule.action == "pause" and key not in self.shed:
-            from router.ops.operations import set_paused
+            from router.ops.outbox import set_paused
 
             await set_paused(
                 self.config,

@@ -17,7 +17,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from brokers import BrokerSettings, EventRoute, create_broker
-from brokers.settings import NatsSettings
 from envelopes import MissingDestination, RouterError
 from router.config import RouterConfig
 from router.ops.migrate import current_revision, head_revision
@@ -183,17 +182,12 @@ def destination_problems(
     settings: BrokerSettings, service: str, catalog: EventCatalog
 ) -> list[str]:
     """Why this broker would refuse destinations its template makes: for each catalogued
-    event it takes, as staging resolves it; without events to go on, a NATS template whose
-    fixed subject tokens no stream subject captures."""
+    event it takes, as staging resolves it; first, what its settings alone tell
+    (``BrokerSettings.template_problems``)."""
     template = settings.destination
-    if isinstance(settings, NatsSettings) and not any(
-        _may_capture(pattern, template) for pattern in settings.stream.subjects
-    ):
-        return [
-            f"destination {template!r}: no subject it makes is captured by stream "
-            f"{settings.stream.name!r} (subjects {settings.stream.subjects}); stage() "
-            "refuses every event sent there"
-        ]
+    refused = settings.template_problems()
+    if refused:
+        return refused
     problems = []
     for event_class in catalog:
         spec = event_class.__event__
@@ -208,23 +202,6 @@ def destination_problems(
                 "refuses it"
             )
     return problems
-
-
-def _may_capture(pattern: str, template: str) -> bool:
-    """Whether a stream subject can capture some subject the template makes: compared token
-    by token up to the first placeholder, past which (an event type may hold dots) anything
-    may follow."""
-    wanted, given = pattern.split("."), template.split(".")
-    for i, token in enumerate(given):
-        if "{" in token:
-            return True
-        if i >= len(wanted):
-            return False
-        if wanted[i] == ">":
-            return True
-        if wanted[i] not in ("*", token):
-            return False
-    return len(given) == len(wanted)
 
 
 async def _reach(name: str, settings: BrokerSettings) -> None:

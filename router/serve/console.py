@@ -237,7 +237,7 @@ class StatusService:
             return self._json(404, {"error": f"unknown database {database!r}"})
         if target not in self.config.brokers_of(database):
             return self._json(404, {"error": f"database {database!r} has no target {target!r}"})
-        from router.ops.operations import set_paused
+        from router.ops.outbox import set_paused
 
         try:
             # As `router pause`: ``by`` on the target's row, and an audit row naming who.

@@ -316,7 +316,7 @@ async def cleanup_loop(config: RouterConfig) -> None:
     while True:
         # Spread routers that started together, so they do not all clean at once.
         await asyncio.sleep(interval * random.uniform(0.9, 1.1))
-        from router.ops.operations import cleanup  # SQLAlchemy: not before the first claim
+        from router.ops.outbox import cleanup  # SQLAlchemy: not before the first claim
 
         try:
             for done in await cleanup(config):

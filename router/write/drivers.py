@@ -4,7 +4,8 @@
 - SQLAlchemy's sync ``Session`` and ``Connection`` (psycopg, psycopg2, PyMySQL, mysqlclient,
   pysqlite): the same ``text()`` statements the async path runs.
 - Django's connection (``django.db.connection`` or ``connections[alias]``), inside
-  ``transaction.atomic()``: its cursor takes ``%(name)s`` and ``%s`` on every backend.
+  ``transaction.atomic()``: its driver is ``router.contrib.django.driver``'s, with Django's
+  integration, and shares the psycopg 3 path below.
 - Raw DB-API connections of psycopg 3, psycopg2 and sqlite3.
 
 Each also answers one read-only query (``scalar``), for the check before the first
@@ -19,14 +20,23 @@ class's module, so an application has only the driver it uses installed.
 from __future__ import annotations
 
 import functools
+import importlib
 import re
 import sqlite3
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from envelopes import StagingError
 from router.write.statements import Copy, Statement, clause
 
-__all__ = ["SyncDriver", "sync_driver"]
+__all__ = [
+    "AUTOCOMMIT",
+    "SyncDriver",
+    "in_pipeline",
+    "psycopg_execute",
+    "pyformat",
+    "sync_driver",
+]
 
 
 class SyncDriver(Protocol):
@@ -50,7 +60,7 @@ class SyncDriver(Protocol):
         transaction."""
 
 
-_AUTOCOMMIT = (
+AUTOCOMMIT = (
     "stage() needs the connection inside a transaction, but {what}, so each statement would "
     "commit on its own, apart from the caller's work; {fix}"
 )
@@ -68,7 +78,7 @@ def sync_driver(connection: Any) -> SyncDriver:
         if root == "psycopg2":
             return Psycopg2Driver(connection)
         if root == "django":
-            return DjangoDriver(connection)
+            return _django_driver()(connection)
         if isinstance(connection, sqlite3.Connection):
             return Sqlite3Driver(connection)
     from sqlalchemy.engine import Connection
@@ -99,6 +109,17 @@ def sync_driver(connection: Any) -> SyncDriver:
 
 
 @functools.lru_cache(maxsize=512)
+@functools.cache
+def _django_driver() -> Callable[[Any], SyncDriver]:
+    """``router.contrib.django``'s driver, imported by name when the first Django connection
+    comes: write sits below contrib (the framework integrations build on it), and importing it
+    up front would load that package for every application. The package imports no Django of
+    its own; a Django connection means Django is loaded already."""
+    module = importlib.import_module("router.contrib.django.driver")
+    driver: Callable[[Any], SyncDriver] = module.DjangoDriver
+    return driver
+
+
 def pyformat(sql: str, kind: str = "s") -> str:
     """``:name`` parameters as ``%(name)s``, for drivers of the pyformat style (``kind`` "b":
     psycopg 3's ``%(name)b``, sent in binary). Cached: the texts are few, and converting one
@@ -121,7 +142,7 @@ class SqlAlchemyDriver:
         self.dialect: str = connection.dialect.name
         if connection._is_autocommit_isolation():  # what SQLAlchemy asks before BEGIN
             raise StagingError(
-                _AUTOCOMMIT.format(
+                AUTOCOMMIT.format(
                     what="it runs in AUTOCOMMIT (isolation_level='AUTOCOMMIT')",
                     fix="stage on a connection without AUTOCOMMIT, in a transaction "
                     "(with session.begin(): ... or with engine.begin() as connection: ...)",
@@ -142,70 +163,7 @@ class SqlAlchemyDriver:
         return self.connection.exec_driver_sql(sql).scalar()
 
 
-class DjangoDriver:
-    """Django's connection for one database alias, inside ``transaction.atomic()``."""
-
-    _DIALECTS = {"postgresql": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-        dialect = self._DIALECTS.get(connection.vendor)
-        if dialect is None:
-            raise StagingError(
-                f"Django database {connection.alias!r} is {connection.vendor}; the outbox "
-                "runs on PostgreSQL, MySQL/MariaDB and SQLite"
-            )
-        self.dialect = dialect
-        if not connection.in_atomic_block:
-            raise StagingError(
-                _AUTOCOMMIT.format(
-                    what=f"Django's connection {connection.alias!r} is outside "
-                    "transaction.atomic()",
-                    fix="stage inside `with transaction.atomic():` (or ATOMIC_REQUESTS)",
-                )
-            )
-        self._raw = self._psycopg()
-        piped = self._raw is not None and _in_pipeline(self._raw)
-        self.copies = self._raw is not None and not piped
-        # psycopg 3 as Django sets it up by default (prepare_threshold None), or psycopg2,
-        # whose cursors Django's are: nothing is prepared.
-        self.simple = dialect == "postgresql" and (
-            self._raw is None or (self._raw.prepare_threshold is None and not piped)
-        )
-
-    def execute(self, statement: Statement | Copy) -> int:
-        """Run one statement in the connection's transaction; the rows it wrote.
-
-        On PostgreSQL with psycopg 3 it goes on a server-binding cursor of the connection
-        Django holds, its arrays in binary: Django's own cursor binds on the client (unless
-        ``server_side_binding``), quoting every array element into the SQL text, which made
-        a stage() take 1.8x a plain prepared INSERT. Django's query log (``DEBUG``) and
-        ``execute_wrapper``s do not see this statement; the transaction is the same.
-        """
-        if self._raw is not None:
-            return _psycopg_execute(self._raw, statement)
-        assert isinstance(statement, Statement)
-        sql = pyformat(statement.sql) if statement.named else statement.sql
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, statement.params)
-            return int(cursor.rowcount)
-
-    def scalar(self, sql: str) -> object:
-        """The first value of ``sql``'s first row, on Django's cursor."""
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql)
-            return cursor.fetchone()[0]
-
-    def _psycopg(self) -> Any:
-        """The psycopg 3 connection under Django's PostgreSQL one, or None."""
-        if self.dialect != "postgresql":
-            return None
-        self.connection.ensure_connection()
-        raw = self.connection.connection
-        return raw if type(raw).__module__.partition(".")[0] == "psycopg" else None
-
-
-def _psycopg_execute(connection: Any, statement: Statement | Copy) -> int:
+def psycopg_execute(connection: Any, statement: Statement | Copy) -> int:
     """Run ``statement`` on a server-binding cursor of a psycopg 3 connection, whatever
     cursor class the connection makes by default, its arrays sent in binary (psycopg's text
     arrays cost the server a parse of every element). A statement is prepared on its first
@@ -244,12 +202,12 @@ class PsycopgDriver:
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        piped = _in_pipeline(connection)
+        piped = in_pipeline(connection)
         self.copies = not piped
         self.simple = connection.prepare_threshold is None and not piped
         if connection.autocommit and _idle(connection):
             raise StagingError(
-                _AUTOCOMMIT.format(
+                AUTOCOMMIT.format(
                     what="the psycopg connection is in autocommit mode",
                     fix="stage inside `with connection.transaction():`, or on a connection "
                     "without autocommit (then commit it)",
@@ -257,8 +215,8 @@ class PsycopgDriver:
             )
 
     def execute(self, statement: Statement | Copy) -> int:
-        """Run one statement on a cursor of the connection (``_psycopg_execute``)."""
-        return _psycopg_execute(self.connection, statement)
+        """Run one statement on a cursor of the connection (``psycopg_execute``)."""
+        return psycopg_execute(self.connection, statement)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, as a tuple whatever the connection's
@@ -269,7 +227,7 @@ class PsycopgDriver:
             return cursor.execute(sql).fetchone()[0]
 
 
-def _in_pipeline(connection: Any) -> bool:
+def in_pipeline(connection: Any) -> bool:
     """Whether a psycopg 3 connection is in pipeline mode (``with connection.pipeline():``).
 
     There every statement goes by the extended protocol, which takes neither COPY ("COPY
@@ -301,7 +259,7 @@ class Psycopg2Driver:
         idle = connection.get_transaction_status() == TRANSACTION_STATUS_IDLE
         if connection.autocommit and idle:
             raise StagingError(
-                _AUTOCOMMIT.format(
+                AUTOCOMMIT.format(
                     what="the psycopg2 connection is in autocommit mode",
                     fix="stage on a connection without autocommit (then commit it)",
                 )
@@ -340,7 +298,7 @@ class Sqlite3Driver:
         legacy_autocommit = autocommit == -1 and connection.isolation_level is None
         if (autocommit is True or legacy_autocommit) and not connection.in_transaction:
             raise StagingError(
-                _AUTOCOMMIT.format(
+                AUTOCOMMIT.format(
                     what="the sqlite3 connection autocommits (isolation_level=None)",
                     fix="stage after connection.execute('BEGIN'), or on a connection with "
                     "the default isolation_level (then commit it)",

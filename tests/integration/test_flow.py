@@ -10,7 +10,7 @@ from decimal import Decimal
 from prometheus_client import CollectorRegistry
 
 from router import Outbox
-from router.ops.operations import set_paused
+from router.ops.outbox import set_paused
 from router.ops.status import TargetStatus, status
 from router.relay.metrics import BacklogCollector
 from tests.conftest import Database, NatsStreams, make_config, nats_broker

@@ -17,9 +17,9 @@ import yaml
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from router import ConfigError, Event, Outbox
-from router.ops import operations
+from router.ops import outbox as operations
 from router.ops import status as status_query
-from router.ops.operations import cleanup_batch, cleanup_by_key, cleanup_statement
+from router.ops.outbox import cleanup_batch, cleanup_by_key, cleanup_statement
 from router.ops.schema import outbox as outbox_table
 from tests.conftest import Database, NatsStreams, make_config, nats_broker
 from tests.e2e.helpers import router

@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from router import Outbox
-from router.ops.operations import set_paused
+from router.ops.outbox import set_paused
 from router.ops.status import status
 from router.serve.backlog import BacklogWatch
 from tests.conftest import NATS_URL, Database, NatsStreams, make_config, nats_broker

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from router import Outbox
-from router.ops.operations import TraceRow, trace
+from router.ops.outbox import TraceRow, trace
 from tests.conftest import Database
 from tests.contract.harnesses import Harness
 from tests.integration.events import OrderPlaced

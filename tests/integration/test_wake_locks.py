@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from router import Outbox, SyncOutbox
 from router._wakeup import CHANNEL, WAKE_LOCK_NAMESPACE
-from router.ops.operations import set_paused
+from router.ops.outbox import set_paused
 from tests.conftest import make_config
 from tests.integration.events import OrderPlaced
 from tests.integration.wake_relay import ONE_TARGET, Relay

@@ -26,6 +26,7 @@ PACKAGE_FLOW = "envelopes <- brokers <- router"
 ROOT_MODULES = "router's root modules import no layer above them"
 PRIVATE_MODULES = "a private module is imported only inside its own package"
 NO_CYCLE = "no import cycle"
+NEUTRAL = "router names no broker kind: it imports brokers only through the package root"
 
 
 def lint_imports(folder: Path) -> subprocess.CompletedProcess[str]:
@@ -56,7 +57,7 @@ def test_every_import_contract_is_kept() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     verdicts = contract_lines(result.stdout)
     assert verdicts == dict.fromkeys(
-        [PACKAGE_FLOW, LAYERS, ROOT_MODULES, PRIVATE_MODULES, NO_CYCLE], "KEPT"
+        [PACKAGE_FLOW, LAYERS, ROOT_MODULES, NEUTRAL, PRIVATE_MODULES, NO_CYCLE], "KEPT"
     )
 
 
@@ -81,8 +82,11 @@ def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
         ({"brokers/memory.py": "import router.config"}, {PACKAGE_FLOW}),
         (
             {"router/ops/status.py": "import router.relay.store.base\nimport brokers.nats._acks"},
-            {PRIVATE_MODULES},
+            {PRIVATE_MODULES, NEUTRAL},
         ),
+        # the core telling a kind by its settings class, from the union's module or its own
+        ({"router/serve/check.py": "from brokers.settings import NatsSettings"}, {NEUTRAL}),
+        ({"router/ops/preview.py": "from brokers.kafka import KafkaSettings"}, {NEUTRAL}),
         ({"router/ops/flow.py": "import router.ops.status"}, {NO_CYCLE}),  # status imports flow
         # serve and contrib are independent: neither may import the other
         ({"router/serve/runner.py": "import router.contrib.django"}, {LAYERS}),
@@ -93,6 +97,8 @@ def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
         "root-to-ops",
         "brokers-to-router",
         "private",
+        "kind-from-union",
+        "kind-from-its-package",
         "cycle",
         "serve-to-contrib",
     ],
@@ -104,6 +110,22 @@ def test_a_broken_rule_breaks_its_contract(
     assert result.returncode == 1, result.stdout + result.stderr
     verdicts = contract_lines(result.stdout)
     assert {name for name, verdict in verdicts.items() if verdict == "BROKEN"} == broken
+
+
+def test_the_brokers_root_exports_no_kinds_settings_class() -> None:
+    """What keeps the kind-neutral contract meaningful: import-linter cannot see names, so
+    the one module router may import from must not hand out a kind's settings class."""
+    import brokers
+
+    exported = [getattr(brokers, name) for name in brokers.__all__]
+    kinds = [
+        value
+        for value in exported
+        if isinstance(value, type)
+        and issubclass(value, brokers.BrokerSettings)
+        and value is not brokers.BrokerSettings
+    ]
+    assert kinds == []
 
 
 def private_name_imports(path: Path, module: str) -> list[str]:
@@ -137,8 +159,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
 def test_the_private_name_check_sees_one(tmp_path: Path) -> None:
     path = ROOT / "router/ops/status.py"
     copy = tmp_path / "status.py"
-    copy.write_text(path.read_text() + "\nfrom router.ops.operations import _upsert_target\n")
+    copy.write_text(path.read_text() + "\nfrom router.ops.outbox import _upsert_target\n")
     assert private_name_imports(copy, "router.ops.status") == [
         "router.ops.status:"
-        f"{copy.read_text().count(chr(10))}: from router.ops.operations import _upsert_target"
+        f"{copy.read_text().count(chr(10))}: from router.ops.outbox import _upsert_target"
     ]

@@ -9,11 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.ops.contract._bindings import (
-    channel_bindings,
-    message_bindings,
-    operation_bindings,
-)
 from router.ops.contract._members import named_object
 from router.ops.contract._schema import Schema, glob_pattern, hoist_definitions
 from router.ops.contract._wire import PartnerMessage
@@ -22,22 +17,6 @@ __all__ = ["ASYNCAPI_VERSION", "asyncapi_document"]
 
 ASYNCAPI_VERSION = "3.0.0"
 
-# AsyncAPI's protocol name per broker kind, and the protocol's version where it has several.
-_PROTOCOLS: dict[str, tuple[str, str | None]] = {
-    "nats": ("nats", None),
-    "kafka": ("kafka", None),
-    "rabbitmq": ("amqp", "0.9.1"),
-    "redis": ("redis", None),
-    # Azure Service Bus speaks AMQP 1.0 (AsyncAPI's binding for it is named amqp1).
-    "servicebus": ("amqp1", "1.0"),
-}
-_TITLES = {
-    "nats": "NATS JetStream",
-    "kafka": "Apache Kafka",
-    "rabbitmq": "RabbitMQ",
-    "redis": "Redis Streams",
-    "servicebus": "Azure Service Bus",
-}
 # Keys of AsyncAPI's components, channels, operations and messages.
 _NOT_IN_ID = re.compile(r"[^\w.\-]")
 
@@ -63,7 +42,7 @@ def asyncapi_document(
                 "title": f"{message.destination} on {message.partner}",
                 "servers": [{"$ref": f"#/servers/{server_id}"}],
                 "messages": {},
-                **channel_bindings(message.settings, message.destination),
+                **message.settings.channel_bindings(message.destination),
             },
         )
         key = _id(f"{message.event_type}.v{message.version}")
@@ -77,7 +56,7 @@ def asyncapi_document(
                 "channel": {"$ref": f"#/channels/{channel_id}"},
                 "summary": f"{service} publishes to {message.destination} on {message.partner}.",
                 "messages": [],
-                **_bindings(operation_bindings(message.settings)),
+                **_bindings(message.settings.operation_bindings()),
             },
         )
         operation["messages"].append({"$ref": f"#/channels/{channel_id}/messages/{key}"})
@@ -103,7 +82,8 @@ def _id(text: str) -> str:
 
 def _server(message: PartnerMessage) -> dict[str, Any]:
     settings = message.settings
-    protocol, protocol_version = _PROTOCOLS.get(settings.type, (settings.type, None))
+    protocol = settings.asyncapi_protocol or settings.type
+    protocol_version = settings.asyncapi_protocol_version
     hosts, paths = [], []
     # public_url() is the address with credentials and query removed; the host is from it.
     for url in filter(None, settings.public_url().split(",")):
@@ -115,7 +95,7 @@ def _server(message: PartnerMessage) -> dict[str, Any]:
         server["protocolVersion"] = protocol_version
     if paths and paths[0] not in ("", "/"):
         server["pathname"] = paths[0]
-    server["title"] = f"{message.partner} ({_TITLES.get(settings.type, settings.type)})"
+    server["title"] = f"{message.partner} ({settings.title or settings.type})"
     server["description"] = f"Partner broker {message.partner!r}, {message.profile} envelope."
     return server
 
@@ -135,7 +115,7 @@ def _message(message: PartnerMessage, schemas: dict[str, Schema]) -> dict[str, A
     document["payload"] = _body(message, payload)
     if any(h.name == "correlation-id" for h in message.headers):
         document["correlationId"] = {"location": "$message.header#/correlation-id"}
-    document.update(_bindings(message_bindings(message.settings, message.event_type)))
+    document.update(_bindings(message.settings.message_bindings(message.event_type)))
     if message.properties:
         document["x-properties"] = {
             "type": "object",

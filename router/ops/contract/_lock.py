@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from envelopes import ConfigError
-from router.ops.contract._bindings import delivery, location
 from router.ops.contract._wire import PartnerMessage
 
 __all__ = [
@@ -41,7 +40,7 @@ def lock_document(service: str, messages: Sequence[PartnerMessage]) -> dict[str,
             {
                 "kind": message.settings.type,
                 "envelope": message.profile,
-                "binding": {**location(message.settings), **delivery(message.settings)},
+                "binding": {**message.settings.location(), **message.settings.delivery()},
                 "events": {},
             },
         )

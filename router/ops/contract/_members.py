@@ -112,18 +112,15 @@ _PROPERTY_DESCRIPTIONS = {
     "key": "The stream key: a stream stays on one partition, in order.",
     "session_id": "The stream key (session-enabled entities).",
 }
-_TIMESTAMPS = {
-    "rabbitmq": "The event's time (not the publish time), in seconds since the epoch.",
-    "kafka": "The event's time (not the publish time), in milliseconds since the epoch "
-    "(the record's CreateTime; a topic with LogAppendTime replaces it).",
-}
 
 
-def property_schema(kind: str, name: str, value: str | int, fixed: Mapping[str, Any]) -> Schema:
+def property_schema(
+    settings: BrokerSettings, name: str, value: str | int, fixed: Mapping[str, Any]
+) -> Schema:
     """A native message property's schema, from one sample value of it."""
     schema: Schema = {"type": "integer" if isinstance(value, int) else "string"}
-    description = _TIMESTAMPS.get(kind) if name == "timestamp" else None
-    description = description or _PROPERTY_DESCRIPTIONS.get(name)
+    described = settings.property_descriptions.get(name)
+    description = described or _PROPERTY_DESCRIPTIONS.get(name)
     if description:
         schema["description"] = description
     if name in ("type", "subject"):

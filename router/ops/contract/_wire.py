@@ -203,7 +203,7 @@ def _message(
     )
     bare_properties = settings.native_properties(bare)
     properties = tuple(
-        Member(name, name in bare_properties, property_schema(settings.type, name, value, fixed))
+        Member(name, name in bare_properties, property_schema(settings, name, value, fixed))
         for name, value in settings.native_properties(wide).items()
     )
     kept = settings.exposure.kept(spec.type, spec.version)

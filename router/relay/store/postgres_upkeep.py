@@ -9,7 +9,7 @@ own (never the pool a claim may be waiting for):
   queue alone: the history only grows by inserts here, and VACUUM would read every page added
   since it last could mark them all-visible, which while the xmin horizon is held is the whole
   history written meanwhile (1.3 s a pass, and growing, within three minutes of a held run).
-  The retention cleanup vacuums the history after it deletes (``router.ops.operations``);
+  The retention cleanup vacuums the history after it deletes (``router.ops.outbox``);
 - every 8,192 rows (a quarter of a slot's chunk), or every 5 s while rows are marked, runs a
   pass of the ring (``postgres_ring.recycle``): finished slots are truncated.
 
