@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +24,7 @@ from router import Outbox, RouterConfig
 from router.config import DatabaseSettings
 from router.ops.migrate import upgrade
 from tests.private_postgres import LOGICAL_DECODING, PrivatePostgres, require_postgres_programs
-from tests.services import MARIADB, NATS, POSTGRES, in_ci, require
+from tests.services import MARIADB, NATS, NO_SKIPS, POSTGRES, in_ci, require, skips_fail
 
 if TYPE_CHECKING:
     from tests.mariadb_binlog import BinlogServer
@@ -59,6 +59,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         needs = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if item.nodeid.startswith(FAST_FOLDERS) and not needs:
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Turn a skip into a failure where none may happen (``skips_fail``): a run by hand
+    through scripts/test must not pass with the service tests skipped for want of a server."""
+    report = yield
+    if not report.skipped or hasattr(report, "wasxfail") or not skips_fail():
+        return report
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped, and no test may skip here (CI or {NO_SKIPS}=1): {reason}"
+    return report
 
 
 def database_url(name: str) -> str:

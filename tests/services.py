@@ -1,7 +1,9 @@
 """Reaching the real services the tests use, and what to do when one is missing.
 
 Under ``CI=true`` a missing service fails the test (a skip would count as a pass); on a
-developer's machine it skips with the reason and the command that starts the service.
+developer's machine it skips with the reason and the command that starts the service. Run
+through ``scripts/test`` or ``scripts/fast`` (which set ``NO_SKIPS``), any skip fails the
+run, CI or not: tests/conftest.py turns it into a failure.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ START = {
 
 # Services a test starts itself, from the programs of these packages.
 INSTALL = {"MariaDB": "apt-get install mariadb-server (mariadbd, mariadb-install-db)"}
+
+
+# Set to "1" by scripts/test and scripts/fast: there a skipped test is a failure, since the
+# summary line of a run by hand would otherwise read as a pass with ~230 tests not run.
+NO_SKIPS = "ROUTER_TESTS_NO_SKIPS"
+
+
+def skips_fail() -> bool:
+    """True where a skip must fail the run: under CI, and under scripts/test or scripts/fast."""
+    return in_ci() or os.environ.get(NO_SKIPS) == "1"
 
 
 def in_ci() -> bool:

@@ -51,7 +51,9 @@ BEFORE = 4.0  # seconds of writing before the primary stops
 HOLD = 0.5  # seconds the replica receives nothing before the primary stops
 DETECT = 1.0  # seconds between the stop and the promotion (a failover manager's reaction)
 AFTER = 4.0  # seconds of writing after the promotion
-RESUME_LIMIT = 5.0
+# docs/production.md promises delivery "within about 2 s of the new primary accepting writes"
+# (the LISTEN connection retries at least every 2 s); the recorded runs resumed in 0.3-0.5 s.
+RESUME_LIMIT = 2.0
 DRAIN_TIMEOUT = 30.0
 PASSWORD = f"failover-{uuid.uuid4().hex[:12]}"  # trust auth ignores it; it must never be logged
 ENV = {"ROUTER_WORKERS": "2", "ROUTER_LOG_FORMAT": "json", "ROUTER_LOG_LEVEL": "info"}
@@ -170,7 +172,7 @@ async def test_router_follows_a_promoted_replica_in_order_without_losing_replica
         f"delivered from the old primary only: {len(ghosts)}; order violations: "
         f"{len(violations)}; the writer's first error: {writer.first_error[:80]}"
     )
-    assert resumed <= RESUME_LIMIT
+    assert resumed <= RESUME_LIMIT, f"delivery resumed {resumed:.2f} s after the promotion"
     assert not violations, violations[:10]
     assert not survived - set(stored), sorted(survived - set(stored))[:10]
     if replicated.synchronous:

@@ -2,6 +2,12 @@
 
 The contract tests are written once against this small interface and run for every
 adapter, with the same assertions (as Watermill's pubsub conformance suite does).
+
+A test that says a message arrives once reads with ``arrived_once``: everything that arrived,
+read on for ``SETTLE`` seconds after the expected count, repeats counted by message id. With
+``CONTRACT_DELIVER_TWICE=1`` in the environment, ``Harness.broker`` publishes every batch
+twice (past JetStream's duplicate window), so each of those tests must fail: the proof that
+they can see a repeat.
 """
 
 from __future__ import annotations
@@ -9,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +33,7 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from pamqp import commands as amqp_commands
 
-from brokers import BrokerSettings
+from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult, create_broker
 from brokers.settings import (
     KafkaSettings,
     NatsSettings,
@@ -32,6 +41,7 @@ from brokers.settings import (
     RedisSettings,
     ServiceBusSettings,
 )
+from envelopes import WireMessage, message_id_of
 from tests.conftest import NATS_URL
 from tests.peers.servicebus import ServiceBusPeer
 from tests.services import free_port
@@ -39,6 +49,10 @@ from tests.services import free_port
 RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REPLAY_GAP = 0.3  # seconds between two sends of one message in replay tests
 REDIS_URL = "redis://127.0.0.1:6379/0"
+# Seconds to read on after the expected count: a repeat sent right behind its original (as a
+# relay that publishes a batch again at once does) lands well within it on loopback.
+SETTLE = 0.5
+DELIVER_TWICE = "CONTRACT_DELIVER_TWICE"  # the switch: "1" publishes every batch twice
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,27 @@ class Harness:
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
         """Wait for ``count`` messages at ``destination``; return what is there, in order."""
         raise NotImplementedError
+
+    async def everything(
+        self, destination: str, count: int, timeout: float = 10, settle: float = SETTLE
+    ) -> list[Arrived]:
+        """Every message at ``destination``, repeats included, in order: wait for ``count``,
+        then read on for ``settle`` seconds so that what came after them shows too."""
+        await self.arrived(destination, count, timeout)
+        return await self.arrived(destination, sys.maxsize, timeout=settle)
+
+    async def arrived_once(
+        self, destination: str, count: int, timeout: float = 10
+    ) -> list[Arrived]:
+        """``everything`` at ``destination``, failing the test if a message id came twice."""
+        found = await self.everything(destination, count, timeout)
+        again = repeats(found)
+        assert not again, f"{len(again)} message ids arrived more than once: {again}"
+        return found
+
+    def broker(self, name: str, settings: BrokerSettings) -> Broker:
+        """The adapter for ``settings``; with the switch on, one that publishes twice."""
+        return contract_broker(name, settings)
 
     async def read_as_a_partner(self, destination: str, *, stream_key: str) -> list[Arrived]:
         """The one message at ``destination``, read with the broker's ordinary client (every
@@ -243,6 +278,19 @@ class KafkaHarness(Harness):
         return ""  # Kafka refuses by size instead: see the suite
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
+        return await self._consume(destination, count, timeout, settle=0)
+
+    async def everything(
+        self, destination: str, count: int, timeout: float = 10, settle: float = SETTLE
+    ) -> list[Arrived]:
+        # One consumer throughout: a fresh one may take longer than ``settle`` to fetch.
+        return await self._consume(destination, count, timeout, settle)
+
+    async def _consume(
+        self, destination: str, count: int, timeout: float, settle: float
+    ) -> list[Arrived]:
+        """Records from the start of ``destination`` until ``count`` came (or ``timeout``
+        passed), then on until none came for ``settle`` seconds."""
         consumer = AIOKafkaConsumer(
             destination,
             bootstrap_servers=self.bootstrap,
@@ -256,27 +304,30 @@ class KafkaHarness(Harness):
             deadline = time.monotonic() + timeout
             while len(found) < count and time.monotonic() < deadline:
                 batch = await consumer.getmany(timeout_ms=200)
-                for records in batch.values():
-                    for r in records:
-                        headers = {k: v.decode() for k, v in r.headers}
-                        key = r.key.decode() if r.key else None
-                        found.append(
-                            Arrived(
-                                r.value,
-                                headers,
-                                headers.get("message-id"),
-                                key,
-                                _present(key=key, timestamp=str(r.timestamp)),
-                                position={
-                                    "topic": r.topic,
-                                    "partition": r.partition,
-                                    "offset": r.offset,
-                                },
-                            )
-                        )
+                found.extend(self._record(r) for records in batch.values() for r in records)
+            quiet_until = time.monotonic() + settle
+            while time.monotonic() < quiet_until:
+                before = len(found)
+                batch = await consumer.getmany(timeout_ms=100)
+                found.extend(self._record(r) for records in batch.values() for r in records)
+                if len(found) > before:
+                    quiet_until = time.monotonic() + settle
         finally:
             await consumer.stop()
         return found
+
+    @staticmethod
+    def _record(r: Any) -> Arrived:
+        headers = {k: v.decode() for k, v in r.headers}
+        key = r.key.decode() if r.key else None
+        return Arrived(
+            r.value,
+            headers,
+            headers.get("message-id"),
+            key,
+            _present(key=key, timestamp=str(r.timestamp)),
+            position={"topic": r.topic, "partition": r.partition, "offset": r.offset},
+        )
 
 
 class RabbitHarness(Harness):
@@ -522,6 +573,67 @@ class ServiceBusHarness(Harness):
                 session_id=message.session_id,
             ),
         )
+
+
+def repeats(arrived: Sequence[Arrived]) -> dict[str, int]:
+    """The message ids that arrived more than once, with how often: found as a consumer finds
+    them (``message_id_of``), so whatever the envelope profile."""
+    ids = Counter(message_id_of(a.body, a.headers, native_id=a.native_id) for a in arrived)
+    return {str(mid): n for mid, n in ids.items() if n > 1}
+
+
+def contract_broker(name: str, settings: BrokerSettings) -> Broker:
+    """``create_broker``, or with ``CONTRACT_DELIVER_TWICE=1`` a ``DeliveredTwice``: also a
+    ``broker_factory`` for a router whose "once" a test checks."""
+    if os.environ.get(DELIVER_TWICE) == "1":
+        return DeliveredTwice(name, settings)
+    return create_broker(name, settings)
+
+
+class _NatsSettingsAgain(NatsSettings):
+    """NATS settings whose JetStream dedup key is not the message id: JetStream keeps what
+    is published with them even when the same message went out a moment before."""
+
+    def native_headers(self, wire: WireMessage) -> dict[str, str]:
+        return {**super().native_headers(wire), "Nats-Msg-Id": f"{wire.message_id}.again"}
+
+
+class DeliveredTwice:
+    """A broker that publishes every batch twice, each message under the same message id
+    both times: what a relay that repeats itself delivers. It exists to show that the contract's
+    "once" tests see a repeat (``CONTRACT_DELIVER_TWICE=1``), and lives here, not in the
+    router. The second publish goes through an adapter of its own; on NATS its Nats-Msg-Id
+    differs, or JetStream would drop it as a duplicate for its whole window (2 min)."""
+
+    def __init__(self, name: str, settings: BrokerSettings) -> None:
+        self.name = name
+        again = settings
+        if isinstance(settings, NatsSettings):
+            again = _NatsSettingsAgain.model_validate(settings.model_dump())
+        self.first, self.again = create_broker(name, settings), create_broker(name, again)
+
+    async def connect(self) -> None:
+        """Connect both adapters."""
+        await self.first.connect()
+        await self.again.connect()
+
+    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
+        """The batch, then again what the broker took of it; the first results."""
+        results = await self.first.publish(batch)
+        sent = [m for m, r in zip(batch, results, strict=True) if r.ok]
+        if sent:
+            await self.again.publish(sent)
+        return results
+
+    async def ping(self) -> None:
+        """Ping both adapters."""
+        await self.first.ping()
+        await self.again.ping()
+
+    async def close(self) -> None:
+        """Close both adapters."""
+        await self.first.close()
+        await self.again.close()
 
 
 # AMQP 0-9-1 properties besides the headers, by the names BrokerSettings.native_properties

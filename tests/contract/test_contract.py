@@ -1,6 +1,10 @@
 """The broker contract, written once and run against every adapter over a real peer:
 NATS JetStream, Kafka (tansu), RabbitMQ, Redis Streams and Azure Service Bus (the AMQP 1.0
-peer driven by the unchanged azure-servicebus SDK)."""
+peer driven by the unchanged azure-servicebus SDK).
+
+A test that says its messages arrive once reads them with ``harness.arrived_once`` and
+publishes through ``harness.broker``: with ``CONTRACT_DELIVER_TWICE=1`` each of them must
+fail (tests/contract/harnesses.py)."""
 
 from __future__ import annotations
 
@@ -65,17 +69,17 @@ PROFILES = [
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-async def test_a_batch_arrives_complete_with_identity_headers_and_body(
+async def test_a_batch_arrives_complete_and_once_with_identity_headers_and_body(
     harness: Harness, profile: dict[str, Any]
 ) -> None:
     settings = harness.settings(**profile)
     destination = harness.destination()
     await harness.prepare(destination)
     batch = [message(settings, destination, n, stream=f"order-{n % 2}") for n in range(6)]
-    results = await publish(create_broker("partner", settings), batch)
+    results = await publish(harness.broker("partner", settings), batch)
     assert [r.ok for r in results] == [True] * 6
 
-    arrived = await harness.arrived(destination, 6)
+    arrived = await harness.arrived_once(destination, 6)
     assert len(arrived) == 6
     by_id = {a.headers["message-id"]: a for a in arrived}
     for sent in batch:
@@ -131,18 +135,18 @@ async def test_each_acknowledged_message_has_the_brokers_receipt(harness: Harnes
     assert parsed == {mid: positions[mid] for mid in parsed}
 
 
-async def test_stream_order_holds_inside_a_batch(harness: Harness) -> None:
+async def test_stream_order_holds_inside_a_batch_each_message_once(harness: Harness) -> None:
     settings = harness.settings()
     destination = harness.destination("ordered")
     await harness.prepare(destination)
     batch = [message(settings, destination, n, stream="order-1") for n in range(25)]
-    results = await publish(create_broker("partner", settings), batch)
+    results = await publish(harness.broker("partner", settings), batch)
     assert all(r.ok for r in results)
-    arrived = await harness.arrived(destination, 25)
+    arrived = await harness.arrived_once(destination, 25)
     assert [json.loads(a.body)["payload"]["n"] for a in arrived] == list(range(25))
 
 
-async def test_two_batches_published_at_once_on_a_new_adapter_all_arrive(
+async def test_two_batches_published_at_once_on_a_new_adapter_all_arrive_once(
     harness: Harness,
 ) -> None:
     # The processor publishes the next batch while the current one is still in flight, so
@@ -151,7 +155,7 @@ async def test_two_batches_published_at_once_on_a_new_adapter_all_arrive(
     settings = harness.settings()
     destination = harness.destination("together")
     await harness.prepare(destination)
-    broker = create_broker("partner", settings)
+    broker = harness.broker("partner", settings)
     batches = [
         [message(settings, destination, n * 4 + i, stream=None) for i in range(4)]
         for n in range(10)
@@ -165,7 +169,7 @@ async def test_two_batches_published_at_once_on_a_new_adapter_all_arrive(
     finally:
         await broker.close()
     assert [r.error for batch in results for r in batch if not r.ok] == []
-    assert len(await harness.arrived(destination, 40)) == 40
+    assert len(await harness.arrived_once(destination, 40)) == 40
 
 
 async def test_an_unreachable_broker_is_a_retryable_failure(harness: Harness) -> None:
@@ -184,7 +188,7 @@ async def test_an_unreachable_broker_is_a_retryable_failure(harness: Harness) ->
     assert "unreachable" in error or "cannot connect" in error or "cannot reach" in error
 
 
-async def test_a_refused_message_fails_alone_and_says_why(harness: Harness) -> None:
+async def test_a_refused_message_fails_alone_and_the_rest_arrive_once(harness: Harness) -> None:
     settings = harness.settings()
     destination = harness.destination("fine")
     await harness.prepare(destination)
@@ -195,19 +199,19 @@ async def test_a_refused_message_fails_alone_and_says_why(harness: Harness) -> N
         await harness.prepare(rejected)
         refused = message(settings, rejected, 1, stream=None)
     fine = message(settings, destination, 2, stream=None)
-    results = await publish(create_broker("partner", settings), [refused, fine])
+    results = await publish(harness.broker("partner", settings), [refused, fine])
     assert not results[0].ok
     assert results[0].retryable is harness.refusal_retryable
     assert results[0].error
     assert results[1].ok  # one refusal does not fail the rest
-    assert len(await harness.arrived(destination, 1)) == 1
+    assert len(await harness.arrived_once(destination, 1)) == 1
 
 
-async def test_close_and_reconnect(harness: Harness) -> None:
+async def test_close_and_reconnect_sends_each_message_once(harness: Harness) -> None:
     settings = harness.settings()
     destination = harness.destination("again")
     await harness.prepare(destination)
-    broker = create_broker("partner", settings)
+    broker = harness.broker("partner", settings)
     try:
         assert (await broker.publish([message(settings, destination, 1, stream=None)]))[0].ok
         await broker.close()
@@ -216,7 +220,7 @@ async def test_close_and_reconnect(harness: Harness) -> None:
         assert (await broker.publish([message(settings, destination, 2, stream=None)]))[0].ok
     finally:
         await broker.close()
-    assert len(await harness.arrived(destination, 2)) == 2
+    assert len(await harness.arrived_once(destination, 2)) == 2
 
 
 def test_publish_error_carries_retryable() -> None:

@@ -74,14 +74,14 @@ async def test_a_repeated_message_id_is_acknowledged_and_stored_once(
     settings = harness.settings()
     destination = harness.destination("twice")
     once = message(settings, destination, 1, stream=None)
-    broker = create_broker("partner", settings)
+    broker = harness.broker("partner", settings)
     try:
         first = await broker.publish([once])
         again = await broker.publish([once])
     finally:
         await broker.close()
     assert first[0].ok and again[0].ok
-    assert len(await harness.arrived(destination, 1, timeout=1)) == 1
+    assert len(await harness.arrived_once(destination, 1, timeout=1)) == 1
 
 
 def _with_header(message: OutgoingMessage, name: str) -> OutgoingMessage:

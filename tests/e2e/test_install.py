@@ -40,6 +40,9 @@ NATS = ("127.0.0.1", 4333)
 
 INSTALL_TIMEOUT = 240.0  # venv + pip install -e . + init-db until serve is ready
 STOP_TIMEOUT = 10.0  # SIGTERM until router serve has exited
+# With nothing in flight a stop finishes at once: it must neither wait out the grace period
+# (shutdown_grace_seconds, 10 s) nor need the embedded NATS server's SIGKILL (after 5 s).
+IDLE_STOP = 5.0
 EXTRAS = (
     "faststream",
     "aiokafka",
@@ -364,7 +367,7 @@ def test_readme_command_installs_serves_the_quickstart_and_stops_on_sigterm(
     stopped_in = time.monotonic() - started
     log = readme_run.log.read_text(errors="replace")
     assert code == 0, f"exit code {code} after SIGTERM\n{readme_run.tail()}"
-    assert stopped_in < STOP_TIMEOUT
+    assert stopped_in < IDLE_STOP, f"stopped in {stopped_in:.1f} s\n{readme_run.tail()}"
     assert "Traceback" not in log, readme_run.tail()
     assert "router.stopping signal=SIGTERM" in log, readme_run.tail()
     assert "processor.stopped database=main target=events published=6" in log, readme_run.tail()

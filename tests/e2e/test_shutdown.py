@@ -86,7 +86,12 @@ async def test_sigterm_mid_backlog_leaves_no_row_in_flight_and_a_restart_finishe
 
     serving = Serving(tmp_path)
     await asyncio.to_thread(serving.wait_for, "router.started")
-    while (await counts(pg_url)).get(("events", "published"), 0) < 1000:
+    # About half a second at the delayed acks' pace; 30 s covers a slow start.
+    deadline = time.monotonic() + 30
+    while (published := (await counts(pg_url)).get(("events", "published"), 0)) < 1000:
+        assert time.monotonic() < deadline, (
+            f"{published} of 1000 published\n{serving.log.read_text()}"
+        )
         await asyncio.sleep(0.02)
     started = time.monotonic()
     code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
@@ -141,7 +146,11 @@ async def test_a_hanging_partner_cannot_hold_shutdown_past_the_grace_period(
     serving = Serving(tmp_path)
     try:
         await nats_streams.messages(internal[0], 10)
+        deadline = time.monotonic() + 20  # the partner's first publish starts at once
         while not await batch_in_flight(pg_url, "partner"):  # all 10 rows: one batch
+            assert time.monotonic() < deadline, (
+                f"no partner batch in flight\n{serving.log.read_text()}"
+            )
             await asyncio.sleep(0.05)
         started = time.monotonic()
         code = await asyncio.to_thread(serving.stop, signal.SIGTERM)
@@ -207,7 +216,11 @@ async def test_sigterm_does_not_wait_for_a_connect_that_hangs(
     )
     serving = Serving(tmp_path)
     try:
+        deadline = time.monotonic() + 20
         while not accepted or not await batch_in_flight(pg_url, "silent"):
+            assert time.monotonic() < deadline, (
+                f"accepted {len(accepted)} connections, no batch in flight\n{serving.log.read_text()}"
+            )
             await asyncio.sleep(0.05)
         started = time.monotonic()
         code = await asyncio.to_thread(serving.stop, signal.SIGTERM)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import nats
+import orjson
 
 from brokers.nats import EmbeddedNats
 from router import Outbox
@@ -28,6 +31,22 @@ async def partner_rows(url: str) -> list[tuple[str, str, int]]:
     finally:
         await conn.close()
     return [(r[0], r[1], r[2]) for r in rows]
+
+
+def order_ids(messages: list[Any]) -> list[str]:
+    """The order id of each JetStream message, in stream order."""
+    return [orjson.loads(m.data)["payload"]["order_id"] for m in messages]
+
+
+async def stream_order_ids(url: str, stream: str) -> list[str]:
+    """Every order id ``stream`` holds on the server at ``url``, in stream order."""
+    client = await nats.connect(url)
+    try:
+        js = client.jetstream()
+        total = (await js.stream_info(stream)).state.messages
+        return order_ids([await js.get_msg(stream, seq=i) for i in range(1, total + 1)])
+    finally:
+        await client.close()
 
 
 async def test_an_outage_longer_than_all_retries_spends_no_attempt_and_abandons_nothing(
@@ -62,7 +81,9 @@ async def test_an_outage_longer_than_all_retries_spends_no_attempt_and_abandons_
         # Far longer than three attempts' worth of backoff (0.1 + 0.2 + 0.2 s).
         await asyncio.sleep(2.0)
         during_outage = await partner_rows(pg_url)
-        assert await nats_streams.messages(internal[0], 6) != []
+        # The outage stays the partner's: the internal target got every event, in order, and
+        # each once (read after the sleep, so a late repeat would be among them).
+        internal_arrived = order_ids(await nats_streams.messages(internal[0], 6))
 
         await server.start()
         try:
@@ -74,6 +95,7 @@ async def test_an_outage_longer_than_all_retries_spends_no_attempt_and_abandons_
             await wait_until(delivered, timeout=15)
             after = await partner_rows(pg_url)
             assert not processor.circuit.is_open
+            partner_arrived = await stream_order_ids(f"nats://127.0.0.1:{port}", partner[0])
         finally:
             await server.stop()
     await outbox.close()
@@ -83,3 +105,6 @@ async def test_an_outage_longer_than_all_retries_spends_no_attempt_and_abandons_
         (order, "pending", 0) for order in ["before", *(f"during-{i}" for i in range(5))]
     ]
     assert {status for _, status, _ in after} == {"published"}
+    expected = ["before", *(f"during-{i}" for i in range(5))]
+    assert internal_arrived == expected
+    assert partner_arrived == expected

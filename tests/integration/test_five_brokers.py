@@ -10,7 +10,7 @@ from decimal import Decimal
 from envelopes import EXTERNAL_FIELDS, INTERNAL_ONLY_FIELDS
 from router import Outbox
 from tests.conftest import NatsStreams
-from tests.contract.harnesses import Harness, ServiceBusHarness
+from tests.contract.harnesses import Harness, ServiceBusHarness, contract_broker
 from tests.integration.events import OrderPlaced
 from tests.integration.five import config_for
 from tests.integration.test_delivery import serving, statuses, wait_until
@@ -27,14 +27,16 @@ async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local
     servicebus = partners["servicebus"]
     assert isinstance(servicebus, ServiceBusHarness)
 
-    async with serving(config) as supervisor:
+    async with serving(config, broker_factory=contract_broker) as supervisor:
         async with outbox.transaction() as tx:
             [first] = await tx.stage(
                 OrderPlaced(order_id="o-1", total=Decimal("9.90")),
                 stream_key="o-1",
                 correlation_id="c-1",
             )
-        arrived = {name: await h.arrived(destinations[name], 1) for name, h in partners.items()}
+        arrived = {
+            name: await h.arrived_once(destinations[name], 1) for name, h in partners.items()
+        }
 
         # Service Bus goes away; the other four keep delivering everything meanwhile.
         # The peer runs on a thread of this process: stopping it waits for that thread, which
@@ -46,7 +48,7 @@ async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local
             )
         for name, harness in partners.items():
             if name != "servicebus":
-                assert len(await harness.arrived(destinations[name], 6)) == 6, name
+                assert len(await harness.arrived_once(destinations[name], 6)) == 6, name
 
         # Its rows wait untried behind its open circuit (no attempt spent on the outage).
         circuit = supervisor.processor("main", "servicebus").circuit
@@ -62,7 +64,7 @@ async def test_one_event_reaches_all_five_brokers_once_and_an_outage_stays_local
         assert len(servicebus.peer.messages(destinations["servicebus"])) == 1
 
         await asyncio.to_thread(servicebus.peer.start)  # back: its rows go out
-        everything = await servicebus.arrived(destinations["servicebus"], 6, timeout=30)
+        everything = await servicebus.arrived_once(destinations["servicebus"], 6, timeout=30)
         await asyncio.sleep(0.5)
         final = await statuses(pg_url)
     await outbox.close()

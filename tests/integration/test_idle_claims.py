@@ -63,7 +63,9 @@ async def test_a_stream_held_behind_a_retry_is_not_claimed_until_the_retry_is_du
     store.claim = counted  # type: ignore[method-assign]  # count the store's claims
     await supervisor.start()
     try:
+        deadline = time.monotonic() + 10
         while not supervisor.processors[0].stats.failed:
+            assert time.monotonic() < deadline, "the first publish never failed"
             await asyncio.sleep(0.02)
         failed_at = time.monotonic()
         await asyncio.sleep(RETRY_IN - 1)
