@@ -32,6 +32,7 @@ from router.write.statements import Copy, Statement, clause
 __all__ = [
     "AUTOCOMMIT",
     "SyncDriver",
+    "dbapi_execute",
     "in_pipeline",
     "psycopg_execute",
     "pyformat",
@@ -125,6 +126,16 @@ def pyformat(sql: str, kind: str = "s") -> str:
     psycopg 3's ``%(name)b``, sent in binary). Cached: the texts are few, and converting one
     cost a stage() on psycopg about 5% of its time."""
     return _NAMED.sub(rf"%(\1){kind}", sql.replace("%", "%%"))
+
+
+def dbapi_execute(connection: Any, statement: Statement | Copy) -> int:
+    """Run one statement on a DB-API cursor of ``connection`` that takes ``%(name)s``
+    (psycopg2's, Django's); the rows it wrote."""
+    assert isinstance(statement, Statement)
+    sql = pyformat(statement.sql) if statement.named else statement.sql
+    with connection.cursor() as cursor:
+        cursor.execute(sql, statement.params)
+        return int(cursor.rowcount)
 
 
 # A ``:name`` parameter, not a PostgreSQL ``::type`` cast or a ``:`` inside a word.
@@ -267,11 +278,7 @@ class Psycopg2Driver:
 
     def execute(self, statement: Statement | Copy) -> int:
         """Run one statement on a cursor of the connection; the rows it wrote."""
-        assert isinstance(statement, Statement)
-        sql = pyformat(statement.sql) if statement.named else statement.sql
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, statement.params)
-            return int(cursor.rowcount)
+        return dbapi_execute(self.connection, statement)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, as a tuple whatever the connection's

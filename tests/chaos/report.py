@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -133,10 +133,9 @@ class WorkerStarts:
         return [pid for pid in self.started if pid not in self.ready]
 
 
-def worker_starts(lines: Iterable[str]) -> WorkerStarts:
-    """Read ``worker.started`` and ``worker.ready`` from JSON log lines; other lines (text,
-    a worker's traceback) are skipped."""
-    starts = WorkerStarts()
+def json_records(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects among log lines; other lines (text, a worker's traceback) are
+    skipped."""
     for line in lines:
         if not line.startswith("{"):
             continue
@@ -144,6 +143,15 @@ def worker_starts(lines: Iterable[str]) -> WorkerStarts:
             record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            yield record
+
+
+def worker_starts(lines: Iterable[str]) -> WorkerStarts:
+    """Read ``worker.started`` and ``worker.ready`` from JSON log lines; other lines (text,
+    a worker's traceback) are skipped."""
+    starts = WorkerStarts()
+    for record in json_records(lines):
         event, pid = record.get("event"), record.get("pid")
         if not isinstance(pid, int):
             continue
@@ -167,13 +175,7 @@ class WakeupChange(NamedTuple):
 def wakeup_changes(lines: Iterable[str]) -> list[WakeupChange]:
     """The wake-up changes the relay logged, from JSON log lines; other lines are skipped."""
     changes = []
-    for line in lines:
-        if not line.startswith("{"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in json_records(lines):
         if record.get("event") not in ("wakeup.active", "wakeup.fallback"):
             continue
         at = datetime.fromisoformat(record["time"]).timestamp()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from envelopes import StagingError
-from router.write.drivers import AUTOCOMMIT, in_pipeline, psycopg_execute, pyformat
+from router.write.drivers import AUTOCOMMIT, dbapi_execute, in_pipeline, psycopg_execute
 from router.write.statements import Copy, Statement
 
 __all__ = ["DjangoDriver"]
@@ -60,11 +60,7 @@ class DjangoDriver:
         """
         if self._raw is not None:
             return psycopg_execute(self._raw, statement)
-        assert isinstance(statement, Statement)
-        sql = pyformat(statement.sql) if statement.named else statement.sql
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, statement.params)
-            return int(cursor.rowcount)
+        return dbapi_execute(self.connection, statement)
 
     def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row, on Django's cursor."""
