@@ -1,26 +1,24 @@
 """Delivering one claimed batch to one broker: render, publish in waves, classify outcomes.
 
-No database here: the processor claims rows, keeps their lease (a ``KeepLease`` it hands in)
-and writes back the ``Marks`` this returns.
+The connection is the ``BrokerLink``'s: this module renders, splits into waves, and decides
+what each answer means for its row. No database here: the processor claims rows, keeps their
+lease (a ``KeepLease`` it hands in) and writes back the ``Marks`` this returns.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
+from brokers import BrokerSettings, OutgoingMessage, PublishResult
 from brokers import waves as _waves
-from envelopes import BrokerError, DowncastError, EnvelopeError, WireMessage
+from envelopes import DowncastError, EnvelopeError, WireMessage
 from router.config import RetrySettings
-from router.relay.circuit import Circuit
+from router.relay.link import BrokerLink
 from router.relay.metrics import Metrics, observe_all
 from router.relay.retry import retry_delay
-from router.relay.silence import AnswerTime
 from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
 
@@ -51,9 +49,8 @@ class Delivery:
         *,
         target: str,
         settings: BrokerSettings,
-        broker: Broker,
+        link: BrokerLink,
         retry: RetrySettings,
-        circuit: Circuit,
         stats: ProcessorStats,
         rand: Callable[[], float],
         labels: dict[str, str],
@@ -66,26 +63,14 @@ class Delivery:
         ``stopping()`` is true, no further wave starts (a graceful stop)."""
         self.target = target
         self.settings = settings
-        self.broker = broker
+        self.link = link
         self.retry = retry
-        self.circuit = circuit
         self.stats = stats
         self._rand = rand
         self._log = labels
         self._metrics = metrics
         self._render: Render = settings.render if render is None else render
         self._stopping = stopping
-        # A publish went unanswered on the current connection: the probe replaces it. (Not
-        # closed at once: closing a silent connection can itself hang, and the batch's rows
-        # must go back first.)
-        self._suspect = False
-        # How long publishes take, and how long pings do: apart, since a ping can cost far
-        # more than a publish (a Service Bus ping attaches a link and puts a token: ~0.5 s
-        # where a publish takes 15 ms), and a healthy broker must not be found silent because
-        # its ping took longer than its publishes do.
-        self._answer = AnswerTime(settings.silence_timeout, settings.publish_timeout)
-        self._pings = AnswerTime(settings.silence_timeout, settings.publish_timeout)
-        self._timing: asyncio.Future[None] | None = None  # the ping timing a new connection
 
     async def deliver(
         self,
@@ -116,7 +101,7 @@ class Delivery:
         for n, wave in enumerate(split):
             # Stopping, or another batch found the broker unreachable meanwhile: give the rest
             # back untried.
-            if self._stopping() or self.circuit.is_open:
+            if self._stopping() or self.link.is_open:
                 marks.untried.extend(row.seq for rest in split[n:] for row in rest)
                 break
             # publish_limit bounds the wave's publish; the second is for rendering and marking.
@@ -126,8 +111,8 @@ class Delivery:
             sendable = self._sendable(wave, held, marks)
             if not sendable:
                 continue
-            on_trial = self.circuit.trial
-            results = await self._publish([message for _, message in sendable])
+            on_trial = self.link.on_trial
+            results = await self.link.publish([message for _, message in sendable])
             unanswered = None
             for (row, _), result in zip(sendable, results, strict=True):
                 if result.unreachable:
@@ -140,36 +125,15 @@ class Delivery:
                 if not self._classify(row, result, marks) and row.stream_key is not None:
                     held.add(row.stream_key)
             if unanswered is None:
-                self.circuit.reachable()
+                self.link.answered()
                 continue
             # This host cannot reach the broker: nothing more from this batch, and no claim
             # until a probe gets through.
-            self.circuit.cut_off(unanswered)
+            self.link.cut_off(unanswered)
             marks.untried.extend(row.seq for rest in split[n + 1 :] for row in rest)
             break
         self._record(marks, rows)
         return marks
-
-    async def probe(self) -> None:
-        """A fresh connection and a round trip (raises BrokerError or TimeoutError)."""
-        if self._suspect:  # the connection that went silent: never trust it again
-            await self.disconnect()
-            self._suspect = False
-        limit = self.settings.connect_timeout * 2 + 1
-        async with asyncio.timeout(limit):
-            await self.broker.connect()
-            pinged = time.monotonic()
-            await self.broker.ping()
-        self._pinged(time.monotonic() - pinged)
-
-    async def disconnect(self) -> None:
-        """Drop the connection; the next publish connects again."""
-        self._answer.reconnected()
-        self._pings.reconnected()
-        if self._timing is not None:
-            self._timing.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.broker.close(), 5)
 
     def _sendable(
         self, wave: Sequence[ClaimedRow], held: set[str], marks: Marks
@@ -193,109 +157,6 @@ class Delivery:
                 continue
             sendable.append((row, OutgoingMessage(row.destination, wire)))
         return sendable
-
-    async def _publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
-        started = time.perf_counter()
-        try:
-            results = await self._watched(messages)
-            if self._metrics is not None:  # one wave: from the first send to the last ack
-                self._metrics.publish.labels(self._log["database"], self.target).observe(
-                    time.perf_counter() - started
-                )
-        except BrokerError as exc:  # unreachable, or unusable (e.g. its stream cannot be made)
-            return self._cut_off(messages, str(exc))
-        except TimeoutError:
-            return self._cut_off(messages, f"{self.target}: no answer within publish_timeout")
-        except _Silent as exc:
-            return self._cut_off(messages, str(exc))
-        except Exception as exc:  # an adapter bug must not stop delivery to other targets
-            log.exception("broker.error", extra=self._log)
-            error = f"{type(exc).__name__}: {exc}"
-            self.stats.last_error = error
-            await self.disconnect()
-            return [PublishResult.failed(error, retryable=True) for _ in messages]
-        if len(results) != len(messages):
-            error = f"adapter returned {len(results)} results for {len(messages)} messages"
-            return [PublishResult.failed(error, retryable=True) for _ in messages]
-        if any(r.unreachable for r in results):
-            self._suspect = True
-        return results
-
-    async def _watched(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
-        """The publish's results, within ``publish_limit``.
-
-        Once the broker's answer time is known (``router.relay.silence``), a publish still
-        unanswered after its limit has the connection asked for a round trip (``ping``);
-        when that is not answered within the pings' own limit, the path is silent
-        (``_Silent``). So a host cut off from its broker knows within the two limits (half a
-        second on a quick broker), instead of holding its batch, and on PostgreSQL the
-        target, for the whole publish timeout; a broker that answers the ping but
-        acknowledges slowly gets the publish timeout.
-        """
-        answer = self._answer
-        silence = answer.limit
-        patience = self._pings.limit
-        started = time.monotonic()
-        publish = asyncio.ensure_future(self.broker.publish(messages))
-        ping: asyncio.Future[None] | None = None
-        try:
-            if answer.known:
-                done, _ = await asyncio.wait({publish}, timeout=silence)
-                if not done:
-                    pinged = time.monotonic()
-                    ping = asyncio.ensure_future(self.broker.ping())
-                    await asyncio.wait(
-                        {publish, ping}, timeout=patience, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if ping.done() and ping.exception() is None:
-                        self._pings.observe(time.monotonic() - pinged)
-                    elif not publish.done():
-                        raise _Silent(
-                            f"{self.target}: no answer within {silence:.2g} s, nor to a ping "
-                            f"within {patience:.2g} s: the path to the broker is silent"
-                        )
-            left = self.settings.publish_limit - (time.monotonic() - started)
-            results = await asyncio.wait_for(asyncio.shield(publish), max(left, 0.0))
-        finally:
-            # Not awaited: a client stuck on a silent socket may take its time to unwind,
-            # and the batch's rows must go back now.
-            for task in (publish, ping):
-                if task is not None and not task.done():
-                    task.cancel()
-                    task.add_done_callback(_retrieve)
-        if any(r.unreachable for r in results):
-            return results
-        if answer.known:
-            answer.observe(time.monotonic() - started)
-        elif self._timing is None or self._timing.done():
-            # The first publish on this connection: time a round trip instead, beside the
-            # batches (they are not watched until it is known).
-            self._timing = asyncio.ensure_future(self._time_ping())
-        return results
-
-    async def _time_ping(self) -> None:
-        """Measure one ping on the current connection (``router.relay.silence``)."""
-        pinged = time.monotonic()
-        try:
-            await asyncio.wait_for(self.broker.ping(), self.settings.connect_timeout)
-        except Exception:  # the next publish will tell
-            return
-        self._pinged(time.monotonic() - pinged)
-
-    def _pinged(self, seconds: float) -> None:
-        """A ping on a new connection answered: it times the pings, and is the publishes'
-        first estimate until they are timed themselves."""
-        self._pings.observe(seconds)
-        if not self._answer.known:
-            self._answer.observe(seconds)
-
-    def _cut_off(self, messages: list[OutgoingMessage], error: str) -> list[PublishResult]:
-        """This host could not use the broker: no verdict on any message. The connection is
-        replaced by the next probe."""
-        log.warning("broker.unavailable", extra={**self._log, "error": error})
-        self.stats.last_error = error
-        self._suspect = True
-        return [PublishResult.cut_off(error) for _ in messages]
 
     def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> bool:
         """Sort one outcome into ``marks``; False when the row will be retried (it then holds
@@ -383,16 +244,6 @@ class Delivery:
         observe_all(metrics.latency.labels(*labels), latencies)
         slo = self.settings.slo_seconds
         metrics.within_slo.labels(*labels).inc(sum(1 for latency in latencies if latency <= slo))
-
-
-class _Silent(Exception):
-    """A publish and a ping went unanswered: the path to the broker is silent."""
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Consume an abandoned task's outcome (so that asyncio does not log it as never read)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:

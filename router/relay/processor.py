@@ -30,15 +30,16 @@ import contextlib
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
-from envelopes import BrokerError, DatabaseError
+from brokers import Broker, BrokerSettings
+from envelopes import DatabaseError
 from router.config import OutboxSettings
 from router.relay.circuit import Circuit
 from router.relay.delivery import Delivery, Render
 from router.relay.lease import Lease
+from router.relay.link import BrokerLink
 from router.relay.metrics import Metrics
 from router.relay.ratelimit import TokenBucket
 from router.relay.stats import ProcessorStats
@@ -84,20 +85,24 @@ class Processor:
         self.database = database
         self.target = target
         self.settings = settings
-        self.broker = broker
         self.store = store
         self.outbox = outbox
         self.worker_id = worker_id
         self.stats = ProcessorStats()
         self._log = {"database": database, "target": target}
-        self.circuit = Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log)
-        self._connects: set[asyncio.Future[None]] = set()
+        self.link = BrokerLink(
+            broker,
+            settings,
+            Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log),
+            stats=self.stats,
+            labels=self._log,
+            metrics=metrics,
+        )
         self.delivery = Delivery(
             target=target,
             settings=settings,
-            broker=_StoppableConnect(broker, self._connect),
+            link=self.link,
             retry=outbox.retry,
-            circuit=self.circuit,
             stats=self.stats,
             rand=rand,
             labels=self._log,
@@ -122,6 +127,11 @@ class Processor:
             metrics.start_target(database, target)
 
     @property
+    def circuit(self) -> Circuit:
+        """This host's circuit for the target (the link's)."""
+        return self.link.circuit
+
+    @property
     def name(self) -> str:
         """``database/target``."""
         return f"{self.database}/{self.target}"
@@ -138,8 +148,7 @@ class Processor:
         """
         self._stopping = True
         self._wake.set()
-        for connect in self._connects:
-            connect.cancel()
+        self.link.stop()
 
     async def run(self) -> None:
         """Deliver until ``stop()``; on cancellation, give back what was claimed."""
@@ -151,13 +160,13 @@ class Processor:
                 self._drained = False
                 try:
                     if self.circuit.is_open:  # only the broker is asked
-                        timeout = await self._probe()
+                        timeout = await self.link.probe()
                     else:
                         timeout = await self._pump()
                         self.store.outage.recovered()
                     pause = _PAUSE_MIN
                 except asyncio.CancelledError:
-                    if not self._connect_stopped():
+                    if not self.link.stopped_connect():
                         raise
                     break
                 except Exception as exc:  # the loop must outlive a database outage, or a bug
@@ -207,7 +216,7 @@ class Processor:
     async def run_once(self) -> int:
         """One cycle, without overlap: claim, publish, mark. Returns the rows handled (none
         while the circuit is open and its probe fails or is not due)."""
-        if self.circuit.is_open and (self.circuit.probe_in() > 0 or await self._probe()):
+        if self.circuit.is_open and (self.circuit.probe_in() > 0 or await self.link.probe()):
             return 0
         limit = self._claim_limit()
         if limit == 0:
@@ -405,7 +414,7 @@ class Processor:
         try:
             marks = await self.delivery.deliver(claim.rows, lease.keep, held)
         except asyncio.CancelledError:
-            if not self._connect_stopped():
+            if not self.link.stopped_connect():
                 raise
             # A reconnect between two waves is cancelled too; the earlier waves' rows are then
             # sent again (at-least-once).
@@ -434,20 +443,6 @@ class Processor:
             # transaction, brings the rows back.
             self._in_flight.pop(claim.token, None)
         self.stats.batches += 1
-
-    async def _probe(self) -> float | None:
-        """Circuit open: once a probe is due, try the broker. None: closed again, go on."""
-        wait = self.circuit.probe_in()
-        if wait > 0:
-            return wait
-        try:
-            await self.delivery.probe()
-        except (BrokerError, TimeoutError) as exc:
-            self.circuit.probe_failed(str(exc) or "no answer within the timeout")
-            await self.delivery.disconnect()
-            return self.circuit.probe_in()
-        self.circuit.probed()
-        return None
 
     async def _idle_timeout(self, handled: int, limit: int) -> float | None:
         """None to go on at once; otherwise how long to wait for a wake-up.
@@ -538,26 +533,6 @@ class Processor:
                 self.store.record_circuit(self.target, "closed", self.worker_id, None), 5
             )
 
-    async def _connect(self) -> None:
-        """``broker.connect()`` in a task ``stop()`` cancels; after ``stop()``, only a broker
-        that is already connected (returns at once) gets on with its batch."""
-        connect = asyncio.ensure_future(self.broker.connect())
-        self._connects.add(connect)
-        try:
-            if self._stopping:
-                await asyncio.sleep(0)
-                connect.cancel()  # a no-op once connected
-            await connect
-        finally:
-            self._connects.discard(connect)
-            connect.cancel()  # when we were cancelled before awaiting it
-
-    def _connect_stopped(self) -> bool:
-        """True when a CancelledError came from ``stop()`` cancelling a connect, not from
-        this task being cancelled."""
-        task = asyncio.current_task()
-        return self._stopping and task is not None and not task.cancelling()
-
     def _report(self, exc: Exception, pause: float) -> None:
         if isinstance(exc, DatabaseError):
             # One line when the outage starts (and one when it ends), not one per retry.
@@ -574,34 +549,7 @@ class Processor:
                 await asyncio.shield(self.store.release(self.target, claim.token, seqs))
                 log.info("batch.released", extra={**self._log, "rows": len(seqs)})
         await self._forget_circuit()
-        await self.delivery.disconnect()
-
-
-class _StoppableConnect:
-    """The processor's broker as ``Delivery`` sees it: every connect, including the one a
-    publish makes first, goes through the processor, so that ``stop()`` can cancel it."""
-
-    def __init__(self, broker: Broker, connect: Callable[[], Awaitable[None]]) -> None:
-        self.name = broker.name
-        self._broker = broker
-        self._connect = connect
-
-    async def connect(self) -> None:
-        """Connect through the processor."""
-        await self._connect()
-
-    async def publish(self, batch: Sequence[OutgoingMessage]) -> list[PublishResult]:
-        """Connect (cancellable), then publish."""
-        await self._connect()
-        return await self._broker.publish(batch)
-
-    async def ping(self) -> None:
-        """The broker's ping."""
-        await self._broker.ping()
-
-    async def close(self) -> None:
-        """The broker's close."""
-        await self._broker.close()
+        await self.link.disconnect()
 
 
 async def _lost(mark: asyncio.Task[None] | None) -> bool:

@@ -26,6 +26,7 @@ from router import ConfigError, load_config, parse_config
 from router.config import CircuitSettings, RetrySettings
 from router.relay.circuit import Circuit
 from router.relay.delivery import Delivery
+from router.relay.link import BrokerLink
 from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow
 
@@ -92,15 +93,23 @@ async def deliver(settings_yaml: str, *envelopes: bytes, broker: str = "billing"
     config = parse_config(CONFIG % settings_yaml, env={})
     memory = MemoryBroker(broker)
     retry = RetrySettings()
+    labels = {"database": "main", "target": broker}
+    stats = ProcessorStats()
+    link = BrokerLink(
+        memory,
+        config.brokers[broker],
+        Circuit(CircuitSettings(), retry),
+        stats=stats,
+        labels=labels,
+    )
     delivery = Delivery(
         target=broker,
         settings=config.brokers[broker],
-        broker=memory,
+        link=link,
         retry=retry,
-        circuit=Circuit(CircuitSettings(), retry),
-        stats=ProcessorStats(),
+        stats=stats,
         rand=lambda: 0.5,
-        labels={"database": "main", "target": broker},
+        labels=labels,
     )
     rows = [
         ClaimedRow(n, f"m-{n}", "orders", envelope.decode(), attempts=1)
