@@ -14,6 +14,10 @@ counts as an attempt, with back-off, and the circuit opens again. A message that
 every host in turn therefore still backs off and is abandoned after ``max_attempts``, instead
 of going from host to host for ever.
 
+The workers of one ``router serve --workers N`` share it (``shared``, a word of
+``router.relay.host_circuits``): one worker's opening stops its siblings' claims for the target
+at once, and a probe that gets through puts them all on trial.
+
 ``reason`` keeps the latest failure (the broker's own words: "cannot connect", "stream 'X' does
 not exist ...") while the target is failing or open.
 """
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from router.config import CircuitSettings, OutboxSettings, RetrySettings
+from router.relay.host_circuits import SharedWord
 from router.relay.retry import retry_delay
 
 __all__ = ["Circuit", "stale_after"]
@@ -37,6 +42,8 @@ State = Literal["closed", "open"]
 
 # Seconds from a circuit's opening to its first probe.
 _FIRST_PROBE = 0.25
+# The reason a worker gives when a sibling opened the circuit (its own words stay its own).
+SIBLING = "another worker of this host found the broker unreachable"
 
 
 class Circuit:
@@ -50,8 +57,11 @@ class Circuit:
         clock: Callable[[], float] = time.monotonic,
         rand: Callable[[], float] = random.random,
         labels: dict[str, str] | None = None,
+        shared: SharedWord | None = None,
     ) -> None:
         self.settings = settings
+        self._shared = shared
+        self._seen = shared.read()[0] if shared is not None else 0
         # Probes back off like row retries do, but from a quarter of a second (a probe is one
         # connection and a round trip; the rows wait for it) up to their own ceiling.
         first = min(_FIRST_PROBE, settings.probe_max_delay)
@@ -71,7 +81,9 @@ class Circuit:
 
     @property
     def is_open(self) -> bool:
-        """True while the target is not being claimed."""
+        """True while the target is not being claimed (by this worker or a sibling's word)."""
+        if self._shared is not None:
+            self._follow(self._shared)
         return self.state == "open"
 
     def cut_off(self, error: str) -> None:
@@ -83,9 +95,8 @@ class Circuit:
         self.trial = False
         if self.state == "open":
             return
-        self.state = "open"
-        self.probes = 0
-        self._schedule_probe(now)
+        self._open(now)
+        self._share(opened=True)
         log.warning(
             "circuit.opened",
             extra={
@@ -106,12 +117,13 @@ class Circuit:
                     "outage": round(self._clock() - (self.unreachable_since or 0), 3),
                 },
             )
-        self.state = "closed"
-        self.trial = True
-        self.next_probe_at = None
+        self._close_on_trial()
+        self._share(opened=False)
 
     def reachable(self) -> None:
         """A publish was answered: the circuit is closed and the outage forgotten."""
+        if self.state == "open":
+            self._share(opened=False)
         if self.trial or self.state == "open":
             log.info(
                 "circuit.closed",
@@ -146,6 +158,40 @@ class Circuit:
         if self.next_probe_at is None:
             return 0.0
         return max(0.0, self.next_probe_at - self._clock())
+
+    def _open(self, now: float) -> None:
+        self.state = "open"
+        self.trial = False
+        self.probes = 0
+        self._schedule_probe(now)
+
+    def _close_on_trial(self) -> None:
+        self.state = "closed"
+        self.trial = True
+        self.next_probe_at = None
+
+    def _share(self, *, opened: bool) -> None:
+        """Tell the host's other workers (the generation written is not news to this one)."""
+        if self._shared is not None:
+            self._seen = self._shared.write(opened)
+
+    def _follow(self, shared: SharedWord) -> None:
+        """Take a sibling's news: opened (stop claiming, probe) or closed by its probe (claim
+        again, on trial)."""
+        generation, opened = shared.read()
+        if generation == self._seen:
+            return
+        self._seen = generation
+        if opened and self.state == "closed":
+            now = self._clock()
+            self.reason = self.reason or SIBLING
+            if self.unreachable_since is None:
+                self.unreachable_since = now
+            self._open(now)
+            log.warning("circuit.opened", extra={**self._labels, "error": SIBLING})
+        elif not opened and self.state == "open":
+            self._close_on_trial()
+            log.info("circuit.trial", extra={**self._labels, "probed_by": "another worker"})
 
     def _schedule_probe(self, now: float) -> None:
         self.probes += 1

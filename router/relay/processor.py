@@ -38,6 +38,7 @@ from envelopes import DatabaseError
 from router.config import OutboxSettings
 from router.relay.circuit import Circuit
 from router.relay.delivery import Delivery, Render
+from router.relay.host_circuits import SharedWord
 from router.relay.lease import Lease
 from router.relay.link import BrokerLink
 from router.relay.metrics import Metrics
@@ -81,7 +82,10 @@ class Processor:
         rand: Callable[[], float] = random.random,
         metrics: Metrics | None = None,
         render: Render | None = None,
+        shared_circuit: SharedWord | None = None,
     ) -> None:
+        """``shared_circuit``: the target's word in the host's circuits, in a worker of
+        ``router serve --workers N`` (``router.relay.host_circuits``)."""
         self.database = database
         self.target = target
         self.settings = settings
@@ -93,7 +97,9 @@ class Processor:
         self.link = BrokerLink(
             broker,
             settings,
-            Circuit(outbox.circuit, outbox.retry, rand=rand, labels=self._log),
+            Circuit(
+                outbox.circuit, outbox.retry, rand=rand, labels=self._log, shared=shared_circuit
+            ),
             stats=self.stats,
             labels=self._log,
             metrics=metrics,
@@ -517,7 +523,7 @@ class Processor:
                 self.target,
                 state,
                 self.worker_id,
-                self.stats.last_error if state == "open" else None,
+                (self.stats.last_error or self.circuit.reason) if state == "open" else None,
             )
         except Exception:  # the database may be what is down; try again next cycle
             return

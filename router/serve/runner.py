@@ -23,6 +23,7 @@ from brokers import Broker, BrokerSettings, create_broker
 from envelopes import DatabaseError, RouterError, SchemaError
 from router._local import database_key, register
 from router.config import RouterConfig
+from router.relay.host_circuits import HostCircuits, SharedWord
 from router.relay.metrics import Metrics
 from router.relay.processor import Processor
 from router.relay.store import OutboxStore, Wakeup, open_store
@@ -125,6 +126,8 @@ class Runner:
         self._background: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         check_partners(config, load_catalog(config.events, config.base_dir))
+        # In a worker of `router serve --workers N`: the circuits it shares with its siblings.
+        self._host_circuits = HostCircuits.from_environment()
         for name in databases or list(config.databases):
             store = open_store(
                 name,
@@ -146,8 +149,13 @@ class Runner:
                         worker_id=self.worker_id,
                         metrics=self.metrics,
                         render=Received(settings),
+                        shared_circuit=self._shared_circuit(name, target),
                     )
                 )
+
+    def _shared_circuit(self, database: str, target: str) -> SharedWord | None:
+        circuits = self._host_circuits
+        return None if circuits is None else circuits.word(database, target)
 
     def processor(self, database: str, target: str) -> Processor:
         """The processor of one target."""
@@ -165,6 +173,8 @@ class Runner:
     async def start(self) -> None:
         """Start embedded brokers, watchers, HTTP and processors; returns once they run."""
         self._loop = asyncio.get_running_loop()
+        if self._host_circuits is not None:  # unmapped last, once every processor stopped
+            self._exit_stack.callback(self._host_circuits.close)
         await check_schemas(self.stores)
         if self._start_embedded:
             await self._exit_stack.enter_async_context(embedded_brokers(self.config))

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.config import RouterConfig
+from router.relay.host_circuits import ENVIRONMENT as HOST_CIRCUITS
+from router.relay.host_circuits import HostCircuits
 from router.relay.metrics import multiprocess_registry
 from router.relay.store import OutboxStore, open_store
 from router.serve.console import StatusService
@@ -131,6 +133,12 @@ class WorkerSupervisor:
         # before the fork server imports prometheus_client, which reads it on import.
         self._metrics_dir = tempfile.mkdtemp(prefix="router-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self._metrics_dir
+        # The workers' shared circuits (router.relay.host_circuits), one word per target: a
+        # worker cut off from a broker stops its siblings' claims too. Kept in the metrics
+        # folder, which goes when the pool does.
+        circuits = os.path.join(self._metrics_dir, "circuits")
+        HostCircuits.create(circuits, _targets(config))
+        os.environ[HOST_CIRCUITS] = circuits
         self._forkserver = Forkserver.start(lambda: _preload(config), entry) if fork else None
         self._closing: asyncio.Task[None] | None = None
         self._stores: dict[str, OutboxStore] = {}
@@ -383,6 +391,11 @@ class WorkerSupervisor:
             for w in self.workers
         ]
         return {"workers": workers, "all_running": all(w["running"] for w in workers)}
+
+
+def _targets(config: RouterConfig) -> list[str]:
+    """Every ``database/target`` of the config."""
+    return [f"{db}/{target}" for db in config.databases for target in config.brokers_of(db)]
 
 
 def _preload(config: RouterConfig) -> None:

@@ -61,6 +61,7 @@ class Plan:
     warm_up: float = 3.0
     after: float = 6.0  # producing on after the heal
     lease_seconds: float = 10.0
+    stall: float = 0.3  # the shortest stretch counted in Outcome.stalls (seconds)
 
 
 @dataclass
@@ -79,6 +80,12 @@ class Outcome:
     max: float = 0.0
     p99_during: float = 0.0  # of events committed while host A was cut off
     longest_stall: float = 0.0
+    # Stretches longer than ``plan.stall`` with events waiting and none delivered, from the
+    # cut to a second after the heal: a cut-off worker that holds a batch makes one.
+    stalls: list[float] = field(default_factory=list)
+    # Host A's publishes that found the path cut (its ``broker.unavailable`` records while cut
+    # off): one worker's, when its siblings learn of the cut from it.
+    found_cut: int = 0
     rejoined_after: float | None = None  # heal -> host A's first answered publish (s)
     cut_off_logged_after: float | None = None  # cut -> host A's circuit.opened (s)
     by_host: dict[str, int] = field(default_factory=dict)
@@ -97,6 +104,11 @@ class Outcome:
             ("commit->delivery p50/p99/max", f"{self.p50:.3f} / {self.p99:.3f} / {self.max:.3f} s"),
             ("p99 of events committed while cut", f"{self.p99_during:.3f} s"),
             ("longest stall", f"{self.longest_stall:.3f} s"),
+            (
+                f"stalls > {self.plan.stall:g} s while cut",
+                ", ".join(f"{s:.2f} s" for s in self.stalls) or "none",
+            ),
+            ("host A's publishes that found the cut", str(self.found_cut)),
             ("host A noticed the cut", noticed),
             ("host A rejoined after the heal", rejoin),
             ("published by host", json.dumps(self.by_host)),
@@ -268,6 +280,16 @@ class PartitionRun:
         if during:
             out.p99_during = during[min(len(during) - 1, int(len(during) * 0.99))]
         out.longest_stall = longest_stall(done)
+        out.stalls = [
+            length
+            for start, length in stretches(done)
+            if length > self.plan.stall and self.cut_at <= start <= self.healed_at + 1.0
+        ]
+        out.found_cut = sum(
+            1
+            for t in _log_times(hosts["host-a"], "broker.unavailable")
+            if self.cut_at <= t <= self.healed_at
+        )
         for name, serving in hosts.items():
             out.by_host[name] = sum(
                 int(record.get("published", 0))
@@ -303,18 +325,23 @@ class PartitionRun:
 
 
 def longest_stall(done: list[tuple[float, float]]) -> float:
-    """The longest stretch in which some event waited (committed, not yet delivered) and none
-    was delivered: between two consecutive deliveries, from the later of the first one and
-    the earliest commit among the events delivered after it."""
+    """The longest of ``stretches``."""
+    return max((length for _, length in stretches(done)), default=0.0)
+
+
+def stretches(done: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, seconds) of every stretch in which some event waited (committed, not yet
+    delivered) and none was delivered: between two consecutive deliveries, from the later of
+    the first one and the earliest commit among the events delivered after it."""
     by_delivery = sorted(done, key=lambda cp: cp[1])
-    stall = 0.0
+    found = []
     earliest_after = float("inf")
     for index in range(len(by_delivery) - 1, 0, -1):
         earliest_after = min(earliest_after, by_delivery[index][0])
         previous = by_delivery[index - 1][1]
         waited_from = max(previous, earliest_after)
-        stall = max(stall, by_delivery[index][1] - waited_from)
-    return stall
+        found.append((waited_from, by_delivery[index][1] - waited_from))
+    return found[::-1]
 
 
 def order_violations(first_deliveries: list[int], streams: int) -> int:

@@ -76,17 +76,21 @@ async def test_a_host_cut_off_from_the_broker_hands_its_work_over_and_rejoins(
     if harness.kind == "servicebus":
         # A Service Bus ping attaches a link and puts a token: about 0.6 s, where a publish
         # takes 15 ms. A worker watches its publishes once a ping has timed its connection (its
-        # first publish gets the whole publish timeout), so all four workers must have had a
-        # turn at the target before the cut: longer than three seconds here. Then a cut-off
-        # worker is found within the publishes' limit plus three times the ping's first time,
-        # about 2 s. A circuit is a process's own: when host A's second worker claims the
-        # target after the first gave it back, it finds the cut again, 2 s more.
+        # first publish gets the whole publish timeout), so both of host A's workers must have
+        # had a turn at the target before the cut: longer than three seconds here. Then a
+        # cut-off worker is found within the publishes' limit plus three times the ping's
+        # first time, about 2 s.
         plan.warm_up = max(plan.warm_up, 6.0)
-        bound = 6.0
+        bound = 3.0
+        plan.stall = 1.0
     outcome = await run(harness, proxy, pg_url, tmp_path, plan, bound=bound)
     assert outcome.cut_off_logged_after is not None, "host A never noticed the cut"
     assert outcome.rejoined_after is not None, "host A never delivered again"
     assert outcome.rejoined_after <= 5.0, outcome.table()
+    # One stall, not one per worker: host A's second worker learns of the cut from the first
+    # (router.relay.host_circuits) and claims nothing until a probe gets through.
+    assert outcome.found_cut == 1, outcome.table()
+    assert len(outcome.stalls) <= 1, outcome.table()
 
 
 async def test_a_host_cut_off_from_the_database_hands_its_work_over(
