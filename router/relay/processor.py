@@ -5,13 +5,11 @@ in waves with acks in flight, classify), and writes the outcomes back with one s
 kind: published; failed with ``available_at = now + backoff``; abandoned after
 ``max_attempts`` or when the broker says retrying cannot help.
 
-While a full batch is being published, the next one is already claimed: at most two batches
-are in flight, so claiming and marking overlap publishing and memory stays bounded however
-long the backlog. Rows of one stream are never in two batches at once (a claim skips rows
-whose predecessor is in flight), so the overlap keeps every stream in order. On PostgreSQL
-(``OutboxStore.holds_batches``) a batch holds its target until its transaction commits, so
-batches go in runs of one transaction (``_pump_run``); a claim that finds another worker's
-batch in flight is asked again after a short wait, doubling up to a second.
+The processor schedules: it wakes, waits, probes while its ``BrokerLink`` is cut off, and
+stops. How batches follow each other is the loop the store names (``OutboxStore.pump``,
+``router.relay.pumps``): claims beside publishing where a claim commits at once, runs of one
+transaction on PostgreSQL, where a claim that finds another worker's batch in flight is asked
+again after a short wait, doubling up to a tenth of a second.
 
 A batch split into many waves may take longer than ``outbox.lease_seconds``: before each wave,
 a lease with less than one publish (and a second) left is extended (``router.relay.lease``),
@@ -31,7 +29,6 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from typing import Any
 
 from brokers import Broker, BrokerSettings
 from envelopes import DatabaseError
@@ -60,10 +57,6 @@ _PAUSE_MIN, _PAUSE_MAX = 0.5, 30.0
 # when that batch ends, or its worker is cut off from the broker and gives its rows back. A
 # busy claim returns at once (a try of the target's lock), so ten a second cost nothing.
 _BUSY_MIN, _BUSY_MAX = 0.02, 0.1
-# A run of PostgreSQL batches (one transaction) claims no further batch after this long
-# (seconds): its outcomes become visible when it commits, and the transaction holds back the
-# database's vacuum horizon while it lasts.
-_RUN_SECONDS = 0.5
 
 
 class Processor:
@@ -126,6 +119,7 @@ class Processor:
         self._due_checked_at = -math.inf
         self._in_flight: dict[int, Claim] = {}  # claims not yet marked, by token
         self._busy_wait = _BUSY_MIN
+        self._pump = store.pump(self)  # the delivery loop the store's claims need
         limit = settings.rate_limit
         self.bucket = TokenBucket(limit) if limit is not None else None
         self._metrics = metrics
@@ -224,120 +218,38 @@ class Processor:
         while the circuit is open and its probe fails or is not due)."""
         if self.circuit.is_open and (self.circuit.probe_in() > 0 or await self.link.probe()):
             return 0
-        limit = self._claim_limit()
+        limit = self.claim_limit()
         if limit == 0:
-            await asyncio.sleep(self._token_wait())
-            limit = self._claim_limit()
-        claim, end = await self._claim(limit)
+            await asyncio.sleep(self.token_wait())
+            limit = self.claim_limit()
+        claim, end = await self.claim(limit)
         if claim.rows:
-            await self._deliver_and_mark(claim, end)
+            await self.deliver_and_mark(claim, end)
         return len(claim)
 
-    async def _pump(self) -> float | None:
-        """Deliver batches while they come back full, claiming the next during the publish
-        of the current; then say how long to wait (None: go on at once)."""
-        if self.store.holds_batches:
-            return await self._pump_run()
-        previous: asyncio.Task[None] | None = None
-        current: asyncio.Task[None] | None = None
-        claimed, limit = 0, self.outbox.batch_size
-        try:
-            while True:
-                limit = self._claim_limit()
-                if limit == 0:  # the rate limit holds the pace: wait for its tokens
-                    break
-                claim, end = await self._claim(limit)
-                claimed = len(claim)
-                current = (
-                    asyncio.create_task(self._deliver_and_mark(claim, end)) if claim.rows else None
-                )
-                # A claim made while a batch was in flight skips the rows queued behind that
-                # batch in their streams: short, it says nothing about what is left.
-                overlapped = previous is not None
-                if previous is not None:
-                    await previous
-                previous, current = current, None
-                if self._stopping or self.circuit.is_open:
-                    break
-                if claimed < limit and not overlapped:
-                    break
-            if previous is not None:
-                await previous
-                previous = None
-        finally:
-            await _settle(previous, current)
-        if limit == 0:
-            return self._token_wait()
-        return await self._idle_timeout(claimed, limit)
+    # The batch operations a pump drives (router.relay.pumps.Cycle).
 
-    async def _pump_run(self) -> float | None:
-        """``_pump`` for a store that holds batches (PostgreSQL): runs of batches, each run one
-        transaction that holds the target until it commits.
+    @property
+    def halted(self) -> bool:
+        """Stopping, or cut off from the broker: claim nothing more."""
+        return self._stopping or self.link.is_open
 
-        While a batch is published the next one is claimed in the same transaction (the rows
-        after it), and while that one is published the first is marked: claims and marks
-        overlap publishing. The next batch is published only once the current one is done,
-        never beside it, since its rows may follow the current one's in their streams; a row
-        whose stream failed earlier in the run is held back (untried). The run claims no
-        further batch once one comes back short, after ``_RUN_SECONDS``, at a stop, with the
-        circuit open or the rate limit reached; it commits with the mark of its last batch.
-        """
-        limit = self._claim_limit()
-        if limit == 0:
-            return self._token_wait()
-        claim, end = await self._claim(limit)
-        if claim.busy:
-            return self._busy()
+    def busy(self) -> float:
+        """How long to wait before asking again for a target another batch holds."""
+        wait, self._busy_wait = self._busy_wait, min(self._busy_wait * 2, _BUSY_MAX)
+        return wait
+
+    def not_busy(self) -> None:
+        """A claim got through: the next busy wait starts short again."""
         self._busy_wait = _BUSY_MIN
-        loop = asyncio.get_running_loop()
-        closes = loop.time() + _RUN_SECONDS
-        held: set[str] = set()  # streams with a failed row earlier in the run
-        unmarked: dict[int, Claim] = {}  # claimed, and neither being marked nor left to stop
-        marking: asyncio.Task[None] | None = None
-        following: asyncio.Task[tuple[Claim, float]] | None = None
-        full = len(claim) == limit
-        try:
-            while claim.rows:
-                unmarked[claim.token] = claim
-                self._in_flight[claim.token] = claim
-                more = self._run_goes_on(full, closes)
-                if more:
-                    following = asyncio.create_task(self._claim_after(claim, more, marking))
-                marks, deadline = await self._deliver(claim, end, held)
-                del unmarked[claim.token]
-                if marks is None:  # a connect cancelled by stop(): _shutdown gives it back
-                    break
-                marking = asyncio.create_task(self._finish(claim, marks, deadline, marking))
-                if following is None or self.circuit.is_open:  # cut off: give the next back
-                    break
-                claim, end = await following
-                following = None
-                full = len(claim) == more
-        finally:
-            await _settle(following, marking)
-            if following is not None and not following.cancelled() and not following.exception():
-                extra, _ = following.result()  # claimed, and the run ended before its turn
-                unmarked[extra.token] = extra
-            await self._give_back(list(unmarked.values()))
-        if marking is not None:
-            await marking  # its error, if the last mark failed
-        if claim.busy:  # the run's next claim met the ring's gate (PostgreSQL)
-            return self._busy()
-        if full and claim.rows:
-            return None  # more may be waiting: go on at once
-        return await self._idle_timeout(len(claim), limit)
 
-    def _run_goes_on(self, full: bool, closes: float) -> int:
-        """How many rows the run's next batch may take (0: the run ends with this batch)."""
-        if not full or self._stopping or self.circuit.is_open:
-            return 0
-        if asyncio.get_running_loop().time() >= closes:
-            return 0
-        return self._claim_limit()
+    def hold(self, claim: Claim) -> None:
+        """Count a batch as in flight until it is marked or given back (``_shutdown``)."""
+        self._in_flight[claim.token] = claim
 
-    async def _give_back(self, claims: list[Claim]) -> None:
-        """Batches of a run that were claimed and will not be published (the run ended
-        first, or failed): given back untried, so that the run's transaction can end."""
+    async def give_back(self, claims: list[Claim]) -> None:
+        """Batches that were claimed and will not be published (a run ended first, or
+        failed): given back untried, so that the run's transaction can end."""
         for claim in claims:
             self._in_flight.pop(claim.token, None)
             if claim.rows:
@@ -346,22 +258,7 @@ class Processor:
                         self.store.release(self.target, claim.token, [r.seq for r in claim.rows])
                     )
 
-    async def _claim_after(
-        self, claim: Claim, limit: int, marking: asyncio.Task[None] | None
-    ) -> tuple[Claim, float]:
-        """The batch after ``claim``, in its transaction, claimed once ``marking`` (the mark of
-        the batch before ``claim``) is written, so the claim sees that batch's failures;
-        ``claim``'s own failures are not known yet, and the run holds their streams back."""
-        if marking is not None:
-            await asyncio.wait({marking})
-        return await self._claim(limit, after=claim)
-
-    def _busy(self) -> float:
-        """How long to wait before asking again for a target another batch holds."""
-        wait, self._busy_wait = self._busy_wait, min(self._busy_wait * 2, _BUSY_MAX)
-        return wait
-
-    def _claim_limit(self) -> int:
+    def claim_limit(self) -> int:
         """Rows the next claim may take: a batch, or what the rate limit has tokens for
         (0: too few to be worth a claim yet)."""
         if self.bucket is None:
@@ -375,12 +272,12 @@ class Processor:
             self._metrics.rate_limited.labels(self.database, self.target).inc(held)
         return min(self.outbox.batch_size, tokens)
 
-    def _token_wait(self) -> float:
+    def token_wait(self) -> float:
         """Seconds until the rate limit allows the next claim."""
         assert self.bucket is not None
         return self.bucket.wait_for(self.bucket.least)
 
-    async def _claim(self, limit: int, after: Claim | None = None) -> tuple[Claim, float]:
+    async def claim(self, limit: int, after: Claim | None = None) -> tuple[Claim, float]:
         """A claim of ``limit`` rows at most (in ``after``'s transaction, when given), and
         when its lease ends on the event loop's clock: counted from before the claim was sent,
         so never later than the database's end. The rows it took are spent from the rate
@@ -395,15 +292,15 @@ class Processor:
             self.store.busy(self.target)  # found rows unwoken (a due retry): not idle now
         return claim, sent + self.outbox.lease_seconds
 
-    async def _deliver_and_mark(self, claim: Claim, end: float) -> None:
-        # Until its outcomes are written, a cancelled batch (shutdown past its grace period)
-        # is given back by _shutdown.
+    async def deliver_and_mark(self, claim: Claim, end: float) -> None:
+        """Publish a batch and write its outcomes. Until they are written, a cancelled batch
+        (shutdown past its grace period) is given back by ``_shutdown``."""
         self._in_flight[claim.token] = claim
-        marks, deadline = await self._deliver(claim, end)
+        marks, deadline = await self.deliver(claim, end)
         if marks is not None:
-            await self._finish(claim, marks, deadline)
+            await self.finish(claim, marks, deadline)
 
-    async def _deliver(
+    async def deliver(
         self, claim: Claim, end: float, held: set[str] | None = None
     ) -> tuple[Marks | None, float]:
         """Publish a claimed batch under its lease: the outcomes (None when ``stop()``
@@ -430,7 +327,7 @@ class Processor:
             raise
         return marks, lease.end
 
-    async def _finish(
+    async def finish(
         self,
         claim: Claim,
         marks: Marks,
@@ -450,7 +347,7 @@ class Processor:
             self._in_flight.pop(claim.token, None)
         self.stats.batches += 1
 
-    async def _idle_timeout(self, handled: int, limit: int) -> float | None:
+    async def idle_timeout(self, handled: int, limit: int) -> float | None:
         """None to go on at once; otherwise how long to wait for a wake-up.
 
         Nothing wakes a processor when a retry falls due or when another worker's lease ends
@@ -570,27 +467,3 @@ async def _lost(mark: asyncio.Task[None] | None) -> bool:
         return False
     await asyncio.wait({mark})
     return not mark.cancelled() and mark.exception() is not None
-
-
-async def _settle(*tasks: asyncio.Task[Any] | None) -> None:
-    """Leave no batch task behind: when we are being cancelled, cancel them too; otherwise
-    (another batch failed) let them finish, so their outcomes are written.
-
-    Every task's failure is read here, finished ones' too: when the run fails on something
-    else, nothing else reads them, and asyncio would report them as never retrieved.
-    """
-    running = []
-    for t in tasks:
-        if t is None:
-            continue
-        if not t.done():
-            running.append(t)
-        elif not t.cancelled():
-            t.exception()  # read: its failure is no longer reported at collection
-    if not running:
-        return
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        for t in running:
-            t.cancel()
-    await asyncio.gather(*running, return_exceptions=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from envelopes import DatabaseError, SchemaError
+from router.relay.pumps import Cycle, Pump
 from router.relay.store.outage import Outage
 
 __all__ = [
@@ -96,7 +97,7 @@ class ClaimedRow:
 class Claim:
     """The rows one claim leased, in outbox order, and the claim's fencing token. ``busy``:
     nothing was claimed because another batch of the target is in flight (a store whose
-    ``holds_batches``); ask again later."""
+    ``pump`` is ``TransactionRuns``); ask again later."""
 
     token: int
     rows: list[ClaimedRow]
@@ -136,11 +137,14 @@ class OutboxStore(Protocol):
     outage: Outage
     """Whether the database is down, shared by its processors and its watcher, which log
     only when that changes."""
-    holds_batches: bool
-    """True when a claim holds its rows in a transaction until its batch is marked, and only
-    one transaction of a target is open at a time (PostgreSQL): the processor then claims the
-    next batch in the current one's transaction (``after``) instead of beside it, and a claim
-    may come back ``busy``."""
+
+    @property
+    def pump(self) -> Callable[[Cycle[Claim, Marks]], Pump]:
+        """The delivery loop its claims need (``router.relay.pumps``): ``TransactionRuns``
+        where a claim holds its rows in a transaction until its batch is marked, one
+        transaction of a target at a time (PostgreSQL: the next batch is claimed in the
+        current one's transaction, ``after``, and a claim may come back ``busy``);
+        ``Overlapping`` where a claim commits at once."""
 
     @property
     def wakeup(self) -> Wakeup:
@@ -162,8 +166,8 @@ class OutboxStore(Protocol):
 
         A row whose stream has an earlier open row that is not claimable now (waiting to
         retry, or in flight under another lease) is not claimed: streams stay in order.
-        ``after`` (only where ``holds_batches``): a batch still held, whose transaction the
-        claim joins, taking the rows after it.
+        ``after`` (only where ``pump`` is ``TransactionRuns``): a batch still held, whose
+        transaction the claim joins, taking the rows after it.
         """
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:

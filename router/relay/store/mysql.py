@@ -34,6 +34,7 @@ from asyncmy.cursors import Cursor
 from asyncmy.errors import MySQLError
 
 from envelopes import DatabaseError
+from router.relay.pumps import Overlapping
 from router.relay.store import mysql_sql as sql
 from router.relay.store.base import (
     VERSION_TABLE,
@@ -88,7 +89,7 @@ class MysqlStore:
     """A lazily opened asyncmy pool; each claim is one short READ COMMITTED transaction."""
 
     kind = "mysql"
-    holds_batches = False  # leases: claims overlap publishing
+    pump = Overlapping  # leases: claims overlap publishing
 
     def __init__(
         self,
@@ -116,7 +117,7 @@ class MysqlStore:
         limit: int,
         worker: str,
         lease_seconds: float,
-        after: Claim | None = None,  # leases: never given (holds_batches is False)
+        after: Claim | None = None,  # leases: never given (its pump overlaps claims)
     ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
         token = new_token()

@@ -27,6 +27,7 @@ import asyncpg
 
 from envelopes import DatabaseError
 from router._wakeup import CHANNEL
+from router.relay.pumps import TransactionRuns
 from router.relay.store.base import (
     VERSION_TABLE,
     BatchLost,
@@ -102,7 +103,7 @@ class PostgresStore:
     """A lazily opened asyncpg pool plus a LISTEN connection for wake-ups."""
 
     kind = "postgresql"
-    holds_batches = True  # see router_claim(): one batch of a target in flight at a time
+    pump = TransactionRuns  # see router_claim(): one batch of a target in flight at a time
 
     def __init__(
         self,

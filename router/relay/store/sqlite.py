@@ -20,6 +20,7 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
+from router.relay.pumps import Overlapping
 from router.relay.store.base import (
     OPEN_STATUSES_SQL,
     VERSION_TABLE,
@@ -122,7 +123,7 @@ class SqliteStore:
     """One aiosqlite connection shared by a database's processors, one transaction at a time."""
 
     kind = "sqlite"
-    holds_batches = False  # leases: claims overlap publishing
+    pump = Overlapping  # leases: claims overlap publishing
 
     def __init__(self, name: str, path: Path, *, watch_interval: float = 0.05) -> None:
         self.name = name
@@ -139,7 +140,7 @@ class SqliteStore:
         limit: int,
         worker: str,
         lease_seconds: float,
-        after: Claim | None = None,  # leases: never given (holds_batches is False)
+        after: Claim | None = None,  # leases: never given (its pump overlaps claims)
     ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
         token = new_token()
