@@ -50,8 +50,8 @@ RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 REPLAY_GAP = 0.3  # seconds between two sends of one message in replay tests
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Seconds to read on after the expected count: a repeat sent right behind its original (as a
-# relay that publishes a batch again at once does) lands well within it on loopback.
-SETTLE = 0.5
+# relay that publishes a batch again at once does) lands within milliseconds on loopback.
+SETTLE = 0.2
 DELIVER_TWICE = "CONTRACT_DELIVER_TWICE"  # the switch: "1" publishes every batch twice
 
 
