@@ -53,12 +53,21 @@ SERVICE_FIXTURES = frozenset(
 )
 
 
+# Tests that run alone, after the rest (scripts/test runs the rest two at a time): their
+# figures are timings under load they make themselves (the chaos runs, the partitions), which
+# a neighbouring test's load would blur.
+SERIAL_PATHS = ("tests/chaos/", "tests/contract/test_partition.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the fast tier: the tests under FAST_FOLDERS that use no SERVICE_FIXTURES."""
+    """Mark the fast tier (the tests under FAST_FOLDERS that use no SERVICE_FIXTURES) and the
+    serial one (SERIAL_PATHS)."""
     for item in items:
         needs = SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if item.nodeid.startswith(FAST_FOLDERS) and not needs:
             item.add_marker(pytest.mark.fast)
+        if item.nodeid.startswith(SERIAL_PATHS):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.hookimpl(wrapper=True)
