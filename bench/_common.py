@@ -275,10 +275,12 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def write_results(name: str, parameters: dict[str, Any], figures: Any) -> Path:
-    """bench/results/<name>.json with the machine, parameters and figures."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    target = RESULTS / f"{name}.json"
+def write_results(
+    name: str, parameters: dict[str, Any], figures: Any, path: Path | None = None
+) -> Path:
+    """bench/results/<name>.json (or ``path``) with the machine, parameters and figures."""
+    target = path or RESULTS / f"{name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(
         json.dumps(
             {
