@@ -29,6 +29,7 @@ from nats.js.errors import NotFoundError
 from router import Event
 from router.config import DatabaseSettings
 from router.ops.migrate import migrate_to
+from tests.chaos.report import json_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -181,24 +182,34 @@ def nats_broker(stream: Stream, *, internal: bool = False, create: bool = False)
 
 
 class RouterProcess:
-    """``router serve`` as a subprocess with a generated config."""
+    """``router serve`` as a subprocess with a generated config.
 
-    def __init__(self, config: dict[str, Any], *args: str) -> None:
+    ``json_log``: the router logs JSON at info level at least, so ``log_events`` can read
+    when its processors started (info logs a few lines per run, none per batch)."""
+
+    def __init__(self, config: dict[str, Any], *args: str, json_log: bool = False) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="router-bench-"))
         (self.folder / "config.yaml").write_text(yaml.safe_dump(config))
         self.log = (self.folder / "router.log").open("w")
+        level = os.environ.get("BENCH_ROUTER_LOG_LEVEL", "warning")
+        options = ["--log-level", level]
+        if json_log:
+            options = ["--log-level", "debug" if level == "debug" else "info"]
+            options += ["--log-format", "json"]
+        router = str(Path(sys.executable).with_name("router"))
+        # Read just before the spawn: a figure "from exec" counts the interpreter's start.
+        self.exec_at = time.time()
         self.process = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("router")),
-                "--log-level",
-                os.environ.get("BENCH_ROUTER_LOG_LEVEL", "warning"),
-                "serve",
-                *args,
-            ],
+            [router, *options, "serve", *args],
             cwd=self.folder,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+
+    def log_events(self, name: str) -> list[dict[str, Any]]:
+        """The router's JSON log records of one event (with ``json_log``)."""
+        lines = (self.folder / "router.log").read_text().splitlines()
+        return [r for r in json_records(lines) if r.get("event") == name]
 
     def stop(self) -> None:
         """SIGTERM, then wait."""
@@ -264,10 +275,12 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def write_results(name: str, parameters: dict[str, Any], figures: Any) -> Path:
-    """bench/results/<name>.json with the machine, parameters and figures."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    target = RESULTS / f"{name}.json"
+def write_results(
+    name: str, parameters: dict[str, Any], figures: Any, path: Path | None = None
+) -> Path:
+    """bench/results/<name>.json (or ``path``) with the machine, parameters and figures."""
+    target = path or RESULTS / f"{name}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(
         json.dumps(
             {

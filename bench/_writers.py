@@ -7,11 +7,16 @@ INSERT, prepared where the driver prepares (psycopg ``prepare=True``; asyncpg pr
 caches every statement; PyMySQL binds client-side and prepares nothing, as for stage()).
 ``hand+notify`` (PostgreSQL) is the same INSERT with a ``pg_notify`` folded in, so it costs
 the NOTIFY and no extra round trip, as stage() folds its own in.
+
+The hand outbox (``create_tables``, ``hand_row``, ``hand_insert``) is every write-path
+benchmark's baseline: ``bench.stage``, ``bench.stage_sync``, ``bench.whole_system`` and
+``bench.gate`` write it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -26,9 +31,18 @@ import sqlalchemy
 import uvloop
 
 from bench._common import order
-from router import Outbox, SyncOutbox
+from router import Event, Outbox, SyncOutbox
 
-__all__ = ["CLIENTS", "MODES", "Client", "make_client"]
+__all__ = [
+    "CLIENTS",
+    "MODES",
+    "Client",
+    "HandRow",
+    "create_tables",
+    "hand_insert",
+    "hand_row",
+    "make_client",
+]
 
 CLIENTS = ("psycopg", "asyncpg", "mysql")
 KIND = {"psycopg": "postgresql", "asyncpg": "postgresql", "mysql": "mysql"}
@@ -60,7 +74,9 @@ MYSQL_TABLES = (
 )
 
 ORDER = "INSERT INTO orders (id, customer, total) VALUES (%s, %s, %s)"
-HAND = "INSERT INTO hand_outbox (id, target, type, `key`, payload) VALUES (%s, %s, %s, %s, %s)"
+HAND_INTO = "INSERT INTO hand_outbox (id, target, type, `key`, payload) VALUES "
+HAND_ROW = "(%s, %s, %s, %s, %s)"
+HAND = HAND_INTO + HAND_ROW
 HAND_NOTIFY = (
     "INSERT INTO hand_outbox (id, target, type, key, payload) "
     "SELECT %s::uuid, %s, %s, %s, %s::jsonb FROM (SELECT pg_notify('x', %s)) AS notified"
@@ -73,17 +89,34 @@ def _pg(sql: str) -> str:
     return sql.replace("`", "")
 
 
+@functools.cache
+def hand_insert(count: int, kind: str = "postgresql") -> str:
+    """The hand outbox's INSERT of ``count`` rows (``hand_row``'s), ``%s`` placeholders."""
+    sql = HAND_INTO + ", ".join([HAND_ROW] * count)
+    return _pg(sql) if kind == "postgresql" else sql
+
+
 def _numbered(sql: str) -> str:
     """psycopg's ``%s`` placeholders as asyncpg's ``$1, $2, ...``."""
     parts = _pg(sql).split("%s")
     return "".join(f"{part}${n}" for n, part in enumerate(parts[:-1], 1)) + parts[-1]
 
 
+HandRow = tuple[uuid.UUID, str, str, str | None, str]
+"""A hand outbox row's parameters: id, target, type, key, payload (JSON text)."""
+
+
+def hand_row(event: Event, target: str, key: str | None) -> HandRow:
+    """What a team's own outbox stores for an event: a fresh uuid4, the target, the type,
+    the stream key and the event's JSON as pydantic writes it."""
+    return (uuid.uuid4(), target, type(event).__event__.type, key, event.model_dump_json())
+
+
 def _rows(n: int, notify: bool) -> tuple[Any, ...]:
     """The business row's and the hand outbox row's parameters for order ``n``."""
     event = order(n)
     key = f"order-{n}"
-    row: tuple[Any, ...] = (uuid.uuid4(), TARGET, "order_placed", key, event.model_dump_json())
+    row: tuple[Any, ...] = hand_row(event, TARGET, key)
     return (n, event.customer, event.total), row + ((key,) if notify else ())
 
 

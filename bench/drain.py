@@ -27,8 +27,10 @@ min-max), and the ratio of the medians.
 
 ``--database mysql`` or ``both`` runs instead the earlier side-by-side comparison of the
 databases (``bench._drain_databases``). Then the same backlog is drained into every broker of
-``--brokers`` (see ``bench._brokers``), once per worker count, timed by the database's clock
-and counted at the broker: on PostgreSQL only.
+``--brokers`` (see ``bench._brokers``; NATS on a file stream), once per worker count, timed
+from the router's first claim and from its exec to the last row marked published, and
+counted at the broker: on PostgreSQL only. Each broker's rate is set against the medians of
+the baselines' drains into JetStream above.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ HEADER = ["relay", "exec->last /s", "vs baseline", "first->last /s", "vs baselin
 HEADER += ["CPU us/row: PG", "relay", "NATS", "WAL B/row", "bytes/msg"]
 HEADER += ["vs one write (exec, 1st->last)"]
 HELD = "baseline, one write"
+BROKER_HEADER = ["broker", "workers", "1st claim /s", "vs baseline", "vs one write"]
+BROKER_HEADER += ["exec /s", "vs one write", "arrived", "peer"]
 
 Drains = dict[str, list[dict[str, float]]]
 """Each relay's drains (the figures of ``_drain_runs.drain``), in order."""
@@ -221,8 +225,42 @@ def print_tables(events: int, rounds: int, figures: dict[str, Any]) -> None:
     print(WAL_NOTE)
 
 
+Baselines = dict[str, float]
+"""The per-broker drains' references, events/s by name (``BASELINES``)."""
+
+BASELINES = {
+    "ratio_to_baseline": "the leasing relay, first->last",
+    "ratio_to_one_write": "the one-write relay, first->last",
+    "from_exec_ratio_to_one_write": "the one-write relay, from exec (the router's from exec)",
+}
+
+
+def per_broker_baselines(drains: Drains) -> Baselines:
+    """The medians the per-broker drains are set against, from one storage's drains.
+
+    From the first claim against first->last: the closest the baselines' figures come (they
+    leave out the baseline's first claim and connect, so they favour the baseline a little);
+    from exec against from exec, like for like."""
+    held = drains[HELD]
+    return {
+        "ratio_to_baseline": median([d["first_to_last"] for d in drains["baseline"]]),
+        "ratio_to_one_write": median([d["first_to_last"] for d in held]),
+        "from_exec_ratio_to_one_write": median([d["from_exec"] for d in held]),
+    }
+
+
+def broker_ratios(result: dict[str, Any], baselines: Baselines) -> dict[str, float]:
+    """One drain's ratios to each baseline it has."""
+    rates = {
+        "ratio_to_baseline": result["events_per_second"],
+        "ratio_to_one_write": result["events_per_second"],
+        "from_exec_ratio_to_one_write": result["from_exec_per_second"],
+    }
+    return {key: round(rates[key] / rate, 3) for key, rate in baselines.items()}
+
+
 async def drain_per_broker(
-    events: int, workers: list[int], kinds: list[str], baseline: float
+    events: int, workers: list[int], kinds: list[str], baselines: Baselines
 ) -> dict[str, Any]:
     """Drain the backlog into each broker kind; print a table; return the figures."""
     if not kinds:
@@ -231,6 +269,9 @@ async def drain_per_broker(
     async def stage(url: str, brokers: dict[str, Any], count: int) -> None:
         await stage_backlog(url, Stream("unused", "unused"), count, brokers)
 
+    def ratio(result: dict[str, Any], key: str) -> str:
+        return f"{result[key]:.2f}x" if key in result else "-"
+
     figures: dict[str, Any] = {}
     rows = []
     async with harnesses(kinds) as makers:
@@ -238,24 +279,31 @@ async def drain_per_broker(
             figures[kind] = {"broker": NOTES[kind]}
             for count in workers:
                 result = await drain_into(make(), events, count, stage)
-                result["ratio_to_baseline"] = round(result["events_per_second"] / baseline, 3)
+                result.update(broker_ratios(result, baselines))
                 figures[kind][f"workers {count}"] = result
                 rows.append(
                     (
                         kind,
                         count,
                         f"{result['events_per_second']:,}",
-                        f"{result['ratio_to_baseline']:.2f}x",
+                        ratio(result, "ratio_to_baseline"),
+                        ratio(result, "ratio_to_one_write"),
+                        f"{result['from_exec_per_second']:,}",
+                        ratio(result, "from_exec_ratio_to_one_write"),
                         f"{result['arrived']:,}",
                         NOTES[kind],
                     )
                 )
                 print(f"{kind} --workers {count}: {result['events_per_second']:,}/s", flush=True)
     print_table(
-        f"drain per broker: {events:,} events, first claim to last mark (database clock, "
-        "connecting to the broker included)",
-        ["broker", "workers", "events/s", "vs baseline", "arrived", "peer"],
+        f"drain per broker: {events:,} events to the last row marked published (database "
+        "clock), from the first claim (connecting to the broker included) and from exec",
+        BROKER_HEADER,
         rows,
+    )
+    print(
+        "  vs baseline / vs one write: over the median first->last of the leasing / one-write "
+        "relay above;\n  from exec: over the one-write relay's median from exec."
     )
     return figures
 
@@ -297,17 +345,18 @@ async def main() -> None:
         results: dict[str, Any] = {s: summarise(d, args.workers) for s, d in runs.items()}
         print_tables(args.events, args.rounds, results)
         results["pg_cpu_note"] = PG_CPU_NOTE
-        # The brokers' drains are timed from the first claim, so the baseline's first->last.
-        baseline: float | None = median(
-            [d["first_to_last"] for d in runs[storages[-1].value]["baseline"]]
-        )
-        results["per_broker_baseline"] = f"baseline first->last, {storages[-1].value} storage"
+        baselines = per_broker_baselines(runs[storages[-1].value])
+        results["per_broker_baseline"] = {
+            key: f"{BASELINES[key]}, {storages[-1].value} storage" for key in baselines
+        }
     else:
         results, extra, baseline = await compare(kinds, args.events, args.rounds, args.workers)
         parameters.update(extra)
+        # The in-process baseline of that method (memory stream), first->last.
+        baselines = {} if baseline is None else {"ratio_to_baseline": baseline}
     per_broker: dict[str, Any] = {}
-    if baseline is not None:
-        per_broker = await drain_per_broker(args.events, args.workers, args.brokers, baseline)
+    if baselines:
+        per_broker = await drain_per_broker(args.events, args.workers, args.brokers, baselines)
     elif args.brokers:
         print("drain per broker: on PostgreSQL only (--database postgresql or both)")
     # The machine is shared: the load says how much of the spread was other people's work.

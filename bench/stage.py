@@ -4,23 +4,26 @@
                           [--database postgresql|mysql|both] [--output stage]
 
 In one SQLAlchemy AsyncSession, each transaction writes its events' rows and commits, either
-through ``outbox.stage()`` (one INSERT with the NOTIFY, and the stream-key lock) or by
-inserting the very same rows by hand (no NOTIFY, no lock). Two cases:
+through ``outbox.stage()`` (one INSERT with the NOTIFY, and the stream-key lock) or by hand
+into the outbox a team would write itself (``bench._writers``' hand outbox: uuid, target,
+type, key, jsonb payload, created_at, published_at; a partial index on the pending rows),
+one row per event and target: a uuid4 and the event's JSON (``bench._writers.hand_row``), no
+envelope, no NOTIFY, no lock. Two cases:
 
 - one event per transaction, with 1 target (internal only) and 3 targets (internal + 2
-  partners); by hand, a plain multi-row INSERT ... VALUES;
+  partners); by hand, one multi-row INSERT ... VALUES;
 - keyed bulk: 1,000 events over 1,000 distinct stream keys per transaction, in one
   ``stage(..., stream_keys=...)`` call (one lock per key), 1 target. By hand, the fastest
   insert of 1,000 rows we can write on the same session and driver: one
-  ``INSERT ... SELECT * FROM unnest(...)`` with one array parameter per column (6 binds,
-  where a VALUES list needs 6,000), sent on the session's connection as stage() does. The
+  ``INSERT ... SELECT * FROM unnest(...)`` with one array parameter per column (5 binds,
+  where a VALUES list needs 5,000), sent on the session's connection as stage() does. The
   events and keys are made once, outside the clock; each transaction still gets new ids and
-  envelopes, both variants.
+  JSON, both variants.
 
-In both cases the hand variant builds its rows (ids and envelope JSON) with the router's own
-stager, so the envelopes are byte for byte the same and the comparison is of the write alone:
-what stage() adds on top is the stream-key advisory locks (per-stream commit order) and the
-``pg_notify`` (waking the relay), which the hand insert does not do.
+Each hand statement is built once (per row count) and prepared once per connection: asyncpg
+prepares every statement and SQLAlchemy's asyncpg dialect keeps them in its statement cache.
+What stage() adds on top is the envelope it stores for the relay, the stream-key advisory
+locks (per-stream commit order) and the ``pg_notify`` (waking the relay).
 
 The two variants take turns every block of transactions (50 single-event ones, 5 bulk ones),
 so drift (the disk's fsync time above all) hits them alike; the figure is the mean time per
@@ -28,19 +31,22 @@ transaction and the ratio of stage() to the hand-written insert, median of the r
 the lowest and highest round's ratio as its spread.
 
 On MariaDB (``--database mysql``, or ``both``: the two take turns case by case in every
-round, each in a fresh database of its own), stage() writes the same rows with one
-multi-row ``INSERT ... VALUES`` after an upsert of the stream keys into ``router_streams``
-(the row locks that keep per-stream commit order there; MySQL has no NOTIFY). By hand, in
-every case, that very INSERT on the session's connection, without the upsert. Every round of
-every case starts from an empty ``router_streams``, so stage() inserts a stream's row the
-first time it sees its key (each single-event transaction, the first bulk one) and only
-locks it afterwards, the same in every round.
+round, each in a fresh database of its own), stage() writes its rows with one multi-row
+``INSERT ... VALUES`` after an upsert of the stream keys into ``router_streams`` (the row
+locks that keep per-stream commit order there; MySQL has no NOTIFY). By hand, in every case,
+one multi-row ``INSERT ... VALUES`` into the hand outbox (MariaDB's: an index on
+``(published_at, created_at)``) on the session's connection; asyncmy binds client-side, so
+nothing is prepared on either side. Every round of every case starts from an empty
+``router_streams``, so stage() inserts a stream's row the first time it sees its key (each
+single-event transaction, the first bulk one) and only locks it afterwards, the same in every
+round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -52,6 +58,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench._common import median, order, print_table, write_results
 from bench._mysql import add_database_option, chosen, fresh_database, server_name, server_settings
+from bench._writers import HandRow, create_tables, hand_insert, hand_row
 from router import Event, Outbox
 from tests.conftest import make_config
 
@@ -64,16 +71,6 @@ BROKERS: dict[int, dict[str, Any]] = {
     },
 }
 BULK_EVENTS = 1000
-
-
-FIELDS = (
-    ("m", "message_id"),
-    ("t", "target"),
-    ("d", "destination"),
-    ("e", "event_type"),
-    ("k", "stream_key"),
-    ("v", "envelope"),
-)
 
 
 @dataclass(frozen=True)
@@ -92,6 +89,8 @@ CASES = (
     Case("keyed_bulk_1000", 1, bulk=True, block=5),
 )
 BULK_KEYS = [f"o-{n}" for n in range(BULK_EVENTS)]
+BULK_ROWS = 64
+"""More rows than this go by unnest() (one event has at most 3 rows here)."""
 
 
 def work(case: Case, i: int, bulk: list[Event]) -> tuple[list[Event], dict[str, Any]]:
@@ -101,30 +100,34 @@ def work(case: Case, i: int, bulk: list[Event]) -> tuple[list[Event], dict[str, 
     return [order(i)], {"stream_key": f"o-{i}"}
 
 
+def hand_rows(
+    events: Sequence[Event], targets: Sequence[str], options: dict[str, Any]
+) -> list[HandRow]:
+    """The hand outbox's rows for what ``work`` stages: one per event and target."""
+    keys = options.get("stream_keys") or [options.get("stream_key")] * len(events)
+    return [
+        hand_row(event, target, key)
+        for event, key in zip(events, keys, strict=True)
+        for target in targets
+    ]
+
+
+HAND_COLUMNS = ("id", "target", "type", "key", "payload")
 HAND_BULK_INSERT = text(
-    "INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, "
-    "envelope) SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:targets AS text[]), "
-    "CAST(:destinations AS text[]), CAST(:types AS text[]), CAST(:streams AS text[]), "
-    "CAST(:envelopes AS json[]))"
+    "INSERT INTO hand_outbox (id, target, type, key, payload) SELECT * FROM "
+    "unnest(CAST(:id AS uuid[]), CAST(:target AS text[]), CAST(:type AS text[]), "
+    "CAST(:key AS text[]), CAST(:payload AS jsonb[]))"
 )
 
 
-MYSQL_HAND_INSERT = (
-    "INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, "
-    "envelope) VALUES {values}"
-)
-
-
-def hand_insert(count: int) -> TextClause:
-    """The same rows as stage() writes, as a hand-written multi-row INSERT."""
+@functools.cache
+def hand_values(count: int) -> TextClause:
+    """The hand outbox's multi-row INSERT of ``count`` rows, made once per count (the driver
+    prepares it once per connection)."""
     values = ", ".join(
-        f"(CAST(:m{n} AS uuid), :t{n}, :d{n}, :e{n}, :k{n}, CAST(:v{n} AS json))"
-        for n in range(count)
+        "(" + ", ".join(f":{column}{n}" for column in HAND_COLUMNS) + ")" for n in range(count)
     )
-    return text(
-        "INSERT INTO router_outbox (message_id, target, destination, event_type, "
-        f"stream_key, envelope) VALUES {values}"
-    )
+    return text(f"INSERT INTO hand_outbox ({', '.join(HAND_COLUMNS)}) VALUES {values}")
 
 
 async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]:
@@ -138,10 +141,12 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
     spent = dict.fromkeys((True, False), 0.0)
     bulk: list[Event] = [order(n) for n in range(BULK_EVENTS)] if case.bulk else []
     mysql = url.startswith("mysql")
+    targets = list(BROKERS[case.targets])
     async with sessions() as session:
-        if case.bulk:  # every round of the bulk case starts from the same, empty table
+        if case.bulk:  # every round of the bulk case starts from the same, empty tables
             async with session.begin():
                 await session.execute(text("TRUNCATE router_outbox"))
+                await session.execute(text("TRUNCATE hand_outbox"))
         if mysql:  # and every round on MariaDB from no stream rows (see the module's doc)
             async with session.begin():
                 await session.execute(text("TRUNCATE router_streams"))
@@ -153,9 +158,9 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
                     events, options = work(case, i, bulk)
                     async with session.begin():
                         if by_hand and mysql:
-                            await insert_by_hand_mysql(outbox, session, events, options)
+                            await insert_by_hand_mysql(session, hand_rows(events, targets, options))
                         elif by_hand:
-                            await insert_by_hand(outbox, session, events, options)
+                            await insert_by_hand(session, hand_rows(events, targets, options))
                         else:
                             await outbox.stage(session, *events, **options)
                 spent[by_hand] += time.perf_counter() - started
@@ -163,47 +168,34 @@ async def run_pair(url: str, case: Case, transactions: int) -> dict[bool, float]
     return {by_hand: seconds / transactions for by_hand, seconds in spent.items()}
 
 
-async def insert_by_hand(
-    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: dict[str, Any]
-) -> None:
-    """The rows stage() would write, built by its own stager, inserted without stage().
+async def insert_by_hand(session: AsyncSession, rows: Sequence[HandRow]) -> None:
+    """The hand outbox's rows in one statement on the session's connection (the path stage()
+    takes, without the ORM session's per-statement work).
 
-    One event: a plain multi-row INSERT ... VALUES. Keyed bulk (``stream_keys``): the
-    strongest hand-written alternative, :data:`HAND_BULK_INSERT`, one INSERT ... SELECT
-    FROM unnest() of one array per column, executed on the session's connection (the path
-    stage() takes, without the ORM session's per-statement work). It takes no stream-key
-    advisory locks and sends no NOTIFY, both of which stage() does, for per-stream commit
-    order and to wake the relay; the difference is what those cost.
+    One event: a multi-row INSERT ... VALUES. Keyed bulk (more than 64 rows): the strongest
+    hand-written alternative, :data:`HAND_BULK_INSERT`, one INSERT ... SELECT FROM unnest()
+    of one array per column. No stream-key advisory lock and no NOTIFY, both of which stage()
+    does, for per-stream commit order and to wake the relay.
     """
-    rows = outbox._stager.build_rows("main", events, **options)
-    if "stream_keys" in options:
-        connection = await session.connection()
-        await connection.execute(
-            HAND_BULK_INSERT,
-            {
-                "ids": [r.message_id for r in rows],
-                "targets": [r.target for r in rows],
-                "destinations": [r.destination for r in rows],
-                "types": [r.event_type for r in rows],
-                "streams": [r.stream_key for r in rows],
-                "envelopes": [r.envelope for r in rows],
-            },
-        )
+    connection = await session.connection()
+    if len(rows) > BULK_ROWS:
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        await connection.execute(HAND_BULK_INSERT, dict(zip(HAND_COLUMNS, columns, strict=True)))
         return
-    params = {f"{f}{n}": getattr(r, name) for n, r in enumerate(rows) for f, name in FIELDS}
-    await session.execute(hand_insert(len(rows)), params)
+    params = {
+        f"{column}{n}": value
+        for n, row in enumerate(rows)
+        for column, value in zip(HAND_COLUMNS, row, strict=True)
+    }
+    await connection.execute(hand_values(len(rows)), params)
 
 
-async def insert_by_hand_mysql(
-    outbox: Outbox, session: AsyncSession, events: Sequence[Event], options: dict[str, Any]
-) -> None:
-    """On MariaDB, the rows stage() would write in the one multi-row INSERT ... VALUES that
-    stage() sends, on the session's connection, without the stream-key upsert before it."""
-    rows = outbox._stager.build_rows("main", events, **options)
+async def insert_by_hand_mysql(session: AsyncSession, rows: Sequence[HandRow]) -> None:
+    """On MariaDB, the hand outbox's rows in one multi-row INSERT ... VALUES on the session's
+    connection (ids as text: MariaDB's UUID type reads them)."""
     connection = await session.connection()
     await connection.exec_driver_sql(
-        MYSQL_HAND_INSERT.format(values=", ".join(["(%s, %s, %s, %s, %s, %s)"] * len(rows))),
-        tuple(getattr(r, name) for r in rows for _, name in FIELDS),
+        hand_insert(len(rows), "mysql"), tuple(v for r in rows for v in (str(r[0]), *r[1:]))
     )
 
 
@@ -218,6 +210,8 @@ async def measure(kinds: Sequence[str], args: argparse.Namespace) -> dict[str, R
         urls = {
             kind: await stack.enter_async_context(fresh_database(kind, "stage")) for kind in kinds
         }
+        for kind, url in urls.items():
+            create_tables(kind, url)  # the hand outbox
         for _ in range(args.repeat):
             for case in CASES:
                 count = args.bulk_transactions if case.bulk else args.transactions
