@@ -107,8 +107,8 @@ class Tick(Event, type="chaos.tick"):
 # database_restarts: how many crashes; broker_kill: the NATS server gets SIGKILL (a crash, no
 # clean shutdown of its store) instead of SIGTERM.
 SIZES: dict[str, dict[str, Any]] = {
-    # The suite's size: 4,000 events in about 35 s, a worker SIGKILL every 2 s (some 14).
-    "small": {"events": 4000, "streams": 200, "rate": 120.0, "kill_every": 2.0},
+    # The suite's size: 4,000 events in about 35 s, a worker SIGKILL every 1.75 s (some 13).
+    "small": {"events": 4000, "streams": 200, "rate": 120.0, "kill_every": 1.75},
     "full": {"events": 50_000, "streams": 500, "rate": 400.0, "kill_every": 4.0},
     "harsh": {
         "events": 30_000,

@@ -80,8 +80,9 @@ class Outcome:
     max: float = 0.0
     p99_during: float = 0.0  # of events committed while host A was cut off
     longest_stall: float = 0.0
-    # Stretches longer than ``plan.stall`` with events waiting and none delivered, from the
-    # cut to a second after the heal: a cut-off worker that holds a batch makes one.
+    # Stretches longer than ``plan.stall`` with events waiting and none delivered, from a
+    # second before the cut to a second after the heal: a cut-off worker that holds a batch
+    # makes one (two workers finding the cut one after the other make one twice as long).
     stalls: list[float] = field(default_factory=list)
     # Host A's publishes that found the path cut (its ``broker.unavailable`` records while cut
     # off): one worker's, when its siblings learn of the cut from it.
@@ -283,7 +284,8 @@ class PartitionRun:
         out.stalls = [
             length
             for start, length in stretches(done)
-            if length > self.plan.stall and self.cut_at <= start <= self.healed_at + 1.0
+            # From a second before the cut: the batch in flight at the cut began before it.
+            if length > self.plan.stall and self.cut_at - 1.0 <= start <= self.healed_at + 1.0
         ]
         out.found_cut = sum(
             1
