@@ -224,7 +224,7 @@ def main() -> None:
         report(figures, args)
         output = args.output or "write-concurrency"
     path = write_results(output, parameters, figures)
-    print(f"written to {path.relative_to(ROOT)}")
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":

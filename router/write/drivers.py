@@ -109,7 +109,6 @@ def sync_driver(connection: Any) -> SyncDriver:
     )
 
 
-@functools.lru_cache(maxsize=512)
 @functools.cache
 def _django_driver() -> Callable[[Any], SyncDriver]:
     """``router.contrib.django``'s driver, imported by name when the first Django connection
@@ -121,6 +120,7 @@ def _django_driver() -> Callable[[Any], SyncDriver]:
     return driver
 
 
+@functools.lru_cache(maxsize=512)
 def pyformat(sql: str, kind: str = "s") -> str:
     """``:name`` parameters as ``%(name)s``, for drivers of the pyformat style (``kind`` "b":
     psycopg 3's ``%(name)b``, sent in binary). Cached: the texts are few, and converting one
