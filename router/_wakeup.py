@@ -8,9 +8,15 @@ cannot miss a commit. docs/architecture.md ("Waking the relay") draws the whole 
 
 from __future__ import annotations
 
+from router._schema import OUTBOX
+
 __all__ = ["CHANNEL", "WAKE_LOCK_NAMESPACE"]
 
-CHANNEL = "router_outbox"
+# A channel, not the table: it only carries the table's name, as stagers and relays have
+# always used it. It follows the table on purpose: a rename of the table is a new migration
+# every stager and relay must run on before they can reach the rows at all, so they agree on
+# the new channel as they agree on the new table, and no separate literal can drift from it.
+CHANNEL = OUTBOX
 """The LISTEN/NOTIFY channel; a notification's payload names the targets (``a,b``)."""
 
 WAKE_LOCK_NAMESPACE = 1869903205

@@ -22,6 +22,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import ConfigError
+from router._schema import OUTBOX_DONE
 from router._wakeup import CHANNEL
 from router.config import RouterConfig
 from router.ops import connections
@@ -368,7 +369,7 @@ async def _vacuum_history(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
         # VACUUM cannot run inside a transaction block.
         autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await autocommit.exec_driver_sql("VACUUM (SKIP_LOCKED) router_outbox_done")
+        await autocommit.exec_driver_sql(f"VACUUM (SKIP_LOCKED) {OUTBOX_DONE}")
 
 
 def cleanup_batch(status_: str, column: Any, cutoff: datetime, size: int) -> Any:

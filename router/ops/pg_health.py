@@ -19,6 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from router._schema import IX_OUTBOX_CLAIM, IX_OUTBOX_STREAM, queue_slot, queue_slot_index
 from router.relay.store.postgres_ring import held_slots
 from router.relay.store.postgres_sql import CLAIM_FUNCTION
 
@@ -48,6 +49,12 @@ _CLAIM_SETTINGS = tuple(
     for line in CLAIM_FUNCTION.splitlines()
     if line.startswith("SET ")
 )
+
+# Patterns of any queue slot's partition in a plan, and of its partitions of the claim's and
+# the stream check's indexes.
+_ANY_SLOT = queue_slot(r"\d")
+_ANY_SLOT_CLAIM = queue_slot_index(IX_OUTBOX_CLAIM, r"\d")
+_ANY_SLOT_STREAM = queue_slot_index(IX_OUTBOX_STREAM, r"\d")
 
 HOLDERS = """
 SELECT 'pid ' || pid || coalesce(' (' || nullif(application_name, '') || ')', '')
@@ -94,8 +101,8 @@ async def claim_plan_problem(conn: Any, target: str) -> str | None:
     plan = await explain_claim(conn, target)
     # Since 0011 the queue's slots are partitions, each scanned by its own index.
     expected = (
-        r"Index Scan using ix_router_outbox_claim_q\d on router_outbox_q\d o(_\d+)?\b",
-        r"Index Scan using ix_router_outbox_stream_q\d on router_outbox_q\d p(_\d+)?\b",
+        rf"Index Scan using {_ANY_SLOT_CLAIM} on {_ANY_SLOT} o(_\d+)?\b",
+        rf"Index Scan using {_ANY_SLOT_STREAM} on {_ANY_SLOT} p(_\d+)?\b",
     )
     if all(re.search(step, plan) for step in expected) and "Seq Scan" not in plan:
         return None
@@ -119,7 +126,7 @@ async def postgres_warnings(
         ]
         for slot in await held_slots(conn, xmin_limit):
             warnings.append(
-                f"queue slot router_outbox_q{slot.slot} is not truncated: {slot.rows} row(s) "
+                f"queue slot {queue_slot(slot.slot)} is not truncated: {slot.rows} row(s) "
                 f"of {', '.join(map(repr, slot.targets))} unfinished there for {_age(slot.age)} "
                 "(a paused target, or rows failing); its dead rows wait for VACUUM meanwhile"
             )
@@ -128,8 +135,8 @@ async def postgres_warnings(
             if problem is not None:
                 warnings.append(
                     f"the claim of target {target!r} is not index-served ({problem}); "
-                    "check that ix_router_outbox_claim and ix_router_outbox_stream exist and "
-                    "are valid on every queue slot (`\\d router_outbox_q0` in psql)"
+                    f"check that {IX_OUTBOX_CLAIM} and {IX_OUTBOX_STREAM} exist and "
+                    f"are valid on every queue slot (`\\d {queue_slot(0)}` in psql)"
                 )
         return warnings
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from router._schema import AUDIT, INBOX, OUTBOX, TARGETS
+
 __all__ = ["audit", "inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
@@ -19,7 +21,7 @@ _MessageId = sa.String(36).with_variant(postgresql.UUID(as_uuid=False), "postgre
 _Time = sa.DateTime(timezone=True)
 
 outbox = sa.Table(
-    "router_outbox",
+    OUTBOX,
     metadata,
     sa.Column("seq", sa.BigInteger, primary_key=True),
     sa.Column("message_id", _MessageId, nullable=False),
@@ -44,7 +46,7 @@ outbox = sa.Table(
 )
 
 audit = sa.Table(
-    "router_audit",
+    AUDIT,
     metadata,
     sa.Column("id", sa.BigInteger, primary_key=True),
     sa.Column("at", _Time, nullable=False),
@@ -56,7 +58,7 @@ audit = sa.Table(
 )
 
 inbox = sa.Table(
-    "router_inbox",
+    INBOX,
     metadata,
     sa.Column("consumer", sa.Text, primary_key=True),
     sa.Column("message_id", sa.Text, primary_key=True),
@@ -64,7 +66,7 @@ inbox = sa.Table(
 )
 
 targets = sa.Table(
-    "router_targets",
+    TARGETS,
     metadata,
     sa.Column("target", sa.Text, primary_key=True),
     sa.Column("paused", sa.Boolean, nullable=False),

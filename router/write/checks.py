@@ -30,6 +30,7 @@ from uuid import UUID
 from pydantic import BaseModel
 
 from envelopes import StagingError
+from router._schema import OUTBOX, STREAMS
 
 if TYPE_CHECKING:
     from router.config import DatabaseSettings
@@ -125,7 +126,7 @@ def check_no_nul(value: str | None, what: str) -> None:
 # statements need: seq is an identity column, whose sequence needs no grant of its own, and
 # RETURNING 1 reads no column.
 SCHEMA_PROBE = (
-    "SELECT CASE has_table_privilege(to_regclass('router_outbox'), 'INSERT') "
+    f"SELECT CASE has_table_privilege(to_regclass('{OUTBOX}'), 'INSERT') "
     "WHEN true THEN '' WHEN false THEN quote_ident(current_user) END"
 )
 
@@ -153,7 +154,7 @@ def check_schema_probe(answer: object, database: DatabaseSettings, name: str) ->
     naming `router init-db` when the tables are not there, or the GRANT to run when the role
     may not insert, the caller's transaction untouched; else remember that all is well."""
     if answer is None:
-        raise StagingError(_no_tables(name, "router_outbox"))
+        raise StagingError(_no_tables(name, OUTBOX))
     if answer:
         raise StagingError(_no_grant(name, "postgresql", str(answer)))
     _schema_found.add(database.url.get_secret_value())
@@ -190,20 +191,20 @@ def _no_grant(database: str, dialect: str, account: str | None) -> str:
         who = f"role {account}" if account else "the connection's role"
         to = account or "<role> (its current_user)"
         return (
-            f"database {database!r}: {who} may not insert into router_outbox: "
-            f"run `GRANT INSERT ON router_outbox TO {to}` as the table's owner"
+            f"database {database!r}: {who} may not insert into {OUTBOX}: "
+            f"run `GRANT INSERT ON {OUTBOX} TO {to}` as the table's owner"
         )
     # router_streams: the upsert that locks the stream keys reads the key it updates.
     who = f"user {account}" if account else "the connection's user"
     return (
         f"database {database!r}: {who} may not write the router's tables: run "
-        "`GRANT INSERT ON router_outbox TO <account>` and "
-        "`GRANT SELECT, INSERT, UPDATE ON router_streams TO <account>` in that database, "
+        f"`GRANT INSERT ON {OUTBOX} TO <account>` and "
+        f"`GRANT SELECT, INSERT, UPDATE ON {STREAMS} TO <account>` in that database, "
         "as an administrator (<account>: the connection's CURRENT_USER())"
     )
 
 
-_TABLES = ("router_outbox", "router_streams")
+_TABLES = (OUTBOX, STREAMS)
 _MYSQL_USER = re.compile(r"to user ('[^']*'@'[^']*')")
 
 

@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from envelopes import RouterError, message_id_of
 from router._db import sqlite_time
+from router._schema import INBOX
 
 __all__ = ["Inbox", "inbox_middleware", "message_id_of"]
 
@@ -39,11 +40,11 @@ log = logging.getLogger(__name__)
 
 _INSERT = {
     "postgresql": text(
-        "INSERT INTO router_inbox (consumer, message_id) VALUES (:consumer, :message_id) "
+        f"INSERT INTO {INBOX} (consumer, message_id) VALUES (:consumer, :message_id) "
         "ON CONFLICT (consumer, message_id) DO NOTHING"
     ),
     "sqlite": text(
-        "INSERT INTO router_inbox (consumer, message_id, received_at) "
+        f"INSERT INTO {INBOX} (consumer, message_id, received_at) "
         "VALUES (:consumer, :message_id, :now) ON CONFLICT (consumer, message_id) DO NOTHING"
     ),
     # MySQL has no DO NOTHING, and its rowcount cannot tell a duplicate left as it was from a
@@ -52,7 +53,7 @@ _INSERT = {
     # first delivery), and counts 2. (INSERT IGNORE would also cut a too long message id
     # down to the column's 255 characters, and take two messages for one.)
     "mysql": text(
-        "INSERT INTO router_inbox (consumer, message_id) VALUES (:consumer, :message_id) "
+        f"INSERT INTO {INBOX} (consumer, message_id) VALUES (:consumer, :message_id) "
         "ON DUPLICATE KEY UPDATE received_at = received_at + INTERVAL 1 MICROSECOND"
     ),
 }

@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Sequence
 
 from envelopes import StagingError
+from router._schema import OUTBOX, STREAMS
 from router.write.statements import Row, Statement
 
 __all__ = ["MYSQL_MAX_STREAM_KEY", "STREAM_SLOTS", "mysql_statements", "slot_of"]
@@ -42,22 +43,21 @@ MYSQL_MAX_STREAM_KEY = 512
 """The longest stream key MySQL keeps (``router_outbox`` indexes it)."""
 
 _COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
-_INSERT = f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {{values}}"
+_INSERT = f"INSERT INTO {OUTBOX} ({_COLUMNS}) VALUES {{values}}"
 _ROW = "(%s, %s, %s, %s, %s, %s)"
 _SELECTED = "SELECT %s, %s, %s, %s, %s, %s"
 # Several rows under one lock: a derived table numbered in the caller's order, and ORDER BY
 # (which INSERT ... SELECT follows when it gives rows their seq) to keep that order.
 _NUMBERED = "SELECT {n} AS n, %s AS m, %s AS t, %s AS d, %s AS e, %s AS s, %s AS v"
 _LOCKED_ONE = (
-    f"INSERT INTO router_outbox ({_COLUMNS}) {_SELECTED} "
-    "FROM router_streams WHERE stream_key = %s FOR UPDATE"
+    f"INSERT INTO {OUTBOX} ({_COLUMNS}) {_SELECTED} FROM {STREAMS} WHERE stream_key = %s FOR UPDATE"
 )
 _LOCKED_MANY = (
-    f"INSERT INTO router_outbox ({_COLUMNS}) SELECT r.m, r.t, r.d, r.e, r.s, r.v "
-    "FROM router_streams AS l JOIN ({rows}) AS r WHERE l.stream_key = %s ORDER BY r.n FOR UPDATE"
+    f"INSERT INTO {OUTBOX} ({_COLUMNS}) SELECT r.m, r.t, r.d, r.e, r.s, r.v "
+    f"FROM {STREAMS} AS l JOIN ({{rows}}) AS r WHERE l.stream_key = %s ORDER BY r.n FOR UPDATE"
 )
 _LOCK_SLOTS = (
-    "INSERT INTO router_streams (stream_key) VALUES {values} "
+    f"INSERT INTO {STREAMS} (stream_key) VALUES {{values}} "
     "ON DUPLICATE KEY UPDATE stream_key = stream_key"
 )
 # One statement per stage() call, split only past a few MB of envelopes: a statement must fit

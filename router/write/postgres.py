@@ -19,7 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from router._wakeup import WAKE_LOCK_NAMESPACE
+from router._schema import OUTBOX
+from router._wakeup import CHANNEL, WAKE_LOCK_NAMESPACE
 from router.write.statements import Copy, Row, Statement
 
 __all__ = [
@@ -86,7 +87,7 @@ _WAKE_ANY = (
 
 def _wake(notify: str, gate: str) -> str:
     """Notify ``notify`` (the targets) unless ``gate`` (their wake locks, tried shared) held."""
-    return f"CASE WHEN {gate} THEN NULL ELSE pg_notify('router_outbox', {notify}) END"
+    return f"CASE WHEN {gate} THEN NULL ELSE pg_notify('{CHANNEL}', {notify}) END"
 
 
 def _wake_many(notify: str) -> str:
@@ -100,7 +101,7 @@ def _wake_many(notify: str) -> str:
 # ``%(name)s``, ``Statement``); asyncpg gets them numbered (``_numbered``).
 _INSERT_NAMED_TEMPLATE = f"""
 WITH inserted AS (
-    INSERT INTO router_outbox ({_COLUMNS})
+    INSERT INTO {OUTBOX} ({_COLUMNS})
     SELECT * FROM unnest(
         CAST(:ids AS uuid[]), CAST(:targets AS text[]), CAST(:destinations AS text[]),
         CAST(:types AS text[]), CAST(:streams AS text[]), CAST(:envelopes AS json[]))
@@ -132,9 +133,7 @@ def _small_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
     """The statement for events with ``targets[j]`` rows each, after the lock of their one
     stream key if any and the wake of their ``wakes`` targets (none: no NOTIFY)."""
     calls = _gate_calls(locked, wakes)
-    insert = (
-        f"INSERT INTO router_outbox ({_COLUMNS}) SELECT * FROM (VALUES {_rows_of(targets)}) AS r"
-    )
+    insert = f"INSERT INTO {OUTBOX} ({_COLUMNS}) SELECT * FROM (VALUES {_rows_of(targets)}) AS r"
     if not calls:
         return insert
     return f"{insert} WHERE (SELECT true FROM (SELECT {', '.join(calls)}) AS g)"
@@ -169,7 +168,7 @@ def _rows_of(targets: tuple[int, ...]) -> str:
 def _simple_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
     """``_small_insert``'s rows as two statements in one simple query."""
     calls = _gate_calls(locked, wakes)
-    insert = f"INSERT INTO router_outbox ({_COLUMNS}) VALUES {_rows_of(targets)}"
+    insert = f"INSERT INTO {OUTBOX} ({_COLUMNS}) VALUES {_rows_of(targets)}"
     return f"SELECT {', '.join(calls)}; {insert}" if calls else insert
 
 
@@ -180,7 +179,7 @@ def _simple_insert(targets: tuple[int, ...], locked: bool, wakes: int) -> str:
 # trip of its own, so a few dozen rows go faster by unnest.
 _COPY_ROWS = 64
 _COPY_LOCKS = _STREAM_LOCKS.format(namespace=STREAM_LOCK_NAMESPACE, keys="CAST(:locks AS text[])")
-COPY_ROWS = f"COPY router_outbox ({_COLUMNS}) FROM STDIN (FORMAT BINARY)"
+COPY_ROWS = f"COPY {OUTBOX} ({_COLUMNS}) FROM STDIN (FORMAT BINARY)"
 # Binary COPY carries no types: the server reads each field with its column's binary input.
 # A uuid's is its 16 bytes, sent as bytea; json's is its text. Both are dumped in C, where
 # uuid.UUID objects would cost a parse of every id in Python (binary was 9% faster than text

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from router._db import sqlite_time
+from router._schema import OUTBOX
 from router.write.statements import Row, Statement
 
 __all__ = ["SqliteStatements"]
@@ -53,7 +54,7 @@ class SqliteStatements:
                 "(" + ", ".join(f":{f}{i}" for f in _FIELDS) + ")" for i in range(count)
             )
             statement = (
-                f"INSERT INTO router_outbox ({_COLUMNS}, available_at, created_at) VALUES {values}"
+                f"INSERT INTO {OUTBOX} ({_COLUMNS}, available_at, created_at) VALUES {values}"
             )
             if len(self._inserts) < 256:
                 self._inserts[count] = statement

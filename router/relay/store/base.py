@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from envelopes import DatabaseError, SchemaError
+from router._schema import VERSION_TABLE
 from router.relay.pumps import Cycle, Pump
 from router.relay.store.outage import Outage
 
@@ -37,7 +38,6 @@ OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
 SCHEMA_REVISION = "0015"
-VERSION_TABLE = "router_alembic_version"
 
 
 def schema_problem(database: str, revision: str | None) -> SchemaError | None:

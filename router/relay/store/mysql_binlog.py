@@ -29,6 +29,7 @@ from typing import Any
 import pymysql
 
 from envelopes import DatabaseError
+from router._schema import OUTBOX
 from router.relay.store.base import Wake, describe_error
 
 __all__ = [
@@ -57,7 +58,6 @@ BINLOG_STATUS = ("SHOW MASTER STATUS", "SHOW BINARY LOG STATUS")
 
 _ACCESS_DENIED = (1045, 1227)  # a login refused; a privilege missing
 _PARSE_ERROR = 1064
-_OUTBOX = "router_outbox"
 
 
 class BinlogUnusable(Exception):
@@ -180,7 +180,7 @@ class _Session:
             log_pos=log_pos,
             only_events=[WriteRowsEvent, RotateEvent, HeartbeatLogEvent],
             only_schemas=[self.follower.database],
-            only_tables=[_OUTBOX],
+            only_tables=[OUTBOX],
             slave_heartbeat=HEARTBEAT,
             use_column_name_cache=True,  # column names without binlog_row_metadata=FULL
             enable_logging=False,

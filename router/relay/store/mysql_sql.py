@@ -29,6 +29,14 @@ the statement names by key, and two marks of different targets could wait on eac
 
 from __future__ import annotations
 
+from router._schema import (
+    IX_OUTBOX_CLAIM,
+    IX_OUTBOX_DUE,
+    IX_OUTBOX_PUBLISHED,
+    IX_OUTBOX_STREAM,
+    OUTBOX,
+    TARGETS,
+)
 from router.relay.store.base import OPEN_STATUSES_SQL as _OPEN
 
 __all__ = [
@@ -57,12 +65,12 @@ SESSION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 snapshot (step 2 above relies on it) and takes no gap locks, so a claim never makes an
 application's INSERT wait (in REPEATABLE READ its scans would lock the gap new rows go in)."""
 
-LOCK_TARGET = "SELECT paused FROM router_targets WHERE target = %s FOR UPDATE"
+LOCK_TARGET = f"SELECT paused FROM {TARGETS} WHERE target = %s FOR UPDATE"
 
 # A target whose circuit never changed and that was never paused has no row yet. Repeating
 # the key makes the upsert take the row's lock without changing it.
-ENSURE_TARGET = """
-INSERT INTO router_targets (target) VALUES (%s)
+ENSURE_TARGET = f"""
+INSERT INTO {TARGETS} (target) VALUES (%s)
 ON DUPLICATE KEY UPDATE target = target
 """
 
@@ -73,7 +81,7 @@ ON DUPLICATE KEY UPDATE target = target
 # rows of that status, never its published history.
 def _none_earlier(status: str, due_column: str) -> str:
     return f"""NOT EXISTS (
-             SELECT 1 FROM router_outbox p FORCE INDEX (ix_router_outbox_stream)
+             SELECT 1 FROM {OUTBOX} p FORCE INDEX ({IX_OUTBOX_STREAM})
              WHERE p.target = o.target AND p.stream_key = o.stream_key
                AND p.status = '{status}' AND p.seq < o.seq
                AND p.{due_column} > UTC_TIMESTAMP(6))"""
@@ -89,16 +97,16 @@ def _due(status: str, due_column: str, indexes: str) -> str:
     # One status at a time, each in ix_router_outbox_claim's order (target, status, seq): with
     # no partial index, this is how a claim skips the published history instead of walking it.
     return f"""
-    (SELECT o.seq, o.stream_key FROM router_outbox o {indexes}
+    (SELECT o.seq, o.stream_key FROM {OUTBOX} o {indexes}
      WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6)
 {_IN_ORDER}
      ORDER BY o.seq LIMIT %s)"""
 
 
-_CLAIM_ORDER = "FORCE INDEX (ix_router_outbox_claim)"
+_CLAIM_ORDER = f"FORCE INDEX ({IX_OUTBOX_CLAIM})"
 # Failed rows: in outbox order, or the due ones by due time and then sorted (few are due at
 # once, however many wait): whichever the statistics make cheaper.
-_FAILED = "USE INDEX (ix_router_outbox_claim, ix_router_outbox_due)"
+_FAILED = f"USE INDEX ({IX_OUTBOX_CLAIM}, {IX_OUTBOX_DUE})"
 
 # The first `limit` due rows of each open status, then the first `limit` of those: the rows
 # the PostgreSQL claim would pick. Parameters: (target, limit) three times, then limit.
@@ -121,7 +129,7 @@ def in_list(count: int) -> str:
 # another transaction holds are skipped, not waited for. Parameters: target, then the seqs.
 LOCK_ROWS = f"""
 SELECT seq, message_id, destination, envelope, attempts, stream_key, created_at
-FROM router_outbox FORCE INDEX (PRIMARY)
+FROM {OUTBOX} FORCE INDEX (PRIMARY)
 WHERE target = %s AND seq IN ({{seqs}})
   AND status IN ({_OPEN})
   AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END
@@ -133,13 +141,13 @@ FOR UPDATE SKIP LOCKED
 # attempts counts this attempt; last_attempt_at feeds the retry rate and abandoned-row
 # retention; first_attempt_at is for `router trace`. Parameters: worker, token, lease in
 # microseconds, then the seqs.
-LEASE = """
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+LEASE = f"""
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'processing', locked_by = %s, lease_token = %s,
     locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND,
     attempts = attempts + 1, last_attempt_at = UTC_TIMESTAMP(6),
     first_attempt_at = coalesce(first_attempt_at, UTC_TIMESTAMP(6))
-WHERE seq IN ({seqs})
+WHERE seq IN ({{seqs}})
 """
 
 # Every mark is fenced by the claim's token and 'processing': a worker that lost its lease
@@ -147,7 +155,7 @@ WHERE seq IN ({seqs})
 _HELD = "{row}lease_token = %s AND {row}status = 'processing'"
 
 MARK_PUBLISHED = f"""
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
     locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
@@ -156,7 +164,7 @@ WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 # Published rows with the broker's receipts, as CASE seq WHEN ... (``when_seq``). Parameters:
 # the receipts' list, the seqs, the token.
 MARK_PUBLISHED_RECEIPTS = f"""
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'published', published_at = UTC_TIMESTAMP(6), last_error = NULL,
     locked_by = NULL, locked_until = NULL, receipt = CASE seq {{receipts}} END
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
@@ -166,7 +174,7 @@ WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 # values come as CASE seq WHEN ... lists (``when_seq``). Parameters: the delays' list, the
 # errors' list, the seqs, the token.
 MARK_FAILED = f"""
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'failed',
     available_at = UTC_TIMESTAMP(6) + INTERVAL (CASE seq {{delays}} END) MICROSECOND,
     last_error = CASE seq {{errors}} END, locked_by = NULL, locked_until = NULL
@@ -175,7 +183,7 @@ WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 
 # No longer open, so never claimed again. Parameters: the errors' list, the seqs, the token.
 MARK_ABANDONED = f"""
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'abandoned', last_error = CASE seq {{errors}} END,
     locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
@@ -191,7 +199,7 @@ def when_seq(count: int) -> str:
 # available_at stays: the row was due when claimed, so it is due now, and a row put back
 # with its old time is no news to the watcher (WATCH), which a requeue's new time is.
 RELEASE = f"""
-UPDATE router_outbox FORCE INDEX (PRIMARY)
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
@@ -203,8 +211,8 @@ WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
 # the rows changed, not those found, which here is every row held: the processor never
 # extends by less than the claim's own lease, so each new end is later than the old one, to
 # the microsecond. Parameters: the lease in microseconds, the target, the token.
-EXTEND = """
-UPDATE router_outbox FORCE INDEX (ix_router_outbox_claim)
+EXTEND = f"""
+UPDATE {OUTBOX} FORCE INDEX ({IX_OUTBOX_CLAIM})
 SET locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND
 WHERE target = %s AND status = 'processing' AND lease_token = %s
 """
@@ -212,18 +220,18 @@ WHERE target = %s AND status = 'processing' AND lease_token = %s
 # The earliest retry and lease end, each one index lookup in ix_router_outbox_due (a MIN
 # over an IN list would read every open row); the store takes the smaller. Not pending rows:
 # the claim before took every one it could (see the PostgreSQL store).
-NEXT_DUE = """
+NEXT_DUE = f"""
 SELECT UTC_TIMESTAMP(6),
-    (SELECT MIN(available_at) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+    (SELECT MIN(available_at) FROM {OUTBOX} FORCE INDEX ({IX_OUTBOX_DUE})
      WHERE target = %s AND status = 'failed'),
-    (SELECT MIN(locked_until) FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+    (SELECT MIN(locked_until) FROM {OUTBOX} FORCE INDEX ({IX_OUTBOX_DUE})
      WHERE target = %s AND status = 'processing')
 """
 
 # The new values are given twice rather than through VALUES(), which MySQL 8.0.20 deprecated
 # and whose replacement (a row alias) MariaDB does not have.
-RECORD_CIRCUIT = """
-INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
+RECORD_CIRCUIT = f"""
+INSERT INTO {TARGETS} (target, circuit, circuit_since, circuit_worker, circuit_error)
 VALUES (%s, %s, UTC_TIMESTAMP(6), %s, %s)
 ON DUPLICATE KEY UPDATE circuit = %s, circuit_since = UTC_TIMESTAMP(6),
     circuit_worker = %s, circuit_error = %s
@@ -244,20 +252,20 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s
 #   target was paused since, which moves the newest pause (stamped by the server too).
 # One statement either way; the watcher wakes the processors when the first or the last two
 # change, or the second rises.
-WATCH = """
-SELECT (SELECT MAX(seq) FROM router_outbox),
+WATCH = f"""
+SELECT (SELECT MAX(seq) FROM {OUTBOX}),
     (SELECT MAX(newest) FROM (
-        SELECT MAX(available_at) AS newest FROM router_outbox FORCE INDEX (ix_router_outbox_due)
+        SELECT MAX(available_at) AS newest FROM {OUTBOX} FORCE INDEX ({IX_OUTBOX_DUE})
         WHERE status = 'pending' GROUP BY target) AS pending),
-    (SELECT COUNT(*) FROM router_targets WHERE paused),
-    (SELECT MAX(paused_at) FROM router_targets WHERE paused)
+    (SELECT COUNT(*) FROM {TARGETS} WHERE paused),
+    (SELECT MAX(paused_at) FROM {TARGETS} WHERE paused)
 """
 
 # A dead worker's leases, fenced by its id (see the PostgreSQL store), back as RELEASE puts
 # rows back. ix_router_outbox_published leads with status: it reads the in-flight rows of
 # every target and nothing else. Parameter: the worker id.
-RELEASE_WORKER = """
-UPDATE router_outbox FORCE INDEX (ix_router_outbox_published)
+RELEASE_WORKER = f"""
+UPDATE {OUTBOX} FORCE INDEX ({IX_OUTBOX_PUBLISHED})
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = UTC_TIMESTAMP(6), locked_by = NULL,
     locked_until = NULL

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import asyncpg
 
 from envelopes import DatabaseError
+from router._schema import FN_CLAIM, FN_MARK, OUTBOX_QUEUE, TARGETS
 from router._wakeup import CHANNEL
 from router.relay.pumps import TransactionRuns
 from router.relay.store.base import (
@@ -64,13 +65,13 @@ LOG_RETRY_MAX = 30.0
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
-CLAIM = "SELECT * FROM router_claim($1, $2, $3, $4, $5, $6)"
+CLAIM = f"SELECT * FROM {FN_CLAIM}($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
-MARK = "SELECT router_mark($1, $2, $3, $4, $5, $6, $7)"
+MARK = f"SELECT {FN_MARK}($1, $2, $3, $4, $5, $6, $7)"
 
-RECORD_CIRCUIT = """
-INSERT INTO router_targets (target, circuit, circuit_since, circuit_worker, circuit_error)
+RECORD_CIRCUIT = f"""
+INSERT INTO {TARGETS} (target, circuit, circuit_since, circuit_worker, circuit_error)
 VALUES ($1, $2, now(), $3, $4)
 ON CONFLICT (target) DO UPDATE
 SET circuit = EXCLUDED.circuit, circuit_since = EXCLUDED.circuit_since,
@@ -93,8 +94,8 @@ _BEAT = 0.5
 # could, so one it left waits behind a failed row of its stream, and becomes claimable when
 # that row's retry falls due, which this does return. Counting it as due now had an idle
 # processor claim in vain every 50 ms. ix_router_outbox_stream (failed rows) serves it.
-NEXT_DUE = """
-SELECT extract(epoch FROM (SELECT min(available_at) FROM router_outbox_queue
+NEXT_DUE = f"""
+SELECT extract(epoch FROM (SELECT min(available_at) FROM {OUTBOX_QUEUE}
                            WHERE target = $1 AND status = 'failed') - now())::float8
 """
 

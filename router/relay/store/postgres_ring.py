@@ -37,6 +37,8 @@ from typing import Any
 
 import asyncpg
 
+from router._schema import OUTBOX_SEQ, QUEUE_SLOT_PREFIX, RING, queue_slot
+from router._wakeup import CHANNEL
 from router.relay.store.postgres_sql import RING_CHUNK_BITS, RING_SLOTS
 
 __all__ = [
@@ -57,17 +59,17 @@ RING_LOCK = (1869903204, 0)
 1869903202)."""
 
 # The newest seq handed out (by any session): new rows go to its slot, or the next.
-HEAD = "SELECT last_value FROM router_outbox_seq_seq"
+HEAD = f"SELECT last_value FROM {OUTBOX_SEQ}"
 
 # Per slot, from one look at its locks: bytes on disk (0: empty since its last truncation),
 # how long the oldest transaction holding a lock on it has been open, and whether a VACUUM or
 # ANALYZE is working on it (the SHARE UPDATE EXCLUSIVE lock they hold; pg_locks shows every
 # session's locks, where pg_stat_progress_vacuum hides autovacuum's table from a role without
 # pg_read_all_stats).
-STATE = """
+STATE = f"""
 SELECT s.slot, pg_relation_size(c.oid) AS bytes, locks.held_for, locks.maintained
 FROM generate_series(0, $1 - 1) AS s(slot)
-JOIN pg_class c ON c.relname = 'router_outbox_q' || s.slot
+JOIN pg_class c ON c.relname = '{QUEUE_SLOT_PREFIX}' || s.slot
                 AND c.relnamespace = current_schema()::regnamespace
 CROSS JOIN LATERAL (
     SELECT extract(epoch FROM clock_timestamp() - min(a.xact_start))::float8 AS held_for,
@@ -79,8 +81,8 @@ CROSS JOIN LATERAL (
 ORDER BY s.slot
 """
 
-GATE = "UPDATE router_ring SET gate_until = clock_timestamp() + make_interval(secs => $1) WHERE id"
-OPEN_GATE = "UPDATE router_ring SET gate_until = NULL WHERE id"
+GATE = f"UPDATE {RING} SET gate_until = clock_timestamp() + make_interval(secs => $1) WHERE id"
+OPEN_GATE = f"UPDATE {RING} SET gate_until = NULL WHERE id"
 
 
 def slot_of(seq: int) -> int:
@@ -131,7 +133,7 @@ async def held_slots(conn: Any, older_than: float) -> list[HeldSlot]:
         row = await conn.fetchrow(
             f"SELECT count(*), array_agg(DISTINCT target ORDER BY target),"
             f" extract(epoch FROM now() - min(created_at))::float8"
-            f" FROM router_outbox_q{state.slot}"
+            f" FROM {queue_slot(state.slot)}"
         )
         if row[0] and row[2] > older_than:
             held.append(HeldSlot(state.slot, row[0], list(row[1]), row[2]))
@@ -178,7 +180,7 @@ async def recycle(
         finally:
             await conn.execute(OPEN_GATE)
             # Wake every processor that backed off from the gate.
-            await conn.execute("SELECT pg_notify('router_outbox', '')")
+            await conn.execute(f"SELECT pg_notify('{CHANNEL}', '')")
         return done
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1, $2)", *RING_LOCK)
@@ -186,11 +188,11 @@ async def recycle(
 
 async def _has_rows(conn: Any, slot: int) -> bool:
     # A sequential scan of the slot: its index holds no entry of some live rows ('processing').
-    return bool(await conn.fetchval(f"SELECT EXISTS (SELECT 1 FROM router_outbox_q{slot})"))
+    return bool(await conn.fetchval(f"SELECT EXISTS (SELECT 1 FROM {queue_slot(slot)})"))
 
 
 async def _truncate(conn: Any, slot: int, lock_timeout: float, done: Recycled) -> None:
-    table = f"router_outbox_q{slot}"
+    table = queue_slot(slot)
     try:
         async with conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = {max(1, round(lock_timeout * 1000))}")

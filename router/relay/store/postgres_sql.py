@@ -12,6 +12,8 @@ installed exactly this, so changing either one means changing both.
 
 from __future__ import annotations
 
+from router._schema import FN_CLAIM, FN_MARK, OUTBOX, OUTBOX_QUEUE, RING, TARGETS
+
 __all__ = [
     "CLAIM_FUNCTION",
     "CLAIM_LOCK_NAMESPACE",
@@ -55,8 +57,8 @@ CLAIM_FUNCTION = (
     # generic plan after five calls; without them the planner was free to read the target's
     # whole claim index per candidate row, or to aggregate over it for min(seq), and a claim
     # then cost time in proportion to every row the target had ever delivered.
-    """
-CREATE OR REPLACE FUNCTION router_claim(p_target text, p_limit integer, p_worker text,
+    f"""
+CREATE OR REPLACE FUNCTION {FN_CLAIM}(p_target text, p_limit integer, p_worker text,
                                         p_hold_seconds double precision, p_async boolean,
                                         p_after bigint)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
@@ -110,9 +112,9 @@ BEGIN
     # (0011): runs end with the batch they publish, their locks on the slots go, and the
     # TRUNCATE waits for one batch at most, not for a run. gate_until lapses by itself, so a
     # recycler that died leaves no gate shut.
-    """\
-    -- Busy while finished queue slots are being emptied (router_ring.gate_until).
-    IF EXISTS (SELECT 1 FROM router_ring r WHERE r.id AND r.gate_until > clock_timestamp()) THEN
+    f"""\
+    -- Busy while finished queue slots are being emptied ({RING}.gate_until).
+    IF EXISTS (SELECT 1 FROM {RING} r WHERE r.id AND r.gate_until > clock_timestamp()) THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
                             NULL::text, NULL::double precision;
         RETURN;
@@ -127,8 +129,8 @@ BEGIN
     END IF;
 """
     # A paused target is not claimed by any worker (0003).
-    """\
-    IF EXISTS (SELECT 1 FROM router_targets t WHERE t.target = p_target AND t.paused) THEN
+    f"""\
+    IF EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = p_target AND t.paused) THEN
         RETURN;
     END IF;
 """
@@ -138,9 +140,9 @@ BEGIN
     # of the database's CPU per delivered row). The answer holds for the whole claim: only
     # the holder of the target's lock, taken above, marks its rows failed, and in a run of
     # batches this transaction's own marks are visible to both statements.
-    """\
+    f"""\
     v_held_back := EXISTS (
-        SELECT 1 FROM router_outbox_queue p
+        SELECT 1 FROM {OUTBOX_QUEUE} p
         WHERE p.target = p_target AND p.status IN ('processing', 'failed')
           AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
               > now());
@@ -148,7 +150,7 @@ BEGIN
     WITH picked AS (
         SELECT o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts + 1,
                o.stream_key, extract(epoch FROM o.created_at)::double precision
-        FROM router_outbox_queue o
+        FROM {OUTBOX_QUEUE} o
         WHERE o.target = p_target
 """
     # Once the statistics say most rows are pending, the planner would walk the primary key
@@ -158,10 +160,10 @@ BEGIN
     # in router_outbox_done), and min() starts after p_after: the claim index still holds the
     # entries of rows published since their slot was last emptied, and while a long
     # transaction holds the xmin horizon nothing marks them dead, so min() would visit each.
-    """\
+    f"""\
           -- Start at the first queued row: whichever index the planner picks then skips the
           -- published history instead of walking it (statistics cannot tell it lies first).
-          AND o.seq >= (SELECT min(f.seq) FROM router_outbox_queue f
+          AND o.seq >= (SELECT min(f.seq) FROM {OUTBOX_QUEUE} f
                         WHERE f.target = p_target AND f.seq > p_after
                           AND f.status IN ('pending', 'failed'))
 """
@@ -187,9 +189,9 @@ BEGIN
     # (0012): a plain ``p.seq < o.seq`` let a slot's unique seq index serve the check, and a
     # plan that took it walked, for every candidate, every entry of the slot before it (dead
     # ones too, while the xmin horizon is held): claims of 100-800 ms in bench.xmin_hold.
-    """\
+    f"""\
           AND (NOT v_held_back OR o.stream_key IS NULL OR NOT EXISTS (
-                SELECT 1 FROM router_outbox_queue p
+                SELECT 1 FROM {OUTBOX_QUEUE} p
                 WHERE p.target = o.target AND p.stream_key = o.stream_key
                   AND (p.target, p.stream_key, p.seq) < (o.target, o.stream_key, o.seq)
                   AND p.status IN ('processing', 'failed')
@@ -240,7 +242,7 @@ MARK_FUNCTION = (
     # abandoned row moves to router_outbox_done (its one write: PostgreSQL deletes it from the
     # slot and inserts it there); a failed one stays in its slot.
     f"""
-CREATE OR REPLACE FUNCTION router_mark(p_published bigint[], p_receipts text[],
+CREATE OR REPLACE FUNCTION {FN_MARK}(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
                                        p_abandoned bigint[], p_abandoned_errors text[])
@@ -258,7 +260,7 @@ BEGIN
         SELECT DISTINCT {SLOT_OF} FROM unnest(p_published || p_failed || p_abandoned) AS seq
     LOOP
         IF cardinality(p_published) > 0 THEN
-            UPDATE router_outbox AS o
+            UPDATE {OUTBOX} AS o
             SET status = 'published', published_at = v_now, last_error = NULL,
                 receipt = t.receipt, attempts = o.attempts + 1, last_attempt_at = v_now,
                 first_attempt_at = coalesce(o.first_attempt_at, v_now)
@@ -270,7 +272,7 @@ BEGIN
     # Failed: due again after its own retry delay.
     f"""\
         IF cardinality(p_failed) > 0 THEN
-            UPDATE router_outbox AS o
+            UPDATE {OUTBOX} AS o
             SET status = 'failed', available_at = v_now + make_interval(secs => t.delay),
                 last_error = t.error, attempts = o.attempts + 1, last_attempt_at = v_now,
                 first_attempt_at = coalesce(o.first_attempt_at, v_now)
@@ -282,7 +284,7 @@ BEGIN
     # Abandoned: no longer open, so never claimed again.
     f"""\
         IF cardinality(p_abandoned) > 0 THEN
-            UPDATE router_outbox AS o
+            UPDATE {OUTBOX} AS o
             SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
                 last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
             FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)

@@ -28,6 +28,7 @@ from typing import Any
 
 import asyncpg
 
+from router._schema import OUTBOX_QUEUE
 from router.relay.store.base import describe_error
 from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_ring import recycle
@@ -132,7 +133,7 @@ async def _vacuum_queue(conn: Any) -> None:
     # to itself, which a slot being filled or drained never is; VACUUM would retry for up to
     # 5 s (wait event VacuumTruncate), keeping the ring's pass off the slot all that while. The
     # ring truncates finished slots whole.
-    await conn.execute("VACUUM (ANALYZE, SKIP_LOCKED, TRUNCATE false) router_outbox_queue")
+    await conn.execute(f"VACUUM (ANALYZE, SKIP_LOCKED, TRUNCATE false) {OUTBOX_QUEUE}")
 
 
 def _report_vacuum(name: str, _: None, seconds: float) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import asyncpg
 
+from router._schema import OUTBOX_QUEUE, TARGETS
 from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.relay.store.base import Wake
 
@@ -56,7 +57,7 @@ The LISTEN connection hands no notification over while it waits, so it stays sho
 # (as oid, so a negative hash reads as its unsigned value) and objsubid 2.
 TAKE = f"""
 SELECT CASE
-    WHEN EXISTS (SELECT 1 FROM router_targets WHERE target = $1 AND paused) THEN 'paused'
+    WHEN EXISTS (SELECT 1 FROM {TARGETS} WHERE target = $1 AND paused) THEN 'paused'
     WHEN pg_try_advisory_lock({WAKE_LOCK_NAMESPACE}, hashtext($1)) THEN 'taken'
     WHEN EXISTS (
         SELECT 1 FROM pg_locks l JOIN pg_database d ON d.oid = l.database
@@ -72,7 +73,7 @@ GIVE_BACK = f"SELECT pg_advisory_unlock({WAKE_LOCK_NAMESPACE}, hashtext($1))"
 # Whether the target has rows a claim could take now: what a claim would cost to learn, at the
 # price of one probe of the claim index (ix_router_outbox_claim, status pending or failed).
 PENDING = (
-    "SELECT EXISTS (SELECT 1 FROM router_outbox_queue "
+    f"SELECT EXISTS (SELECT 1 FROM {OUTBOX_QUEUE} "
     "WHERE target = $1 AND status IN ('pending', 'failed') AND available_at <= now())"
 )
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from envelopes import DatabaseError
+from router._schema import WAKEUP_PUBLICATION
 from router.relay.store.base import Wake, describe_error
 
 __all__ = [
@@ -55,11 +56,12 @@ __all__ = [
     "log_problem",
 ]
 
-PUBLICATION = "router_wakeup"
+PUBLICATION = WAKEUP_PUBLICATION
 """Made by ``router init-db`` (migration 0014) on every PostgreSQL database."""
 
-SLOT_PREFIX = "router_wakeup_"
-"""Each follower's temporary slot is this and a random suffix: several routers never share one."""
+SLOT_PREFIX = f"{WAKEUP_PUBLICATION}_"
+"""Each follower's temporary slot is this (named after the publication it reads) and a random
+suffix: several routers never share one."""
 
 FEEDBACK_EVERY = 2.0
 """Seconds between standby status messages at the most, idle or not: far below the default

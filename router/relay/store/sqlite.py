@@ -20,6 +20,7 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
+from router._schema import OUTBOX, TARGETS
 from router.relay.pumps import Overlapping
 from router.relay.store.base import (
     OPEN_STATUSES_SQL,
@@ -40,17 +41,17 @@ __all__ = ["SqliteStore"]
 # SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
 # the predecessor check below always sees every earlier claim.
 CLAIM = f"""
-UPDATE router_outbox
+UPDATE {OUTBOX}
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
     attempts = attempts + 1, last_attempt_at = ?, first_attempt_at = coalesce(first_attempt_at, ?)
-WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused)
+WHERE NOT EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = ? AND t.paused)
   AND seq IN (
-    SELECT o.seq FROM router_outbox o
+    SELECT o.seq FROM {OUTBOX} o
     WHERE o.target = ?
       AND o.status IN ({OPEN_STATUSES_SQL})
       AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?
       AND (o.stream_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM router_outbox p
+            SELECT 1 FROM {OUTBOX} p
             WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
               AND p.status IN ('processing', 'failed')
               AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
@@ -61,35 +62,35 @@ WHERE NOT EXISTS (SELECT 1 FROM router_targets t WHERE t.target = ? AND t.paused
 RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at
 """
 
-RECORD_CIRCUIT = """
-INSERT INTO router_targets (target, paused, circuit, circuit_since, circuit_worker, circuit_error)
+RECORD_CIRCUIT = f"""
+INSERT INTO {TARGETS} (target, paused, circuit, circuit_since, circuit_worker, circuit_error)
 VALUES (?, 0, ?, ?, ?, ?)
 ON CONFLICT (target) DO UPDATE
 SET circuit = excluded.circuit, circuit_since = excluded.circuit_since,
     circuit_worker = excluded.circuit_worker, circuit_error = excluded.circuit_error
 """
 
-MARK_PUBLISHED = """
-UPDATE router_outbox
+MARK_PUBLISHED = f"""
+UPDATE {OUTBOX}
 SET status = 'published', published_at = ?, last_error = NULL, locked_by = NULL,
     locked_until = NULL, receipt = ?
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
-MARK_FAILED = """
-UPDATE router_outbox
+MARK_FAILED = f"""
+UPDATE {OUTBOX}
 SET status = 'failed', available_at = ?, last_error = ?, locked_by = NULL, locked_until = NULL
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
-MARK_ABANDONED = """
-UPDATE router_outbox
+MARK_ABANDONED = f"""
+UPDATE {OUTBOX}
 SET status = 'abandoned', last_error = ?, locked_by = NULL, locked_until = NULL
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
 """
 
-RELEASE = """
-UPDATE router_outbox
+RELEASE = f"""
+UPDATE {OUTBOX}
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = ?, locked_by = NULL, locked_until = NULL
 WHERE seq = ? AND lease_token = ? AND status = 'processing'
@@ -98,23 +99,23 @@ WHERE seq = ? AND lease_token = ? AND status = 'processing'
 # A batch's heartbeat, fenced by its token and 'processing' (see the PostgreSQL store). SQLite
 # uses a partial index only when the statement repeats its condition, hence the status list.
 EXTEND = f"""
-UPDATE router_outbox SET locked_until = ?
+UPDATE {OUTBOX} SET locked_until = ?
 WHERE target = ? AND status IN ({OPEN_STATUSES_SQL})
   AND lease_token = ? AND status = 'processing'
 """
 
 # A dead worker's leases, fenced by its id (see the PostgreSQL store): as RELEASE does.
-RELEASE_WORKER = """
-UPDATE router_outbox
+RELEASE_WORKER = f"""
+UPDATE {OUTBOX}
 SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
     attempts = attempts - 1, available_at = ?, locked_by = NULL, locked_until = NULL
 WHERE locked_by = ? AND status = 'processing'
 """
 
 # Not pending rows: the claim before took every one it could (see the PostgreSQL store).
-NEXT_DUE = """
+NEXT_DUE = f"""
 SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
-FROM router_outbox
+FROM {OUTBOX}
 WHERE target = ? AND status IN ('failed', 'processing')
 """
 
@@ -333,5 +334,5 @@ def _signature(path: Path) -> tuple[int, int] | None:
 def _database_error(name: str, exc: BaseException) -> DatabaseError:
     text = str(exc)
     if "no such table" in text:
-        return DatabaseError(f"{name}: no router_outbox table; run 'router init-db'")
+        return DatabaseError(f"{name}: no {OUTBOX} table; run 'router init-db'")
     return DatabaseError(f"{name}: {describe_error(exc)}")
