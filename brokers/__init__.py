@@ -9,7 +9,7 @@ from brokers._expose import Expose
 from brokers._factory import create_broker
 from brokers._lazy import MissingClient
 from brokers._native import NativeProperties
-from brokers._protocol import Broker, OutgoingMessage, PublishResult
+from brokers._protocol import AtomicBroker, Broker, OutgoingMessage, PublishResult, unit_verdict
 from brokers._settings import (
     BrokerSettings,
     EmbeddedServer,
@@ -28,6 +28,7 @@ from brokers.settings import AnyBrokerSettings
 __all__ = [
     "NOT_SENT",
     "AnyBrokerSettings",
+    "AtomicBroker",
     "Broker",
     "BrokerSettings",
     "EmbeddedServer",
@@ -46,5 +47,6 @@ __all__ = [
     "create_broker",
     "publish_in_order",
     "redact_url",
+    "unit_verdict",
     "waves",
 ]

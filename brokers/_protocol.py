@@ -21,6 +21,11 @@ An adapter turns rendered messages into broker writes. The processor relies on t
   and offset, Redis entry id, RabbitMQ confirm time). It is stored on the row and shown by
   ``router trace``, so an operator can prove which partner got which event.
 - ``ping()`` checks the broker answers (raises ``BrokerUnavailable``); ``close()`` is idempotent.
+
+An adapter whose broker has an atomic write (a JetStream batch, a Service Bus batch, a Redis
+``MULTI``/``EXEC``) is also an ``AtomicBroker``: ``publish_atomic(units)`` writes each unit
+(the rows of one application transaction for the target) as one such write, all of its
+messages stored or none, with one verdict per unit (``unit_verdict``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Protocol, runtime_checkable
 
 from envelopes import WireMessage
 
-__all__ = ["Broker", "OutgoingMessage", "PublishResult"]
+__all__ = ["AtomicBroker", "Broker", "OutgoingMessage", "PublishResult", "unit_verdict"]
 
 
 @dataclass(slots=True)  # not frozen, like WireMessage: one is made per message
@@ -92,3 +97,43 @@ class Broker(Protocol):
 
     async def close(self) -> None:
         """Release connections; safe to call more than once."""
+
+
+@runtime_checkable
+class AtomicBroker(Broker, Protocol):
+    """A broker with an atomic write of several messages (see the module docstring)."""
+
+    max_unit: int
+    """The most messages one atomic write may hold (JetStream: 1,000)."""
+
+    async def publish_atomic(
+        self, units: Sequence[Sequence[OutgoingMessage]]
+    ) -> list[list[PublishResult]]:
+        """Publish each unit as one atomic write; per unit, one result per message, in order.
+
+        Within a unit every result has the same verdict: all acknowledged (each with its own
+        receipt where the broker gives one), all failed with one error that names the member
+        the broker refused, or all cut off. No two units of one call share a stream key (the
+        caller sends waves, as for ``publish``); units of a call may be in flight together
+        and are written in order. Raises ``BrokerUnavailable`` as ``publish`` does.
+        """
+
+
+def unit_verdict(members: Sequence[PublishResult], ids: Sequence[str]) -> list[PublishResult]:
+    """One verdict for a unit from its members' own outcomes (``ids``: their message ids).
+
+    Acknowledged when every member is; otherwise the first refusal (not a cut-off) decides,
+    named by its member, and every member takes it: the broker stored none of them. With no
+    refusal, a member cut off cuts the whole unit off."""
+    if all(r.ok for r in members):
+        return list(members)
+    for index, result in enumerate(members):
+        if not result.ok and not result.unreachable:
+            error = (
+                f"atomic unit of {len(members)} refused: member {index + 1} "
+                f"({ids[index]}): {result.error}"
+            )
+            verdict = PublishResult.failed(error, retryable=result.retryable)
+            return [verdict] * len(members)
+    cut = next(r for r in members if not r.ok)
+    return [cut] * len(members)

@@ -19,6 +19,11 @@ subscription on ``<inbox>.*`` turns each reply into a ``PublishResult``:
   failure path alone;
 - ``{"error": {"code": 400, ...}}``: JetStream refuses this message as it is: not retryable;
   any other error code: retryable.
+- An empty answer: a member of an atomic batch taken in (``STAGED``; only its commit, the
+  last member, gets a PubAck). The commit's error 10201 (the batch holds a message id the
+  stream stored already) means a batch of the same members was stored before: acknowledged,
+  its receipt saying so (``is_batch_stored``). 10176 (the batch is incomplete) is
+  retryable: a member did not reach the server, and no member refused says why.
 
 The answers of one window of publishes fill one ``AckWindow``, which completes one future when
 the last arrives: no future per message. And on a ``RoutingClient`` the replies reach the
@@ -41,16 +46,35 @@ from nats.aio.client import Client
 
 from brokers._protocol import PublishResult
 
-__all__ = ["NO_STREAM", "ROUTED", "AckInbox", "AckWindow", "RoutingClient", "new_client"]
+__all__ = [
+    "NO_STREAM",
+    "ROUTED",
+    "STAGED",
+    "AckInbox",
+    "AckWindow",
+    "RoutingClient",
+    "is_batch_stored",
+    "new_client",
+]
 
 _NO_RESPONDERS = "503"
 _NO_RESPONDERS_LINE = b"NATS/1.0 503"
 _STREAM_NOT_FOUND = 10059  # JetStream's err_code for "stream not found"
+_BATCH_DUPLICATE = 10201  # "atomic publish batch contains duplicate message id"
+_BATCH_INCOMPLETE = 10176  # "atomic publish batch is incomplete"
 
 NO_STREAM = PublishResult.failed(
     "no stream captures the subject (JetStream unavailable, or the stream is missing)",
     retryable=True,
 )
+
+STAGED = PublishResult.acked()
+"""A member of an atomic batch taken in; the batch's verdict comes with its commit."""
+
+
+def is_batch_stored(result: PublishResult) -> bool:
+    """Whether a batch commit's answer says a batch of the same members was stored before."""
+    return result.ok and result.receipt is not None and '"batch_stored":true' in result.receipt
 
 
 def _routable() -> bool:
@@ -167,6 +191,8 @@ class AckInbox:
 def _outcome(data: bytes, no_responders: bool) -> PublishResult:
     if no_responders:
         return NO_STREAM
+    if not data:
+        return STAGED
     try:
         answer = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -174,10 +200,14 @@ def _outcome(data: bytes, no_responders: bool) -> PublishResult:
     error = answer.get("error") if isinstance(answer, dict) else None
     if error is None:  # the PubAck itself is the receipt: stream, sequence, duplicate flag
         return PublishResult.acked(data.decode())
-    if error.get("err_code") == _STREAM_NOT_FOUND:
+    err_code = error.get("err_code")
+    if err_code == _STREAM_NOT_FOUND:
         return NO_STREAM
+    if err_code == _BATCH_DUPLICATE:
+        stream = orjson.dumps(answer.get("stream")).decode()
+        return PublishResult.acked(f'{{"stream":{stream},"duplicate":true,"batch_stored":true}}')
     code = error.get("code")
-    text = f"{error.get('description', 'error')} (code {code}, err_code {error.get('err_code')})"
-    if code == 400:
+    text = f"{error.get('description', 'error')} (code {code}, err_code {err_code})"
+    if code == 400 and err_code != _BATCH_INCOMPLETE:
         return PublishResult.failed(f"rejected by JetStream: {text}", retryable=False)
     return PublishResult.failed(f"JetStream error: {text}", retryable=True)

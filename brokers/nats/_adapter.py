@@ -24,6 +24,14 @@ more at once; otherwise (or if that fails) ``publish`` raises ``BrokerUnavailabl
 does not exist ...")``, which opens the target's circuit instead of spending every row's
 attempts, and the circuit's probe (a connect) finds the stream once it is back.
 
+With ``stream.allow_atomic``, ``publish_atomic`` writes each unit as one JetStream atomic batch
+(ADR-50, nats-server 2.12+): every member carries ``Nats-Batch-Id`` (new for each attempt) and
+``Nats-Batch-Sequence``, the last also ``Nats-Batch-Commit``, and each is sent with a reply
+subject, so a member the stream refuses is named by its own answer. The commit's PubAck gives
+the last member's sequence and the count: the members hold the sequences before it, in order.
+A unit sent again after its commit's answer was lost is refused whole with error 10201 (its
+``Nats-Msg-Id``s are in the stream's duplicate window): stored already, so acknowledged.
+
 A message NATS cannot carry as it is (a header name outside the token characters, or over the
 server's ``max_payload``) is refused on its own, not retried; the rest of the batch still goes
 (see ``brokers.nats._frames``).
@@ -39,18 +47,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.js.api import StorageType, StreamConfig
 
 from brokers._describe import describe
-from brokers._protocol import OutgoingMessage, PublishResult
+from brokers._protocol import OutgoingMessage, PublishResult, unit_verdict
 from brokers.nats import _frames
-from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, new_client
+from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, is_batch_stored, new_client
 from brokers.nats._settings import MSG_ID_HEADER, NatsSettings, subject_matches
 from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 
@@ -80,9 +90,25 @@ _ANSWER_ERRORS: tuple[type[BaseException], ...] = (
 # Seconds between nats-py's keepalive pings (see connect()).
 _PING_INTERVAL = 10
 
+# ADR-50's headers, and the most members one batch may hold.
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
+MAX_BATCH = 1000
+
+
+class _MemberRefused(Exception):
+    """A member of an atomic unit cannot go as it is: the whole unit stays."""
+
+    def __init__(self, position: int, reason: str) -> None:
+        super().__init__(reason)
+        self.position, self.reason = position, reason
+
 
 class NatsBroker:
     """Publishes to one JetStream stream; see ``brokers._protocol`` for the contract."""
+
+    max_unit = MAX_BATCH
 
     def __init__(self, name: str, settings: NatsSettings) -> None:
         self.name = name
@@ -215,6 +241,119 @@ class NatsBroker:
             return await self._resend_without_stream(window, outcome)
         return outcome
 
+    async def publish_atomic(
+        self, units: Sequence[Sequence[OutgoingMessage]]
+    ) -> list[list[PublishResult]]:
+        """Publish each unit as one atomic batch, the units in order with answers in flight;
+        one verdict per unit (``brokers._protocol.AtomicBroker``)."""
+        await self.connect()
+        client, acks = self._client, self._acks
+        answers = AckWindow()
+        frames: list[bytes] = []
+        verdicts: list[list[PublishResult] | None] = []
+        sent: list[tuple[int, int, str]] = []  # per unit sent: its answers' start, its index, id
+        for index, unit in enumerate(units):
+            refused = self._refused_unit(unit)
+            if refused is not None:
+                verdicts.append(refused)
+                continue
+            start, batch = len(answers.results), uuid.uuid4().hex
+            try:
+                frames.extend(self._batch_frames(unit, batch, answers))
+            except _MemberRefused as exc:
+                while len(answers.results) > start:
+                    acks.withdraw(answers)
+                members = [PublishResult.acked()] * len(unit)
+                members[exc.position] = PublishResult.failed(exc.reason, retryable=False)
+                verdicts.append(unit_verdict(members, [m.wire.message_id for m in unit]))
+                continue
+            verdicts.append(None)
+            sent.append((start, index, batch))
+        if frames:
+            try:
+                await self._send(client, frames)
+            except BrokerUnavailable:
+                acks.forget(answers)
+                raise
+            results = await self._collect(answers)
+            for start, index, batch in sent:
+                unit = units[index]
+                verdicts[index] = self._unit_outcome(
+                    unit, results[start : start + len(unit)], batch
+                )
+        return [v for v in verdicts if v is not None]
+
+    def _refused_unit(self, unit: Sequence[OutgoingMessage]) -> list[PublishResult] | None:
+        """A unit JetStream would refuse whole before a member is sent (too many members)."""
+        if len(unit) <= MAX_BATCH:
+            return None
+        refusal = PublishResult.failed(
+            f"an atomic unit of {len(unit):,} messages; a JetStream batch holds {MAX_BATCH:,}",
+            retryable=False,
+        )
+        return [refusal] * len(unit)
+
+    def _batch_frames(
+        self, unit: Sequence[OutgoingMessage], batch: str, answers: AckWindow
+    ) -> list[bytes]:
+        """The unit's frames, each member with its reply subject; ``_MemberRefused`` names
+        a member that cannot go as it is (a header name, its size)."""
+        frames = []
+        last = len(unit)
+        max_payload = self._client.max_payload
+        for number, message in enumerate(unit, 1):
+            headers = dict(self.settings.native_headers(message.wire))
+            headers[BATCH_ID] = batch
+            headers[BATCH_SEQUENCE] = str(number)
+            if number == last:
+                headers[BATCH_COMMIT] = "1"
+            reply = self._acks.expect(answers)
+            try:
+                body = message.wire.body
+                frames.append(_frames.frame(message.destination, reply, headers, body, max_payload))
+            except _frames.Refused as exc:
+                raise _MemberRefused(number - 1, str(exc)) from None
+        return frames
+
+    def _unit_outcome(
+        self, unit: Sequence[OutgoingMessage], members: list[PublishResult], batch: str
+    ) -> list[PublishResult]:
+        """One verdict from the members' answers; on success each member's receipt."""
+        ids = [m.wire.message_id for m in unit]
+        commit = members[-1]
+        if not all(r.ok for r in members) or commit.receipt is None:
+            return unit_verdict(members, ids)
+        if is_batch_stored(commit):
+            return [commit] * len(unit)
+        ack = orjson.loads(commit.receipt)
+        if ack.get("batch") != batch or ack.get("count") != len(unit):
+            # A server without atomic publish stored each member on its own: say so loudly.
+            refusal = PublishResult.failed(
+                "JetStream answered the batch's commit without the batch "
+                f"({commit.receipt}): atomic publish needs nats-server 2.12 or later and "
+                "a stream with allow_atomic",
+                retryable=False,
+            )
+            return [refusal] * len(unit)
+        stream, last = ack["stream"], ack["seq"]
+        first = last - len(unit) + 1
+        return [
+            PublishResult.acked(
+                orjson.dumps(
+                    {"stream": stream, "seq": first + i, "batch": batch, "count": len(unit)}
+                ).decode()
+            )
+            for i in range(len(unit))
+        ]
+
+    async def _send(self, client: Any, frames: list[bytes]) -> None:
+        """Write frames in order; ``BrokerUnavailable`` (the connection closed) if that fails."""
+        try:
+            await _frames.send(client, frames)
+        except _CONNECTION_ERRORS as exc:
+            await self.close()
+            raise BrokerUnavailable(f"{self.name}: NATS connection lost: {describe(exc)}") from exc
+
     async def _resend_without_stream(
         self, window: Sequence[OutgoingMessage], outcome: list[PublishResult]
     ) -> list[PublishResult]:
@@ -313,6 +452,7 @@ class NatsBroker:
                         num_replicas=wanted.replicas,
                         max_age=wanted.max_age_seconds,
                         duplicate_window=wanted.duplicate_window_seconds,
+                        allow_atomic=wanted.allow_atomic or None,
                     )
                 )
             except nats.js.errors.APIError as exc:
@@ -331,5 +471,11 @@ class NatsBroker:
             raise BrokerError(
                 f"{self.name}: stream {wanted.name!r} exists with subjects {have}, "
                 f"which do not cover {missing}"
+            )
+        if wanted.allow_atomic and not info.config.allow_atomic:
+            raise BrokerError(
+                f"{self.name}: stream {wanted.name!r} does not allow atomic batch publish "
+                "(stream.allow_atomic is on): allow it on the stream (allow_atomic, "
+                "nats-server 2.12 or later)"
             )
         return False

@@ -54,6 +54,11 @@ class NatsStream(BaseModel):
         ge=0.1,
         description="Seconds a stream the router creates drops a repeated Nats-Msg-Id for.",
     )
+    allow_atomic: bool = Field(
+        False,
+        description="Create the stream with atomic batch publish allowed (nats-server 2.12+), "
+        "and require it of a stream that exists.",
+    )
 
     @field_validator("subjects")
     @classmethod
