@@ -181,13 +181,16 @@ async def settled_holders(url: str, target: str, expected: list[str]) -> list[st
 
 
 async def wake_lock_holders(url: str, target: str) -> list[str]:
-    """The modes in which sessions hold ``target``'s wake lock."""
+    """The modes in which sessions hold ``target``'s wake lock in the database at ``url``
+    (advisory locks belong to a database, and another test's may hold its own target of the
+    same name at the same time on the same server)."""
     conn = await asyncpg.connect(url)
     try:
         rows = await conn.fetch(
             "SELECT mode FROM pg_locks WHERE locktype = 'advisory' AND granted "
             "AND classid = $1::bigint::oid AND objid = (hashtext($2)::bigint & 4294967295)::oid "
-            "AND objsubid = 2",
+            "AND objsubid = 2 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             WAKE_LOCK_NAMESPACE,
             target,
         )

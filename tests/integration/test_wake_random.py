@@ -2,8 +2,8 @@
 their own while the relay goes idle, wakes, works and goes idle again: every committed event
 arrives within a second of its commit, though the relay would poll only once an hour.
 
-PostgreSQL by idle-only NOTIFY (the shared server) and by its log (a private server with
-``wal_level = logical``); MariaDB by its binlog (a private server with it on) and by the poll
+PostgreSQL by idle-only NOTIFY (the shared server), by its log (a private server with
+``wal_level = logical``) and by the poll (the shared server); MariaDB by its binlog (a private server with it on) and by the poll
 (the shared server); SQLite by its WAL file."""
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ async def test_postgresql_idle_only_notify(pg_url: str, tmp_path: Path) -> None:
 
 async def test_postgresql_log(log_url: str, tmp_path: Path) -> None:
     await all_within_a_second(Relay(log_url, tmp_path, wakeup="log"), "log", seed=2)
+
+
+async def test_postgresql_poll(pg_url: str, tmp_path: Path) -> None:
+    await all_within_a_second(Relay(pg_url, tmp_path, wakeup="poll"), "poll", seed=5)
 
 
 async def test_mariadb_binlog(binlog_url: str, tmp_path: Path) -> None:

@@ -337,7 +337,7 @@ class MysqlStore:
         recheck = False
         while True:
             try:
-                seq, pending, *paused = await self._look()
+                seq, pending, *others = await self._look()
             except DatabaseError as exc:
                 self.outage.failed(str(exc), retry_in=interval)
                 seen = _UNKNOWN  # wake everyone once the database answers again
@@ -347,10 +347,10 @@ class MysqlStore:
             self.outage.recovered()
             rose = pending is not None and (high is None or pending > high)
             high = pending if rose else high
-            changed = (seq, *paused) != seen or rose
+            changed = (seq, *others) != seen or rose
             if changed or recheck:
                 wake(None)
-            seen, recheck = (seq, *paused), changed
+            seen, recheck = (seq, *others), changed
             interval = WATCH_BUSY if changed else min(interval * 2, self.watch_interval)
             await pace.wait(interval)
 

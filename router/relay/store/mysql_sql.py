@@ -248,15 +248,22 @@ WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s
 #   (a loose index scan: EXPLAIN says "Using index for group-by"), then the latest of those.
 #   Only a rise counts: a claim takes pending rows away and a release puts them back with
 #   the time they had, but a requeue stamps its rows with UTC_TIMESTAMP(6), later than any;
+# - per target, the lowest and highest seq of its pending rows (a loose index scan of
+#   ix_router_outbox_claim): a transaction that drew its seq before others committed, and
+#   commits after they were seen, changes neither of the first two but moves one of these,
+#   unless its row falls between two pending rows of its target that no claim took;
 # - the paused targets: how many, and the newest pause. A resume lowers the count unless a
 #   target was paused since, which moves the newest pause (stamped by the server too).
-# One statement either way; the watcher wakes the processors when the first or the last two
-# change, or the second rises.
+# One statement either way; the watcher wakes the processors when any but the second
+# changes, or the second rises.
 WATCH = f"""
 SELECT (SELECT MAX(seq) FROM {OUTBOX}),
     (SELECT MAX(newest) FROM (
         SELECT MAX(available_at) AS newest FROM {OUTBOX} FORCE INDEX ({IX_OUTBOX_DUE})
         WHERE status = 'pending' GROUP BY target) AS pending),
+    (SELECT GROUP_CONCAT(target, ' ', lo, ' ', hi ORDER BY target) FROM (
+        SELECT target, MIN(seq) AS lo, MAX(seq) AS hi FROM {OUTBOX}
+        FORCE INDEX ({IX_OUTBOX_CLAIM}) WHERE status = 'pending' GROUP BY target) AS queued),
     (SELECT COUNT(*) FROM {TARGETS} WHERE paused),
     (SELECT MAX(paused_at) FROM {TARGETS} WHERE paused)
 """

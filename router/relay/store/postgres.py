@@ -11,7 +11,8 @@ through logical decoding), else from ``NOTIFY router_outbox``, whose payload nam
 and is delivered only when the writer commits. A writer sends one only while a relay of its
 target is idle and listening, which a processor shows by holding its wake lock on the LISTEN
 connection (``postgres_wake.py``); a relay that follows the log holds none, so then no writer
-notifies.
+notifies. With ``wakeup: poll`` (no LISTEN: behind a pooler in transaction mode, say) no writer
+notifies either, and a watcher looks every ``WATCH_FAST`` seconds (``WATCH``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ LISTEN_RETRY_MAX = 2.0
 # how long writers' commits wake the relay the old way after the replication connection is
 # back (or the DBA fixed what kept it out).
 LOG_RETRY_MAX = 30.0
+
+# The poll's pace (``wakeup: poll``): a look every 50 ms, one cheap statement (``WATCH``).
+WATCH_FAST = 0.05
+
+# What the poll compares from one look to the next: the newest seq queued, and the oldest
+# transaction still running anywhere on the server (the snapshot's xmin). A row's transaction
+# may commit after a higher seq was seen (seq is drawn at insert, not at commit), which leaves
+# the first unchanged; but once that transaction and every transaction older than it have
+# ended, xmin has moved past it. So each commit is seen at the latest when the oldest writer
+# older than it ends, and at once in the usual case, where it is the oldest itself. A requeue
+# or a resume, which draw no seq, are seen the same way. xmin moves with every write on the
+# server, so a busy server wakes the processors at each look: a claim that finds nothing
+# costs an index probe. The seq comes from each queue partition's unique index, backwards.
+WATCH = f"SELECT (SELECT max(seq) FROM {OUTBOX_QUEUE}), pg_snapshot_xmin(pg_current_snapshot())"
+_UNSEEN = object()  # what the poll saw before its first look, or after an outage
 
 # One round trip, in the batch's transaction; router/relay/store/postgres_sql.py has the
 # function and why each clause is there.
@@ -302,7 +318,7 @@ class PostgresStore:
         setting = self._wakeup_setting
         if setting == "poll":
             self._set_wakeup("poll", "configured")
-            await asyncio.Event().wait()  # the processors' poll_interval does it all
+            await self._poll(wake)
             return
         if setting == "notify":
             self._set_wakeup("notify", "configured")
@@ -436,6 +452,30 @@ class PostgresStore:
                 self._wake_locks.detach()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(conn.close(), 2)
+
+    async def _poll(self, wake: Wake) -> None:
+        """Look for changes (``WATCH``) every ``WATCH_FAST`` seconds; wake everyone on one,
+        and once more at the next look, for a commit that lagged its seq's neighbours."""
+        seen: object = _UNSEEN
+        recheck = False
+        delay = WATCH_FAST
+        while True:
+            try:
+                async with self._connection() as conn:
+                    look = tuple(await conn.fetchrow(WATCH))
+            except DatabaseError as exc:
+                self.outage.failed(str(exc), retry_in=delay)
+                seen = _UNSEEN  # wake everyone once the database answers again
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, LISTEN_RETRY_MAX)
+                continue
+            delay = WATCH_FAST
+            self.outage.recovered()
+            changed = look != seen
+            if changed or recheck:
+                wake(None)
+            seen, recheck = look, changed
+            await asyncio.sleep(WATCH_FAST)
 
     async def idle(self, target: str) -> float | None:
         """``target``'s processor found nothing to claim: it takes its wake lock in the
