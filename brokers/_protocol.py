@@ -36,7 +36,16 @@ from typing import Protocol, runtime_checkable
 
 from envelopes import WireMessage
 
-__all__ = ["AtomicBroker", "Broker", "OutgoingMessage", "PublishResult", "unit_verdict"]
+__all__ = [
+    "AtomicBroker",
+    "Broker",
+    "OutgoingMessage",
+    "PublishResult",
+    "member_refused",
+    "unit_too_large",
+    "unit_verdict",
+    "whole_unit",
+]
 
 
 @dataclass(slots=True)  # not frozen, like WireMessage: one is made per message
@@ -137,3 +146,38 @@ def unit_verdict(members: Sequence[PublishResult], ids: Sequence[str]) -> list[P
             return [verdict] * len(members)
     cut = next(r for r in members if not r.ok)
     return [cut] * len(members)
+
+
+def member_refused(
+    ids: Sequence[str], position: int, error: str, *, retryable: bool
+) -> list[PublishResult]:
+    """The verdict on a unit whose member at ``position`` cannot go as it is, found before
+    anything of the unit was sent: every member fails, naming that one (``unit_verdict``)."""
+    members = [PublishResult.acked()] * len(ids)
+    members[position] = PublishResult.failed(error, retryable=retryable)
+    return unit_verdict(members, ids)
+
+
+def whole_unit(size: int, outcome: PublishResult) -> list[PublishResult]:
+    """Every member of a unit of ``size`` with the one ``outcome`` the broker gave the unit as
+    a whole: acknowledged, cut off, or refused without singling out a member (which the
+    error then says)."""
+    if outcome.ok or outcome.unreachable:
+        return [outcome] * size
+    refusal = PublishResult.failed(
+        f"atomic unit of {size} refused whole: {outcome.error}", retryable=outcome.retryable
+    )
+    return [refusal] * size
+
+
+def unit_too_large(
+    unit: Sequence[OutgoingMessage], limit: int, write: str
+) -> list[PublishResult] | None:
+    """Every member refused for good, unsent, when ``unit`` holds more than ``limit``
+    messages (``write``: what the broker calls its atomic write); None when it fits."""
+    if len(unit) <= limit:
+        return None
+    refusal = PublishResult.failed(
+        f"an atomic unit of {len(unit):,} messages; a {write} holds {limit:,}", retryable=False
+    )
+    return [refusal] * len(unit)

@@ -6,6 +6,11 @@ Like httpx's mock transport, it takes a plain function that decides each message
 
 ``down = True`` makes it behave like an unreachable broker; ``hang = True`` like one that
 accepts the connection and never answers. ``wait_for(n)`` lets a test wait for deliveries.
+
+It is an ``AtomicBroker``: ``publish_atomic`` asks the same handler about every member of a
+unit, and stores the unit whole (in ``messages``, and as one entry of ``units``) only when it
+refused none; a member it refuses (or cuts off) is the verdict on the whole unit, as
+``unit_verdict`` words it. A unit of more than ``max_unit`` messages is refused unsent.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from brokers._protocol import OutgoingMessage, PublishResult
+from brokers._protocol import OutgoingMessage, PublishResult, unit_too_large, unit_verdict
 from brokers._settings import BrokerSettings
 from envelopes import BrokerUnavailable
 
@@ -37,10 +42,15 @@ class MemorySettings(BrokerSettings):
 class MemoryBroker:
     """Keeps every acknowledged message in ``messages``, in publish order."""
 
+    max_unit = 1000
+    """The most messages one atomic unit may hold (as JetStream's batch); a test may lower it."""
+
     def __init__(self, name: str = "memory", *, handler: Handler | None = None) -> None:
         self.name = name
         self.handler = handler
         self.messages: list[OutgoingMessage] = []
+        self.units: list[list[OutgoingMessage]] = []
+        """The atomic units stored, in publish order (their messages are in ``messages`` too)."""
         self.attempts: list[OutgoingMessage] = []
         self.down = False
         self.hang = False
@@ -57,16 +67,43 @@ class MemoryBroker:
         await self._reachable()
         results = []
         for message in batch:
-            self.attempts.append(message)
-            result = self.handler(message) if self.handler else None
-            if result is None or result.ok:
+            result = self._judge(message)
+            if result.ok:
                 self.messages.append(message)
-                results.append(PublishResult.acked())
-            else:
-                results.append(result)
+            results.append(result)
+        await self._notify()
+        return results
+
+    async def publish_atomic(
+        self, units: Sequence[Sequence[OutgoingMessage]]
+    ) -> list[list[PublishResult]]:
+        """Store each unit whole when the handler refuses none of its members; else store none
+        of it, every member with the one verdict (``brokers._protocol.AtomicBroker``)."""
+        await self._reachable()
+        verdicts = []
+        for unit in units:
+            refused = unit_too_large(unit, self.max_unit, "memory broker's unit")
+            if refused is not None:
+                verdicts.append(refused)
+                continue
+            members = [self._judge(message) for message in unit]
+            verdict = unit_verdict(members, [m.wire.message_id for m in unit])
+            if all(r.ok for r in verdict):
+                self.messages.extend(unit)
+                self.units.append(list(unit))
+            verdicts.append(verdict)
+        await self._notify()
+        return verdicts
+
+    def _judge(self, message: OutgoingMessage) -> PublishResult:
+        """What the handler makes of one message (acknowledged when it says nothing)."""
+        self.attempts.append(message)
+        result = self.handler(message) if self.handler else None
+        return PublishResult.acked() if result is None or result.ok else result
+
+    async def _notify(self) -> None:
         async with self._arrived:
             self._arrived.notify_all()
-        return results
 
     async def ping(self) -> None:
         """Answer unless down or hanging."""

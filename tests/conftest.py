@@ -27,6 +27,7 @@ from tests.private_postgres import LOGICAL_DECODING, PrivatePostgres, require_po
 from tests.services import MARIADB, NATS, NO_SKIPS, POSTGRES, in_ci, require, skips_fail
 
 if TYPE_CHECKING:
+    from tests.contract.harnesses import RedisHarness
     from tests.mariadb_binlog import BinlogServer
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -47,6 +48,7 @@ SERVICE_FIXTURES = frozenset(
         "nats_streams",  # NATS JetStream
         "kafka_peer",  # tansu, started per session
         "servicebus_peer",  # the AMQP 1.0 Service Bus peer, started per session
+        "redis_harness",  # Redis
         "pg_logical",  # a private PostgreSQL cluster with wal_level=logical, per session
         "mariadb_binlog",  # a private mariadbd with the binlog on, started per session
     }
@@ -579,3 +581,15 @@ def servicebus_peer() -> Iterator[Any]:
     peer.start()
     yield peer
     peer.stop()
+
+
+@pytest.fixture
+async def redis_harness() -> AsyncIterator[RedisHarness]:
+    """The contract suite's Redis harness on the shared Redis; its streams removed after."""
+    from tests.contract.harnesses import RedisHarness
+    from tests.services import REDIS
+
+    require("Redis", REDIS)
+    harness = RedisHarness()
+    yield harness
+    await harness.cleanup()

@@ -58,7 +58,13 @@ import orjson
 from nats.js.api import StorageType, StreamConfig
 
 from brokers._describe import describe
-from brokers._protocol import OutgoingMessage, PublishResult, unit_verdict
+from brokers._protocol import (
+    OutgoingMessage,
+    PublishResult,
+    member_refused,
+    unit_too_large,
+    unit_verdict,
+)
 from brokers.nats import _frames
 from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, is_batch_stored, new_client
 from brokers.nats._settings import MSG_ID_HEADER, NatsSettings, subject_matches
@@ -253,7 +259,7 @@ class NatsBroker:
         verdicts: list[list[PublishResult] | None] = []
         sent: list[tuple[int, int, str]] = []  # per unit sent: its answers' start, its index, id
         for index, unit in enumerate(units):
-            refused = self._refused_unit(unit)
+            refused = unit_too_large(unit, MAX_BATCH, "JetStream batch")
             if refused is not None:
                 verdicts.append(refused)
                 continue
@@ -263,9 +269,8 @@ class NatsBroker:
             except _MemberRefused as exc:
                 while len(answers.results) > start:
                     acks.withdraw(answers)
-                members = [PublishResult.acked()] * len(unit)
-                members[exc.position] = PublishResult.failed(exc.reason, retryable=False)
-                verdicts.append(unit_verdict(members, [m.wire.message_id for m in unit]))
+                ids = [m.wire.message_id for m in unit]
+                verdicts.append(member_refused(ids, exc.position, exc.reason, retryable=False))
                 continue
             verdicts.append(None)
             sent.append((start, index, batch))
@@ -282,16 +287,6 @@ class NatsBroker:
                     unit, results[start : start + len(unit)], batch
                 )
         return [v for v in verdicts if v is not None]
-
-    def _refused_unit(self, unit: Sequence[OutgoingMessage]) -> list[PublishResult] | None:
-        """A unit JetStream would refuse whole before a member is sent (too many members)."""
-        if len(unit) <= MAX_BATCH:
-            return None
-        refusal = PublishResult.failed(
-            f"an atomic unit of {len(unit):,} messages; a JetStream batch holds {MAX_BATCH:,}",
-            retryable=False,
-        )
-        return [refusal] * len(unit)
 
     def _batch_frames(
         self, unit: Sequence[OutgoingMessage], batch: str, answers: AckWindow

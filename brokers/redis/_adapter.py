@@ -16,6 +16,33 @@ A batch goes out in waves (no two messages of one stream key in a wave), each wa
 pipeline: one round trip and one pooled connection for up to ``max_in_flight`` XADDs, which
 Redis runs in order. A message that fails holds back the later messages of its stream. (One
 connection per XADD in flight ran the client's pool dry under load.)
+
+``publish_atomic`` writes each unit as one transaction: ``MULTI``, the unit's XADDs, ``EXEC``.
+Several units go in one pipeline (one round trip, up to ``max_in_flight`` XADDs; a larger unit
+goes alone), in order on one connection; each member's receipt is its entry id, as ``publish``
+gives. They go as plain commands, not through redis-py's transaction pipeline, which holds one
+transaction per round trip and, when ``EXEC`` discards it, raises the first queued error only,
+its member named in the text alone.
+
+A Redis transaction is all or nothing only for what Redis refuses when a command is queued (no
+permission for the key, out of memory): ``EXEC`` then discards it, nothing is stored, and the
+verdict names the refused member. **A unit can be stored in part**: an XADD that fails when
+``EXEC`` runs it (``WRONGTYPE``: its key holds a string or a hash; a stream whose ids are
+exhausted) fails alone, and Redis does not roll back the others. On a key of the wrong type
+every member bound for it fails alike; members bound for other keys are stored (an exhausted
+stream can even take the first members and refuse the rest, but only one whose ids someone set
+near the largest by hand). Such a unit still fails whole (not retryable), naming the refused
+member, and its error lists the members Redis stored with their entry ids. A consumer of those
+other streams sees part of the application's transaction, with nothing in the stream to say the
+rest is missing; if the key is fixed and the rows are requeued, it sees those members again
+(same ``message-id``) beside the rest. The same holds for a user allowed XADD but not
+``MULTI``: every XADD then runs on its own (``brokers.redis._replies`` reads each case from the
+replies).
+
+``max_unit`` is 1,000 messages: Redis sets no limit, but it holds a queued transaction in the
+connection's memory and runs ``EXEC`` without serving any other client, so a bound keeps one
+unit from stalling the server for everyone; 1,000 is also JetStream's batch, so a unit that
+fits one atomic broker fits the others.
 """
 
 from __future__ import annotations
@@ -23,17 +50,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
 
-import orjson
 import redis.exceptions
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
 from brokers._describe import describe, unreachable
 from brokers._lazy import MissingClient, install_hint
-from brokers._protocol import OutgoingMessage, PublishResult
+from brokers._protocol import OutgoingMessage, PublishResult, unit_too_large
 from brokers.ordering import NOT_SENT, waves
+from brokers.redis._replies import UNAVAILABLE, classify, receipt, unit_outcome
 from brokers.redis._settings import BODY_FIELD, FASTSTREAM_CORRELATION, RedisSettings
 from envelopes import BrokerUnavailable, WireMessage
 
@@ -48,29 +77,18 @@ _Frame = Callable[[WireMessage], Awaitable[_Fields]]
 
 # Seconds a pooled connection may sit idle before it is PINGed on its next use.
 _HEALTH_CHECK_INTERVAL = 10
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    ConnectionError,
-    OSError,
-)
-_NO_ANSWER: tuple[type[BaseException], ...] = (*_UNAVAILABLE, TimeoutError)
+_NO_ANSWER: tuple[type[BaseException], ...] = (*UNAVAILABLE, TimeoutError)
 _PING_FAILED: tuple[type[BaseException], ...] = (*_NO_ANSWER, redis.exceptions.RedisError)
-# Error replies that pass: memory freed, a failover or a load finished, a slot moved.
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.AskError,
-)
-_TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "OOM")
+
+MAX_UNIT = 1000
+"""The most messages one atomic unit holds (see the module docstring)."""
 
 
 class RedisBroker:
     """Appends to Redis streams; see ``brokers._protocol`` for the contract."""
 
     kind = "Redis"
+    max_unit = MAX_UNIT
 
     def __init__(self, name: str, settings: RedisSettings) -> None:
         self.name = name
@@ -174,28 +192,93 @@ class RedisBroker:
             return
         pipe = client.pipeline(transaction=False)
         for i in chunk:
-            wire = batch[i].wire
-            if self._frame is None:
-                fields = _plain_fields(wire.body, self.settings.native_headers(wire))
-            else:
-                fields = await self._frame(wire)
-            pipe.xadd(batch[i].destination, fields, maxlen=self.settings.maxlen, approximate=True)
+            await self._xadd(pipe, batch[i])
+        replies = await self._execute(pipe)
+        for i, reply in zip(chunk, replies, strict=True):
+            if isinstance(reply, Exception):
+                results[i] = classify(reply)
+            else:  # XADD answers the entry's id: the receipt, with the stream it is in
+                results[i] = PublishResult.acked(receipt(batch[i].destination, reply))
+
+    async def publish_atomic(
+        self, units: Sequence[Sequence[OutgoingMessage]]
+    ) -> list[list[PublishResult]]:
+        """Write each unit as one MULTI/EXEC transaction, several units a round trip, in
+        order; one verdict per unit (``brokers._protocol.AtomicBroker``; what Redis makes
+        of all or nothing: the module docstring)."""
+        client = await self._connected()
+        verdicts = [unit_too_large(u, self.max_unit, "Redis transaction (max_unit)") for u in units]
+        pending = [i for i, verdict in enumerate(verdicts) if verdict is None and units[i]]
+        answered = False
+        for group in _groups(units, pending, self.settings.max_in_flight):
+            try:
+                await self._transactions(client, units, group, verdicts)
+            except BrokerUnavailable as exc:
+                await self.close()
+                if not answered:
+                    raise
+                cut = PublishResult.cut_off(str(exc))
+                return [v or [cut] * len(u) for v, u in zip(verdicts, units, strict=True)]
+            answered = True
+        return [v or [] for v in verdicts]  # only an empty unit has no verdict here
+
+    async def _transactions(
+        self,
+        client: Redis,
+        units: Sequence[Sequence[OutgoingMessage]],
+        group: list[int],
+        verdicts: list[list[PublishResult] | None],
+    ) -> None:
+        """One pipeline of ``MULTI``, XADDs, ``EXEC`` per unit of ``group``; their verdicts."""
+        pipe = client.pipeline(transaction=False)
+        for i in group:
+            pipe.execute_command("MULTI")
+            for message in units[i]:
+                await self._xadd(pipe, message)
+            pipe.execute_command("EXEC")
+        replies = await self._execute(pipe)
+        start = 0
+        for i in group:
+            end = start + len(units[i]) + 2
+            verdicts[i] = unit_outcome(units[i], replies[start:end])
+            start = end
+
+    async def _xadd(self, pipe: Pipeline, message: OutgoingMessage) -> None:
+        """Queue the message's XADD on ``pipe``, its fields in the broker's format."""
+        wire = message.wire
+        if self._frame is None:
+            fields = _plain_fields(wire.body, self.settings.native_headers(wire))
+        else:
+            fields = await self._frame(wire)
+        pipe.xadd(message.destination, fields, maxlen=self.settings.maxlen, approximate=True)
+
+    async def _execute(self, pipe: Pipeline) -> list[Any]:
+        """Send the pipeline; every reply, error replies among them (``BrokerUnavailable``
+        when the connection fails or no answer comes within publish_timeout)."""
         try:
-            replies = await asyncio.wait_for(
+            replies: list[Any] = await asyncio.wait_for(
                 pipe.execute(raise_on_error=False), self.settings.publish_timeout
             )
         except _NO_ANSWER as exc:
             raise BrokerUnavailable(f"{self.name}: Redis unreachable: {describe(exc)}") from exc
-        for i, reply in zip(chunk, replies, strict=True):
-            if isinstance(reply, Exception):
-                results[i] = _classify(reply)
-            else:  # XADD answers the entry's id: the receipt, with the stream it is in
-                results[i] = PublishResult.acked(_receipt(batch[i].destination, reply))
+        return replies
 
 
-def _receipt(stream: str, entry_id: bytes | str) -> str:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return orjson.dumps({"stream": stream, "id": text}).decode()
+def _groups(
+    units: Sequence[Sequence[OutgoingMessage]], pending: list[int], step: int
+) -> Iterator[list[int]]:
+    """The units of ``pending`` in order, a group per pipeline of at most ``step`` XADDs
+    (a larger unit alone): a unit is never split."""
+    group: list[int] = []
+    size = 0
+    for i in pending:
+        if group and size + len(units[i]) > step:
+            yield group
+            group, size = [], 0
+        group.append(i)
+        size += len(units[i])
+    if group:
+        yield group
 
 
 def _plain_fields(body: bytes, headers: dict[str, str]) -> _Fields:
@@ -228,15 +311,3 @@ def _faststream_frame(settings: RedisSettings) -> _Frame:
 
 def _fill(results: list[PublishResult | None], missing: PublishResult) -> list[PublishResult]:
     return [r if r is not None else missing for r in results]
-
-
-def _classify(exc: Exception) -> PublishResult:
-    if isinstance(exc, _UNAVAILABLE):
-        return PublishResult.cut_off(f"Redis unreachable: {describe(exc)}")
-    if isinstance(exc, _TRANSIENT) or str(exc).startswith(_TRANSIENT_PREFIXES):
-        return PublishResult.failed(f"Redis is busy: {describe(exc)}", retryable=True)
-    if isinstance(exc, redis.exceptions.ResponseError):
-        return PublishResult.failed(f"rejected by Redis: {describe(exc)}", retryable=False)
-    if isinstance(exc, redis.exceptions.AuthenticationError):
-        return PublishResult.failed(f"authentication refused: {describe(exc)}", retryable=False)
-    return PublishResult.failed(f"Redis error: {describe(exc)}", retryable=True)

@@ -6,6 +6,21 @@ the event id (the key of Service Bus duplicate detection), ``correlation_id``, `
 the event type, ``content_type``, the envelope's headers as application properties, and
 ``session_id`` = the stream key when the entity is session-enabled. Batches of one
 destination are sent one after the other, so a stream stays in order.
+
+``publish_atomic`` sends each unit as one ``ServiceBusMessageBatch`` with one
+``send_messages``: one AMQP transfer, which the entity takes or refuses whole. The units go one
+after the other, in order (the SDK's sender takes one send at a time). Service Bus answers a
+send with no position, so members are acknowledged without a receipt, as ``publish`` gives.
+A unit is refused for good before anything is sent when it cannot be one batch:
+
+- a member does not fit in the batch's size limit (the entity's, from the link: 256 KB on
+  the Standard tier, 1 MB on Premium): the verdict names the member that did not fit;
+- its members go to different entities (a batch goes to one queue or topic): the verdict
+  names the first member bound elsewhere. Give such events one destination, or no atomicity;
+- it holds more than ``max_unit`` (4,500) messages: the most Service Bus takes in one batch
+  on the Basic and Standard tiers (Premium takes more). The service enforces that without
+  saying so on the link (Azure/azure-service-bus#397) and refuses a larger batch with an
+  error that reads as worth retrying, so the adapter refuses such a unit itself.
 """
 
 from __future__ import annotations
@@ -30,7 +45,13 @@ from azure.servicebus.exceptions import (
 )
 
 from brokers._describe import describe
-from brokers._protocol import OutgoingMessage, PublishResult
+from brokers._protocol import (
+    OutgoingMessage,
+    PublishResult,
+    member_refused,
+    unit_too_large,
+    whole_unit,
+)
 from brokers.servicebus._settings import ServiceBusSettings
 from envelopes import BrokerError, BrokerUnavailable
 
@@ -47,9 +68,14 @@ _PERMANENT = (
     ServiceBusAuthorizationError,
 )
 
+MAX_UNIT = 4500
+"""The most messages one atomic unit holds: one batch on any tier (see the module docstring)."""
+
 
 class ServiceBusBroker:
     """Sends to Service Bus queues or topics; see ``brokers._protocol`` for the contract."""
+
+    max_unit = MAX_UNIT
 
     def __init__(self, name: str, settings: ServiceBusSettings) -> None:
         self.name = name
@@ -132,27 +158,87 @@ class ServiceBusBroker:
         indexes: list[int],
         results: list[PublishResult | None],
     ) -> None:
+        first = not any(r is not None and r.ok for r in results)
+        outcome = await self._sent(sender, sdk_batch, first=first)
+        for index in indexes:
+            results[index] = outcome
+
+    async def _sent(
+        self, sender: ServiceBusSender, sdk_batch: Any, *, first: bool
+    ) -> PublishResult:
+        """Send one SDK batch; its one outcome. When the connection fails and nothing of this
+        publish was acknowledged yet (``first``), raise ``BrokerUnavailable`` instead."""
         try:
             await asyncio.wait_for(sender.send_messages(sdk_batch), self.settings.publish_timeout)
         except _UNAVAILABLE as exc:
-            if not any(r is not None and r.ok for r in results):
+            if first:
                 await self.close()
                 raise BrokerUnavailable(
                     f"{self.name}: Service Bus unreachable: {describe(exc)}"
                 ) from exc
-            outcome = PublishResult.cut_off(f"Service Bus unreachable: {describe(exc)}")
+            return PublishResult.cut_off(f"Service Bus unreachable: {describe(exc)}")
         except TimeoutError:
-            outcome = PublishResult.cut_off("no answer within publish_timeout")
+            return PublishResult.cut_off("no answer within publish_timeout")
         except _PERMANENT as exc:
-            outcome = PublishResult.failed(
+            return PublishResult.failed(
                 f"rejected by Service Bus: {describe(exc)}", retryable=False
             )
         except ServiceBusError as exc:
-            outcome = PublishResult.failed(f"Service Bus error: {describe(exc)}", retryable=True)
-        else:
-            outcome = PublishResult.acked()
-        for index in indexes:
-            results[index] = outcome
+            return PublishResult.failed(f"Service Bus error: {describe(exc)}", retryable=True)
+        return PublishResult.acked()
+
+    async def publish_atomic(
+        self, units: Sequence[Sequence[OutgoingMessage]]
+    ) -> list[list[PublishResult]]:
+        """Send each unit as one batch (all or nothing), the units in order; one verdict per
+        unit (``brokers._protocol.AtomicBroker``)."""
+        async with self._sending:
+            await self.connect()
+            verdicts: list[list[PublishResult]] = []
+            for unit in units:
+                first = not any(v and v[0].ok for v in verdicts)
+                try:
+                    verdicts.append(await self._send_unit(unit, first=first))
+                except BrokerUnavailable as exc:
+                    if first:
+                        raise
+                    cut = PublishResult.cut_off(str(exc))
+                    verdicts.extend([cut] * len(rest) for rest in units[len(verdicts) :])
+                    break
+            return verdicts
+
+    async def _send_unit(
+        self, unit: Sequence[OutgoingMessage], *, first: bool
+    ) -> list[PublishResult]:
+        """One unit as one SDK batch, or its refusal when it cannot be one (module docstring)."""
+        refused = unit_too_large(unit, self.max_unit, "Service Bus batch")
+        if refused is not None or not unit:
+            return refused or []
+        ids = [m.wire.message_id for m in unit]
+        destination = unit[0].destination
+        for position, message in enumerate(unit):
+            if message.destination != destination:
+                error = (
+                    f"goes to {message.destination!r} and member 1 to {destination!r}: "
+                    "a Service Bus batch goes to one entity"
+                )
+                return member_refused(ids, position, error, retryable=False)
+        sender = await self._sender(destination)
+        try:
+            sdk_batch = await self._new_batch(sender)
+        except _Rejected as rejected:
+            reason = f"rejected by Service Bus: {describe(rejected.__cause__ or rejected)}"
+            return whole_unit(len(unit), PublishResult.failed(reason, retryable=False))
+        for position, message in enumerate(unit):
+            try:
+                sdk_batch.add_message(self._message(message))
+            except MessageSizeExceededError:
+                error = (
+                    f"does not fit in one batch for {destination!r} with the members before it "
+                    f"(at most {sdk_batch.max_size_in_bytes:,} bytes)"
+                )
+                return member_refused(ids, position, error, retryable=False)
+        return whole_unit(len(unit), await self._sent(sender, sdk_batch, first=first))
 
     async def _sender(self, destination: str) -> ServiceBusSender:
         sender = self._senders.get(destination)

@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,7 +28,6 @@ from router import ConfigError, Event, parse_config
 from router.ops.contract import asyncapi_document, partner_messages
 from router.write.catalog import EventCatalog
 from tests.contract.harnesses import REPLAY_GAP, Arrived, Harness, RedisHarness
-from tests.services import REDIS, require
 
 EVENT_TIME = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)  # long before any publish
 
@@ -235,17 +233,9 @@ def exported_message(harness: Harness, profile: dict[str, Any]) -> dict[str, Any
     return dict(message)
 
 
-@pytest.fixture
-async def redis() -> AsyncIterator[RedisHarness]:
-    require("Redis", REDIS)
-    harness = RedisHarness()
-    yield harness
-    await harness.cleanup()
-
-
-async def test_a_header_named_body_does_not_replace_the_body(redis: RedisHarness) -> None:
-    settings = redis.settings()
-    destination = redis.destination()
+async def test_a_header_named_body_does_not_replace_the_body(redis_harness: RedisHarness) -> None:
+    settings = redis_harness.settings()
+    destination = redis_harness.destination()
     wire = WireMessage(
         message_id="m-1",
         event_type="order_placed",
@@ -259,7 +249,7 @@ async def test_a_header_named_body_does_not_replace_the_body(redis: RedisHarness
     finally:
         await broker.close()
     assert result.ok, result.error
-    assert await redis.entries(destination, 1) == [
+    assert await redis_harness.entries(destination, 1) == [
         {b"body": b'{"id":"m-1"}', b"message-id": b"m-1"}
     ]
 
@@ -291,10 +281,10 @@ def test_each_format_names_the_client_it_needs(monkeypatch: pytest.MonkeyPatch) 
 
 
 async def test_the_internal_broker_in_faststream_format_is_read_as_faststream_frames(
-    redis: RedisHarness,
+    redis_harness: RedisHarness,
 ) -> None:
-    settings = redis.settings(internal=True, format="faststream")
-    destination = redis.destination()
+    settings = redis_harness.settings(internal=True, format="faststream")
+    destination = redis_harness.destination()
     sent = outgoing(settings, destination)
     broker = create_broker("events", settings)
     try:
@@ -303,7 +293,7 @@ async def test_the_internal_broker_in_faststream_format_is_read_as_faststream_fr
         await broker.close()
     assert result.ok, result.error
 
-    [fields] = await redis.entries(destination, 1)
+    [fields] = await redis_harness.entries(destination, 1)
     assert set(fields) == {b"__data__"}
     body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
     assert body == sent.wire.body

@@ -4,8 +4,6 @@ connection says so; ``maxlen`` trims each stream."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 import redis.asyncio as aioredis
 
@@ -14,22 +12,14 @@ from brokers.redis import RedisSettings
 from envelopes import BrokerUnavailable
 from tests.contract.harnesses import REDIS_URL, RedisHarness
 from tests.contract.test_contract import message
-from tests.services import REDIS, free_port, require
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[RedisHarness]:
-    require("Redis", REDIS)
-    harness = RedisHarness()
-    yield harness
-    await harness.cleanup()
+from tests.services import free_port
 
 
 async def test_an_out_of_memory_reply_is_retryable_and_holds_back_its_stream(
-    harness: RedisHarness,
+    redis_harness: RedisHarness,
 ) -> None:
-    settings = harness.settings()
-    destination = harness.destination("oom")
+    settings = redis_harness.settings()
+    destination = redis_harness.destination("oom")
     batch = [message(settings, destination, n, stream="s") for n in range(2)]
     admin = aioredis.Redis.from_url(REDIS_URL)
     before: str = (await admin.config_get("maxmemory"))["maxmemory"] or "0"
@@ -71,9 +61,11 @@ async def test_a_refused_connection_says_so_with_the_address_and_without_the_pas
     )
 
 
-async def test_maxlen_trims_the_stream_to_about_that_many_entries(harness: RedisHarness) -> None:
-    settings = harness.settings(maxlen=10)
-    destination = harness.destination("trimmed")
+async def test_maxlen_trims_the_stream_to_about_that_many_entries(
+    redis_harness: RedisHarness,
+) -> None:
+    settings = redis_harness.settings(maxlen=10)
+    destination = redis_harness.destination("trimmed")
     batch = [message(settings, destination, n, stream=None) for n in range(500)]
     broker = create_broker("partner", settings)
     try:

@@ -13,7 +13,7 @@ from brokers.kafka._adapter import _classify as kafka_outcome
 from brokers.nats._acks import NO_STREAM, _outcome
 from brokers.ordering import NOT_SENT
 from brokers.rabbitmq._adapter import _classify as rabbitmq_outcome
-from brokers.redis._adapter import _classify as redis_outcome
+from brokers.redis._replies import classify as redis_outcome
 from router.ops.error_text import Signature, normalise, signature
 from router.ops.groups import group_id
 

@@ -1,0 +1,272 @@
+"""Atomic units through the Redis adapter (``RedisBroker.publish_atomic``): each unit one
+MULTI/EXEC transaction, read back with XRANGE as a consumer would.
+
+Most tests run against the shared Redis through the contract suite's harness. Those that need
+a refusal Redis makes when a command is queued (a key the user may not write, no memory left)
+run against a private ``redis-server`` with ACL users of its own, started here on a free port:
+the shared server is never reconfigured.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from brokers import AtomicBroker, OutgoingMessage, PublishResult, create_broker
+from brokers.redis import RedisSettings
+from envelopes import BrokerUnavailable
+from tests.contract.harnesses import REDIS_URL, Arrived, RedisHarness
+from tests.contract.test_contract import message
+from tests.peers import end
+from tests.services import free_port, in_ci, program, reachable
+
+# The private server's users: "partner" may XADD (in a transaction) to atomic.ok.* only;
+# "no-multi" may XADD there but not open a transaction.
+PARTNER_KEYS = "atomic.ok."
+USERS = (
+    ("partner", "+xadd", "+multi", "+exec"),
+    ("no-multi", "+xadd"),
+)
+
+
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[int]:
+    """A redis-server of this module's own, with the ACL users of ``USERS``; its port."""
+    binary = program("redis-server")
+    if binary is None:
+        message = "redis-server is not installed (apt-get install redis-server)"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    port = free_port()
+    folder = tempfile.mkdtemp(prefix="router-redis-")
+    arguments = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    arguments += ["--appendonly", "no", "--dir", folder]
+    for name, *commands in USERS:
+        arguments += ["--user", name, "on", "nopass", f"~{PARTNER_KEYS}*", "+ping", "+client"]
+        arguments += commands
+    process = subprocess.Popen(arguments, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not reachable("127.0.0.1", port, timeout=0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            end(process)
+            pytest.fail(f"a private redis-server did not start on {port}")
+        time.sleep(0.05)
+    yield port
+    end(process)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def private_settings(port: int, user: str) -> RedisSettings:
+    return RedisSettings.model_validate(
+        {"type": "redis", "url": f"redis://{user}@127.0.0.1:{port}/0", "destination": "x"}
+    )
+
+
+def unit(
+    settings: Any, destinations: list[str], first: int, *, stream: str
+) -> list[OutgoingMessage]:
+    """One message per destination, numbered from ``first``, all of one stream key."""
+    return [
+        message(settings, destination, first + i, stream=stream)
+        for i, destination in enumerate(destinations)
+    ]
+
+
+def numbers(arrived: list[Arrived]) -> list[int]:
+    return [orjson.loads(a.body)["payload"]["n"] for a in arrived]
+
+
+async def publish_atomic(
+    settings: Any, units: list[list[OutgoingMessage]], *, max_unit: int | None = None
+) -> list[list[PublishResult]]:
+    broker = create_broker("partner", settings)
+    assert isinstance(broker, AtomicBroker)
+    if max_unit is not None:
+        broker.max_unit = max_unit
+    try:
+        return await broker.publish_atomic(units)
+    finally:
+        await broker.close()
+
+
+async def xrange(url: str, stream: str) -> list[int]:
+    """The ``n`` of every entry of ``stream``, in stream order."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        entries: Any = await client.xrange(stream)
+    finally:
+        await client.aclose()
+    return [orjson.loads(fields[b"body"])["payload"]["n"] for _, fields in entries]
+
+
+async def test_units_are_stored_whole_in_order_with_a_receipt_per_member(
+    redis_harness: RedisHarness,
+) -> None:
+    settings = redis_harness.settings()
+    orders = redis_harness.destination("orders")
+    first = unit(settings, [orders] * 3, 1, stream="a")
+    second = unit(settings, [orders], 4, stream="b")
+    results = await publish_atomic(settings, [first, second])
+    assert [[r.ok for r in u] for u in results] == [[True, True, True], [True]]
+    arrived = await redis_harness.arrived(orders, 4)
+    assert numbers(arrived) == [1, 2, 3, 4]
+    assert [a.native_id for a in arrived] == [m.wire.message_id for m in first + second]
+    receipts = [orjson.loads(r.receipt or "{}") for u in results for r in u]
+    assert receipts == [a.position for a in arrived]
+
+
+async def test_units_larger_than_a_pipeline_go_whole_and_in_order(
+    redis_harness: RedisHarness,
+) -> None:
+    # max_in_flight 2: the units [1], [2 3 4], [5], [6 7] take three pipelines, the second
+    # holding a unit of three on its own.
+    settings = redis_harness.settings(max_in_flight=2)
+    orders, audit = redis_harness.destination("orders"), redis_harness.destination("audit")
+    units = [
+        unit(settings, [orders], 1, stream="a"),
+        unit(settings, [orders, audit, orders], 2, stream="b"),
+        unit(settings, [audit], 5, stream="c"),
+        unit(settings, [orders, orders], 6, stream="d"),
+    ]
+    results = await publish_atomic(settings, units)
+    assert [len(u) for u in results] == [1, 3, 1, 2]
+    assert all(r.ok for u in results for r in u)
+    assert await xrange(REDIS_URL, orders) == [1, 2, 4, 6, 7]
+    assert await xrange(REDIS_URL, audit) == [3, 5]
+    streams = [orjson.loads(r.receipt or "{}")["stream"] for u in results for r in u]
+    assert streams == [orders, orders, audit, orders, audit, orders, orders]
+
+
+async def test_a_unit_whose_key_has_the_wrong_type_stores_none_and_names_member_one(
+    redis_harness: RedisHarness,
+) -> None:
+    settings = redis_harness.settings()
+    wrong, orders = redis_harness.rejected_destination(), redis_harness.destination("orders")
+    await redis_harness.prepare(wrong)  # a string: every XADD to it fails when EXEC runs it
+    refused, apart = await publish_atomic(
+        settings,
+        [unit(settings, [wrong] * 3, 1, stream="a"), unit(settings, [orders], 4, stream="b")],
+    )
+    assert len(set(refused)) == 1, "one verdict for the whole unit"
+    error = refused[0].error or ""
+    assert not refused[0].ok and not refused[0].retryable and not refused[0].unreachable
+    assert error.startswith("atomic unit of 3 refused: member 1 (")
+    assert "WRONGTYPE" in error
+    assert "yet Redis stored" not in error
+    assert apart[0].ok
+    assert await xrange(REDIS_URL, orders) == [4]
+
+
+async def test_a_member_failing_in_exec_fails_its_unit_yet_redis_keeps_the_others(
+    redis_harness: RedisHarness,
+) -> None:
+    # What Redis does, and the adapter says: EXEC does not roll back. Members 1 and 3 go to
+    # a stream and are stored; member 2 goes to a string key and fails.
+    settings = redis_harness.settings()
+    wrong, orders = redis_harness.rejected_destination(), redis_harness.destination("orders")
+    await redis_harness.prepare(wrong)
+    half = unit(settings, [orders, wrong, orders], 1, stream="a")
+    refused, apart = await publish_atomic(settings, [half, unit(settings, [orders], 4, stream="b")])
+    assert len(set(refused)) == 1
+    assert not refused[0].ok and not refused[0].retryable
+    error = refused[0].error or ""
+    assert error.startswith(f"atomic unit of 3 refused: member 2 ({half[1].wire.message_id}): ")
+    assert "WRONGTYPE" in error
+    arrived = await redis_harness.arrived(orders, 3)
+    assert numbers(arrived) == [1, 3, 4]  # what a consumer of the stream sees
+    ids = [a.position["id"] for a in arrived if a.position]
+    assert error.endswith(
+        f"; yet Redis stored members 1 ({orders} {ids[0]}), 3 ({orders} {ids[1]}) "
+        "(a transaction does not roll back)"
+    )
+    assert apart[0].ok
+
+
+async def test_a_member_refused_when_queued_stores_none_of_its_unit_and_is_named(
+    private_redis: int,
+) -> None:
+    settings = private_settings(private_redis, "partner")
+    ok, other, denied = f"{PARTNER_KEYS}orders", f"{PARTNER_KEYS}audit", "atomic.denied"
+    refused_unit = unit(settings, [ok, denied, ok], 1, stream="a")
+    refused, apart = await publish_atomic(
+        settings, [refused_unit, unit(settings, [other], 4, stream="b")]
+    )
+    assert len(set(refused)) == 1
+    assert not refused[0].ok and not refused[0].retryable and not refused[0].unreachable
+    error = refused[0].error or ""
+    assert error.startswith(
+        f"atomic unit of 3 refused: member 2 ({refused_unit[1].wire.message_id}): "
+        "rejected by Redis: NoPermissionError"
+    )
+    assert "yet Redis stored" not in error
+    assert apart[0].ok
+    admin = f"redis://127.0.0.1:{private_redis}/0"
+    assert await xrange(admin, ok) == []
+    assert await xrange(admin, other) == [4]
+
+
+async def test_no_memory_left_refuses_the_unit_whole_and_retryable(private_redis: int) -> None:
+    settings = private_settings(private_redis, "partner")
+    stream = f"{PARTNER_KEYS}oom"
+    admin = aioredis.Redis.from_url(f"redis://127.0.0.1:{private_redis}/0")
+    try:
+        await admin.config_set("maxmemory", 1)  # this module's own server
+        try:
+            (refused,) = await publish_atomic(
+                settings, [unit(settings, [stream] * 2, 1, stream="a")]
+            )
+        finally:
+            await admin.config_set("maxmemory", 0)
+        assert await admin.xlen(stream) == 0
+    finally:
+        await admin.aclose()
+    assert len(set(refused)) == 1
+    assert not refused[0].ok and refused[0].retryable and not refused[0].unreachable
+    assert "atomic unit of 2 refused: member 1" in (refused[0].error or "")
+    assert "maxmemory" in (refused[0].error or "")
+
+
+async def test_without_multi_each_xadd_runs_alone_and_the_unit_says_so(private_redis: int) -> None:
+    settings = private_settings(private_redis, "no-multi")
+    stream = f"{PARTNER_KEYS}no-multi"
+    (refused,) = await publish_atomic(settings, [unit(settings, [stream] * 2, 1, stream="a")])
+    assert len(set(refused)) == 1
+    error = refused[0].error or ""
+    assert not refused[0].ok and not refused[0].retryable
+    assert error.startswith("atomic unit of 2 refused whole: rejected by Redis: NoPermission")
+    assert "yet Redis stored members 1 (" in error
+    assert "(Redis refused MULTI, so each XADD ran alone)" in error
+    assert await xrange(f"redis://127.0.0.1:{private_redis}/0", stream) == [1, 2]
+
+
+async def test_a_unit_over_max_unit_is_refused_unsent(redis_harness: RedisHarness) -> None:
+    settings = redis_harness.settings()
+    orders = redis_harness.destination("orders")
+    too_many, fits = await publish_atomic(
+        settings,
+        [unit(settings, [orders] * 3, 1, stream="a"), unit(settings, [orders], 4, stream="b")],
+        max_unit=2,
+    )
+    assert set(too_many) == {
+        PublishResult.failed(
+            "an atomic unit of 3 messages; a Redis transaction (max_unit) holds 2",
+            retryable=False,
+        )
+    }
+    assert fits[0].ok
+    assert await xrange(REDIS_URL, orders) == [4]
+
+
+async def test_an_unreachable_redis_raises_broker_unavailable(redis_harness: RedisHarness) -> None:
+    settings = redis_harness.unreachable()
+    with pytest.raises(BrokerUnavailable, match="connection refused"):
+        await publish_atomic(settings, [unit(settings, ["x"], 1, stream="a")])
