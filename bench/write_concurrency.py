@@ -44,7 +44,6 @@ import yaml
 
 from bench import _mysql
 from bench._common import (
-    ROOT,
     RouterProcess,
     Stream,
     fresh_stream,
