@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-__all__ = ["audit", "inbox", "metadata", "outbox", "targets"]
+__all__ = ["audit", "gaps", "inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
 
@@ -41,6 +41,18 @@ outbox = sa.Table(
     sa.Column("last_attempt_at", _Time),
     sa.Column("first_attempt_at", _Time),
     sa.Column("receipt", sa.Text),
+)
+
+# The gap markers of streams whose head was abandoned (migration 0016): one row per abandoned
+# row with a stream key, until a row published after it names it.
+gaps = sa.Table(
+    "router_gaps",
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("stream_key", sa.Text, primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("message_id", _MessageId, nullable=False),
+    sa.Column("abandoned_at", _Time, nullable=False),
 )
 
 audit = sa.Table(
