@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from router.config import DatabaseSettings
+from router.ops.browse import message
 from router.ops.migrate import migrate_to, upgrade
 from router.ops.outbox import cleanup, requeue
 from router.relay.store import Claim, ClaimedRow, Marks, OutboxStore, open_store
@@ -97,6 +98,23 @@ async def test_a_published_row_that_named_a_gap_closes_it(database: Database) ->
     assert await gaps(database) == []
     statuses = [row["status"] for row in await database.rows()]
     assert statuses == ["published", "abandoned", "published", "published"]
+
+
+async def test_the_console_shows_a_row_still_to_be_sent_as_it_will_name_the_gap(
+    database: Database,
+) -> None:
+    ids = await stage(database)
+    config = make_config({"main": database.url}, BROKERS, base_dir=database.base_dir)
+    async with opened(database) as store:
+        await abandon_the_second(database, store)
+    [third] = await message(config, ids[2])
+    assert third["status"] == "pending"
+    assert third["message"]["headers"]["skipped-message-ids"] == ids[1]
+    assert third["message"]["body"]["skipped"] == [ids[1]]
+    [other] = await message(config, ids[3])
+    assert "skipped-message-ids" not in other["message"]["headers"]
+    [first] = await message(config, ids[0])  # published before the gap: nothing to name
+    assert "skipped" not in first["message"]["body"]
 
 
 async def test_a_row_that_failed_after_naming_a_gap_leaves_it_open(database: Database) -> None:
