@@ -297,13 +297,14 @@ def _with_sequence(stored: bytes | str, sequence: int | None, skipped: Sequence[
     most of what rendering costs (and the payload goes out byte for byte as its checksum was
     taken)."""
     raw = (stored.encode() if isinstance(stored, str) else stored).rstrip()
-    if sequence is None and not skipped:
-        return raw
-    # It parsed as an object with members, so it ends with "}".
-    head = raw[:-1] if sequence is None else b'%s,"sequence":%d' % (raw[:-1], sequence)
+    # It parsed as an object with members, so it ends with "}". One format each way: the
+    # document is copied once.
     if not skipped:
-        return head + b"}"
-    return b'%s,"skipped":%s}' % (head, orjson.dumps(list(skipped)))
+        return raw if sequence is None else b'%s,"sequence":%d}' % (raw[:-1], sequence)
+    gap = orjson.dumps(list(skipped))
+    if sequence is None:
+        return b'%s,"skipped":%s}' % (raw[:-1], gap)
+    return b'%s,"sequence":%d,"skipped":%s}' % (raw[:-1], sequence, gap)
 
 
 def _wire(
