@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -357,14 +357,18 @@ class BrokerSettings(BaseModel):
     def _omitted(self) -> frozenset[str]:
         return frozenset(self.omit)  # render() takes a frozenset as it is
 
-    def render(self, stored: str | bytes, *, sequence: int | None) -> WireMessage:
+    def render(
+        self, stored: str | bytes, *, sequence: int | None, skipped: Sequence[str] = ()
+    ) -> WireMessage:
         """A stored envelope as this broker receives it: its profile, CloudEvents mode,
-        allow-list and omissions. What the processor publishes and ``router preview`` shows.
-        Raises EnvelopeError for an envelope that cannot be rendered."""
+        allow-list and omissions; ``skipped``: the gap before it in its stream (message ids).
+        What the processor publishes and ``router preview`` shows. Raises EnvelopeError for an
+        envelope that cannot be rendered."""
         return render(
             stored,
             self.profile,
             sequence=sequence,
+            skipped=skipped,
             omit=self._omitted,
             cloudevents_prefix=self.binary_prefix,
             exposure=self.exposure,

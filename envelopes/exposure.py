@@ -30,8 +30,14 @@ __all__ = ["EXPOSABLE_FIELDS", "Exposure"]
 #   of fields kept from a partner lets it confirm a guess at their values;
 # - event_class: our Python module layout, nothing a partner can act on;
 # - headers: the staged headers have their own allow-list by name (``expose.headers``), sent
-#   as transport headers; a copy in the body would go around it.
-_NEVER_EXPOSED = frozenset({"sequence", "checksum", "event_class", "headers"})
+#   as transport headers; a copy in the body would go around it;
+# - skipped: the gap marker reaches every partner already, as the router's transport header
+#   ``skipped-message-ids`` (``HeaderName.SKIPPED``) on every profile, CloudEvents' included
+#   (where a body member would be no attribute of the event). It names only events of the
+#   partner's own target, so it tells the partner nothing but that events it should have had
+#   are missing, and which; one place to read it keeps the partner's body as its contract
+#   says, whatever its profile.
+_NEVER_EXPOSED = frozenset({"sequence", "skipped", "checksum", "event_class", "headers"})
 # The internal-only fields a partner's allow-list may add to the external body.
 EXPOSABLE_FIELDS: frozenset[str] = INTERNAL_ONLY_FIELDS - _NEVER_EXPOSED
 

@@ -46,6 +46,10 @@ class HeaderName:
     CAUSATION_ID = "causation-id"
     TRACEPARENT = "traceparent"
     CONTENT_TYPE = "content-type"
+    SKIPPED = "skipped-message-ids"
+    """The message ids this message's stream skipped on its target since the last message
+    delivered on it (rows abandoned: refused for good, or out of attempts), oldest first,
+    comma-separated; only on a message that follows such a gap."""
 
 
 @dataclass(frozen=True, slots=True)

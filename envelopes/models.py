@@ -42,6 +42,12 @@ class InternalEnvelope(Metadata, Identity):
     """Everything the owning system knows about one event; sent to the internal broker."""
 
     sequence: int | None = Field(None, description="Outbox position of this row on its target.")
+    skipped: list[str] | None = Field(
+        None,
+        description="Message ids of earlier events of this stream that this target abandoned "
+        "(refused for good, or out of attempts) since the last message delivered on it, oldest "
+        "first: the gap before this message. Absent when there is none.",
+    )
     checksum: str = Field(description="'sha256:<hex>' of the payload's JSON bytes.")
     event_class: str | None = Field(None, description="Python path of the event class.")
     payload: dict[str, Any]

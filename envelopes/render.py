@@ -3,7 +3,9 @@
 The outbox stores one JSON document per row: the full internal envelope. At publish time the
 processor renders it for the row's broker:
 
-- ``internal``: the whole envelope plus ``sequence`` (the row's outbox position), no nulls;
+- ``internal``: the whole envelope plus ``sequence`` (the row's outbox position) and, after a
+  gap in the row's stream, ``skipped`` (the message ids its target abandoned before it), no
+  nulls;
 - ``external``: only the fields partners need (``EXTERNAL_FIELDS``), no nulls, no empty maps;
 - ``cloudevents``: CloudEvents 1.0 structured mode (``application/cloudevents+json``).
 
@@ -11,14 +13,15 @@ The two partner profiles also pass through the broker's allow-list (``envelopes.
 staged headers and extensions by name, internal-only fields, payload fields per event type.
 
 Every profile also yields transport headers, so a consumer can route or deduplicate without
-parsing the body. Brokers map ``WireMessage`` to their native metadata.
+parsing the body (and learn of a gap: ``skipped-message-ids``, on every profile). Brokers map
+``WireMessage`` to their native metadata.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Unpack
@@ -196,6 +199,7 @@ def render(
     profile: Profile,
     *,
     sequence: int | None = None,
+    skipped: Sequence[str] = (),
     omit: Iterable[str] = (),
     cloudevents_prefix: str | None = None,
     exposure: Exposure = Exposure.NOTHING,
@@ -206,6 +210,10 @@ def render(
     extensions, the internal-only fields and the payload (by default: no staged header, no
     extension, no internal-only field, the whole payload); ``omit`` applies after it. The
     internal profile sends everything and ignores ``exposure``.
+
+    ``skipped``: the message ids of the gap before this row in its stream (rows its target
+    abandoned), oldest first: the ``skipped-message-ids`` header on every profile, and the
+    ``skipped`` field of the internal profile's body (unless omitted). Empty: neither.
 
     With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
     mode: the body is the data alone and every other attribute becomes a header named with
@@ -222,9 +230,10 @@ def render(
         raise EnvelopeError("stored envelope has no 'id' or 'type'")
     omitted = omit if isinstance(omit, frozenset) else frozenset(omit)
     if profile == "internal" and not omitted and _is_compact(envelope):
-        body, content_type = _with_sequence(stored, sequence), JSON
+        body, content_type = _with_sequence(stored, sequence, skipped), JSON
     elif profile == "internal":
         envelope["sequence"] = sequence
+        envelope["skipped"] = list(skipped) if skipped else None
         # _kept inlined: this runs once per message on the processor's hot path.
         body_fields = {
             k: v
@@ -250,7 +259,7 @@ def render(
         # The bindings (Kafka, AMQP, NATS) map datacontenttype to the message's own content
         # type, which the content-type header and property carry: no prefixed copy of it.
         del event["datacontenttype"]
-        headers = _headers(envelope, content_type, omitted)
+        headers = _headers(envelope, content_type, omitted, skipped)
         headers.update(
             {cloudevents_prefix + name: _attribute(value) for name, value in event.items()}
         )
@@ -260,7 +269,7 @@ def render(
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
-    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted))
+    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted, skipped))
     if (
         profile != "cloudevents"
         and "priority" not in omitted
@@ -271,9 +280,10 @@ def render(
 
 
 def _is_compact(envelope: dict[str, Any]) -> bool:
-    """True when the stored envelope has no nulls or empty maps and no sequence of its own:
-    as ``make_internal_envelope`` writes it (rows written by earlier versions kept nulls)."""
-    if "sequence" in envelope:
+    """True when the stored envelope has no nulls or empty maps, and no sequence or gap of its
+    own: as ``make_internal_envelope`` writes it (rows written by earlier versions kept
+    nulls)."""
+    if "sequence" in envelope or "skipped" in envelope:
         return False
     for key, value in envelope.items():
         if (value is None or value == {}) and key != "payload":
@@ -281,15 +291,20 @@ def _is_compact(envelope: dict[str, Any]) -> bool:
     return True
 
 
-def _with_sequence(stored: bytes | str, sequence: int | None) -> bytes:
-    """The stored document as it is, with ``sequence`` as its last member: the bytes are
-    spliced rather than parsed and dumped again, which is most of what rendering costs (and
-    the payload goes out byte for byte as its checksum was taken)."""
+def _with_sequence(stored: bytes | str, sequence: int | None, skipped: Sequence[str]) -> bytes:
+    """The stored document as it is, with ``sequence`` and ``skipped`` (when there are any) as
+    its last members: the bytes are spliced rather than parsed and dumped again, which is
+    most of what rendering costs (and the payload goes out byte for byte as its checksum was
+    taken)."""
     raw = (stored.encode() if isinstance(stored, str) else stored).rstrip()
+    # It parsed as an object with members, so it ends with "}". One format each way: the
+    # document is copied once.
+    if not skipped:
+        return raw if sequence is None else b'%s,"sequence":%d}' % (raw[:-1], sequence)
+    gap = orjson.dumps(list(skipped))
     if sequence is None:
-        return raw
-    # It parsed as an object with members, so it ends with "}".
-    return b'%s,"sequence":%d}' % (raw[:-1], sequence)
+        return b'%s,"skipped":%s}' % (raw[:-1], gap)
+    return b'%s,"sequence":%d,"skipped":%s}' % (raw[:-1], sequence, gap)
 
 
 def _wire(
@@ -350,11 +365,13 @@ def _cloudevent(envelope: dict[str, Any], omitted: frozenset[str]) -> dict[str, 
 
 
 def _headers(
-    envelope: dict[str, Any], content_type: str, omitted: frozenset[str]
+    envelope: dict[str, Any], content_type: str, omitted: frozenset[str], skipped: Sequence[str]
 ) -> dict[str, str]:
     headers: dict[str, str] = {}
     if "headers" not in omitted:
         headers.update(envelope.get("headers") or {})
+        # The router's gap marker, never a staged header's: a message after no gap has none.
+        headers.pop(HeaderName.SKIPPED, None)
     get = envelope.get
     headers[HeaderName.MESSAGE_ID] = envelope["id"]
     headers[HeaderName.EVENT_TYPE] = envelope["type"]
@@ -364,4 +381,6 @@ def _headers(
         if value is not None and (field_name == "source" or field_name not in omitted):
             headers[name] = value
     headers[HeaderName.CONTENT_TYPE] = content_type
+    if skipped and "skipped" not in omitted:
+        headers[HeaderName.SKIPPED] = ",".join(skipped)
     return headers

@@ -18,6 +18,7 @@ __all__ = [
     "AUDIT",
     "FN_CLAIM",
     "FN_MARK",
+    "GAPS",
     "INBOX",
     "IX_OUTBOX_CLAIM",
     "IX_OUTBOX_DUE",
@@ -56,6 +57,10 @@ OUTBOX_SEQ: Final = "router_outbox_seq_seq"
 
 STREAMS: Final = "router_streams"
 """MySQL/MariaDB's stream-key lock rows, one per lock slot (migration 0015)."""
+
+GAPS: Final = "router_gaps"
+"""The gap markers: per target and stream key, the rows abandoned and not yet named by a later
+row delivered on that stream (migration 0016)."""
 
 TARGETS: Final = "router_targets"
 """One row per target the router keeps state for: whether it is paused, and its circuit."""

@@ -84,7 +84,10 @@ class RetentionSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     published: Duration = Field(timedelta(days=7), description="Keep published rows this long.")
-    abandoned: Duration = Field(timedelta(days=30), description="Keep abandoned rows this long.")
+    abandoned: Duration = Field(
+        timedelta(days=30),
+        description="Keep abandoned rows this long, and the gap markers no message named yet.",
+    )
     inbox: Duration = Field(
         timedelta(days=14),
         description="Keep consumers' dedup records this long; a duplicate arriving later is "

@@ -203,7 +203,8 @@ async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Reda
         f"{d.database}: deleted {d.published} published row(s) older than "
         f"{_span(retention.published)}, {d.abandoned} abandoned row(s) older than "
         f"{_span(retention.abandoned)}, {d.inbox} inbox record(s) older than "
-        f"{_span(retention.inbox)}"
+        f"{_span(retention.inbox)}, {d.gaps} gap marker(s) older than "
+        f"{_span(retention.abandoned)}"
         for d in done
     )
     emit(
@@ -215,6 +216,7 @@ async def cleanup(config: RouterConfig, args: argparse.Namespace, redactor: Reda
                     "published": d.published,
                     "abandoned": d.abandoned,
                     "inbox": d.inbox,
+                    "gaps": d.gaps,
                 }
                 for d in done
             ]

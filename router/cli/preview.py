@@ -61,6 +61,14 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="the priority to stage with (shown where the message carries it)",
     )
+    preview_.add_argument(
+        "--skipped",
+        action="append",
+        default=[],
+        metavar="MESSAGE_ID",
+        help="as sent after a gap in its stream: the message id of a row of the stream key "
+        "abandoned before it (oldest first; needs --stream-key)",
+    )
     preview_.add_argument("--json", action="store_true")
     preview_.set_defaults(run=preview)
 
@@ -84,6 +92,7 @@ async def preview(config: RouterConfig, args: argparse.Namespace, redactor: Reda
             causation_id=args.causation_id,
             tenant=args.tenant,
             priority=args.priority,
+            skipped=args.skipped,
         )
     except (ConfigError, StagingError) as exc:
         print(f"router: {redactor(str(exc))}", file=sys.stderr)

@@ -25,9 +25,9 @@ from brokers import BrokerSettings
 from envelopes import DowncastError
 from router.config import RouterConfig
 from router.ops import connections
-from router.ops.outbox import trace
+from router.ops.outbox import OPEN, trace
 from router.ops.preview import OnWire
-from router.ops.schema import outbox
+from router.ops.schema import gaps, outbox
 from router.write.pinning import Received
 
 __all__ = ["MAX_LIMIT", "MessageRow", "QueryError", "message", "messages"]
@@ -226,8 +226,9 @@ def _next_cursors(pages: Mapping[str, list[MessageRow]], shown: list[MessageRow]
 
 async def message(config: RouterConfig, message_id: str) -> list[dict[str, Any]]:
     """Every target's row of one message (``router.ops.outbox.trace``), each with ``message``: the
-    message as that target receives it, rendered as its processor renders it. Empty when no
-    row has the id."""
+    message as that target receives it, rendered as its processor renders it (a row still to
+    be sent after a gap in its stream names the gap, as it will). Empty when no row has the
+    id."""
     try:
         message_id = str(uuid.UUID(message_id.strip()))
     except ValueError:
@@ -236,37 +237,61 @@ async def message(config: RouterConfig, message_id: str) -> list[dict[str, Any]]
     stored = await _stored(config, message_id) if rows else {}
     found = []
     for row in rows:
-        seq, envelope = stored.get((row.database, row.target), (None, None))
+        seq, envelope, skipped = stored.get((row.database, row.target), (None, None, ()))
         received = None
         if envelope is not None:
-            received = _received(config.brokers.get(row.target), row.destination, seq, envelope)
+            settings = config.brokers.get(row.target)
+            received = _received(settings, row.destination, seq, envelope, skipped)
         found.append({**row.as_dict(), "seq": seq, "message": received})
     return found
 
 
-async def _stored(config: RouterConfig, message_id: str) -> dict[tuple[str, str], tuple[int, str]]:
-    """(database, target) -> (seq, stored envelope) of one message's rows."""
+Stored = tuple[int, str, tuple[str, ...]]
+"""A row's seq, stored envelope, and the gap before it in its stream (message ids)."""
+
+
+async def _stored(config: RouterConfig, message_id: str) -> dict[tuple[str, str], Stored]:
+    """(database, target) -> what one message's row there holds."""
     o = outbox
-    found: dict[tuple[str, str], tuple[int, str]] = {}
+    found: dict[tuple[str, str], Stored] = {}
     for name in config.databases:
         async with connections.connect(config, name) as conn:
-            query = sa.select(o.c.seq, o.c.target, o.c.envelope).where(o.c.message_id == message_id)
-            for r in await conn.execute(query):
+            query = sa.select(o.c.seq, o.c.target, o.c.envelope, o.c.stream_key, o.c.status)
+            for r in await conn.execute(query.where(o.c.message_id == message_id)):
                 envelope = r.envelope if isinstance(r.envelope, str) else json.dumps(r.envelope)
-                found[(name, r.target)] = (int(r.seq), envelope)
+                skipped: tuple[str, ...] = ()
+                if r.stream_key is not None and r.status in OPEN:  # not sent yet: it will
+                    skipped = await _gap_before(conn, r.target, r.stream_key, int(r.seq))
+                found[(name, r.target)] = (int(r.seq), envelope, skipped)
     return found
 
 
+async def _gap_before(conn: AsyncConnection, target: str, key: str, seq: int) -> tuple[str, ...]:
+    """The message ids of the gaps before ``seq`` in its stream, oldest first, as the claim
+    gives them (router_gaps' primary key)."""
+    g = gaps
+    query = (
+        sa.select(g.c.message_id)
+        .where(g.c.target == target, g.c.stream_key == key, g.c.seq < seq)
+        .order_by(g.c.seq)
+    )
+    return tuple(str(mid) for mid in (await conn.execute(query)).scalars())
+
+
 def _received(
-    settings: BrokerSettings | None, destination: str, seq: int | None, stored: str
+    settings: BrokerSettings | None,
+    destination: str,
+    seq: int | None,
+    stored: str,
+    skipped: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """What the processor would publish (``Received``, which it publishes through), with the
-    row's ``seq`` as the sequence, and the details the broker carries as ``router preview``
-    shows them (``OnWire``)."""
+    row's ``seq`` as the sequence and ``skipped`` as the gap before it, and the details the
+    broker carries as ``router preview`` shows them (``OnWire``)."""
     if settings is None:
         return {"destination": destination, "error": "the target is no longer configured"}
     try:
-        wire = Received(settings)(stored, sequence=seq)
+        wire = Received(settings)(stored, sequence=seq, skipped=skipped)
     except DowncastError as exc:  # the row fails with this same error
         return {"destination": destination, "error": f"cannot downcast: {exc}"}
     except Exception as exc:  # an envelope that cannot be rendered: the row would fail too

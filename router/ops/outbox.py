@@ -27,7 +27,7 @@ from router._wakeup import CHANNEL
 from router.config import RouterConfig
 from router.ops import connections
 from router.ops.audit import record
-from router.ops.schema import inbox, outbox, targets
+from router.ops.schema import gaps, inbox, outbox, targets
 
 __all__ = [
     "Cleanup",
@@ -82,6 +82,8 @@ class Cleanup:
     abandoned: int = 0
     inbox: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    gaps: int = 0
+    """Gap markers older than the abandoned rows' retention, never named by a message."""
 
 
 def _receipt(text: str | None) -> dict[str, Any] | None:
@@ -263,12 +265,14 @@ async def _count(conn: AsyncConnection, where: sa.ColumnElement[bool]) -> int:
 async def requeue_rows(
     conn: AsyncConnection, wheres: Sequence[sa.ColumnElement[bool]]
 ) -> tuple[int, list[str]]:
-    """Back to pending, attempts reset, due now; returns (rows changed, their targets)."""
+    """Back to pending, attempts reset, due now; returns (rows changed, their targets). An
+    abandoned row's gap marker goes with it: it will be delivered, so nothing is missing."""
     o = outbox
     changed, touched = 0, set[str]()
     for where in wheres:
         found = await conn.execute(sa.select(o.c.target).where(where).distinct())
         touched.update(r[0] for r in found)
+        await conn.execute(_delete_gaps_of(where))
         result = await conn.execute(
             sa.update(o)
             .where(where)
@@ -285,6 +289,17 @@ async def requeue_rows(
     if touched:
         await _notify(conn, sorted(touched))
     return changed, sorted(touched)
+
+
+def _delete_gaps_of(where: sa.ColumnElement[bool]) -> Any:
+    """DELETE the gap markers of the abandoned rows ``where`` picks, by router_gaps' primary
+    key (target, stream key, seq)."""
+    o = outbox
+    rows = sa.select(o.c.target, o.c.stream_key, o.c.seq).where(
+        where, o.c.status == "abandoned", o.c.stream_key.is_not(None)
+    )
+    key = sa.tuple_(gaps.c.target, gaps.c.stream_key, gaps.c.seq)
+    return sa.delete(gaps).where(key.in_(rows))
 
 
 async def set_paused(
@@ -354,9 +369,10 @@ async def cleanup(
                 engine, "abandoned", outbox.c.last_attempt_at, now - retention.abandoned, size
             )
             records = await _delete_inbox(engine, now - retention.inbox, size)
+            old_gaps = await _delete_gaps(engine, now - retention.abandoned, size)
             if published or abandoned:
                 await _vacuum_history(engine)
-        done.append(Cleanup(name, published, abandoned, records))
+        done.append(Cleanup(name, published, abandoned, records, gaps=old_gaps))
     return done
 
 
@@ -449,6 +465,23 @@ async def _delete_inbox(engine: AsyncEngine, cutoff: datetime, size: int) -> int
                         )
                     )
                 )
+        total += len(keys)
+        if len(keys) < size:
+            return total
+
+
+async def _delete_gaps(engine: AsyncEngine, cutoff: datetime, size: int) -> int:
+    """Gap markers recorded before ``cutoff`` (the abandoned rows' retention), in batches by
+    their time index: a stream that has carried no message since keeps its gap that long."""
+    g = gaps
+    key = (g.c.target, g.c.stream_key, g.c.seq)
+    total = 0
+    while True:
+        batch = sa.select(*key).where(g.c.abandoned_at < cutoff).order_by(g.c.abandoned_at)
+        async with engine.begin() as conn:
+            keys = [tuple(k) for k in (await conn.execute(batch.limit(size))).all()]
+            if keys:
+                await conn.execute(sa.delete(g).where(sa.tuple_(*key).in_(keys)))
         total += len(keys)
         if len(keys) < size:
             return total

@@ -3,7 +3,8 @@
 The event goes through the real write path (``Stager.build_rows``: routes, destination, the
 stored envelope, size limit) and the real delivery path (``Received``: the downcast to a
 partner's pinned version, then ``BrokerSettings.render``; what the processor publishes), but
-is neither written nor sent.
+is neither written nor sent. Asked with ``skipped``, it is shown as the processor sends it
+after a gap in its stream: those rows abandoned before it (docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -140,15 +141,19 @@ def preview(
     causation_id: str | None = None,
     tenant: str | None = None,
     priority: int | None = None,
+    skipped: Sequence[str] = (),
 ) -> list[Preview]:
     """The messages ``targets`` (default: every target of the event) would receive.
 
     ``payload`` is the event as JSON; without it an example is made from the event class.
     ``version`` is the version staged: a target pinned to an older one gets it downcast, as
-    it would from ``router serve``. The other keywords are ``stage()``'s. Raises ConfigError
-    for an unknown type, target or database, an invalid payload or a failing downcast, and
-    StagingError for what ``stage()`` would refuse.
+    it would from ``router serve``. ``skipped``: message ids of rows of its stream abandoned
+    before it, which the message then names (a gap needs a ``stream_key``). The other keywords
+    are ``stage()``'s. Raises ConfigError for an unknown type, target or database, an invalid
+    payload, a gap without a stream key or a failing downcast, and StagingError for what
+    ``stage()`` would refuse.
     """
+    gap = _gap(skipped, stream_key)
     event_class = catalog.get(event_type, version)
     event = _event(event_class, payload)
     name = _database(config, database)
@@ -172,15 +177,31 @@ def preview(
         row = by_target.get(target)
         if row is None:
             raise ConfigError(_not_routed(config.brokers[target], target, event_class, name))
-        result.append(_preview(config.brokers[target], target, event_class.__event__, row))
+        result.append(_preview(config.brokers[target], target, event_class.__event__, row, gap))
     return result
 
 
-def _preview(settings: BrokerSettings, target: str, spec: EventSpec, row: Row) -> Preview:
-    """What ``target`` receives of ``row``, as its processor would publish it."""
+def _gap(skipped: Sequence[str], stream_key: str | None) -> tuple[str, ...]:
+    """``skipped`` as message ids; ConfigError for one that is none, or for a gap without a
+    stream (only a keyed stream's rows are skipped and named)."""
+    if not skipped:
+        return ()
+    if stream_key is None:
+        raise ConfigError("a gap is in a stream: give --stream-key with --skipped")
+    try:
+        return tuple(str(UUID(text.strip())) for text in skipped)
+    except ValueError:
+        raise ConfigError(f"--skipped takes message ids; got {list(skipped)}") from None
+
+
+def _preview(
+    settings: BrokerSettings, target: str, spec: EventSpec, row: Row, skipped: tuple[str, ...]
+) -> Preview:
+    """What ``target`` receives of ``row``, as its processor would publish it (after the gap
+    ``skipped`` in its stream)."""
     pinned = settings.versions.get(spec.type)
     try:
-        wire = Received(settings)(row.envelope, sequence=1)
+        wire = Received(settings)(row.envelope, sequence=1, skipped=skipped)
     except DowncastError as exc:
         raise ConfigError(
             f"target {target!r} is pinned to {spec.type!r} version {pinned}, and version "

@@ -10,9 +10,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from router._schema import AUDIT, INBOX, OUTBOX, TARGETS
+from router._schema import AUDIT, GAPS, INBOX, OUTBOX, TARGETS
 
-__all__ = ["audit", "inbox", "metadata", "outbox", "targets"]
+__all__ = ["audit", "gaps", "inbox", "metadata", "outbox", "targets"]
 
 metadata = sa.MetaData()
 
@@ -43,6 +43,18 @@ outbox = sa.Table(
     sa.Column("last_attempt_at", _Time),
     sa.Column("first_attempt_at", _Time),
     sa.Column("receipt", sa.Text),
+)
+
+# The gap markers of streams whose head was abandoned (migration 0016): one row per abandoned
+# row with a stream key, until a row published after it names it.
+gaps = sa.Table(
+    GAPS,
+    metadata,
+    sa.Column("target", sa.Text, primary_key=True),
+    sa.Column("stream_key", sa.Text, primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True),
+    sa.Column("message_id", _MessageId, nullable=False),
+    sa.Column("abandoned_at", _Time, nullable=False),
 )
 
 audit = sa.Table(

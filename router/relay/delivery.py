@@ -21,6 +21,7 @@ from router.relay.metrics import Metrics, observe_all
 from router.relay.retry import retry_delay
 from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
+from router.relay.streams import RunStreams
 
 __all__ = ["Delivery", "KeepLease", "Render", "waves"]
 
@@ -36,8 +37,10 @@ class Render(Protocol):
     ``BrokerSettings.render``; ``router.serve.runner`` gives ``router.write.pinning.Received``,
     which first downcasts for a pinned partner). Raises DowncastError or EnvelopeError."""
 
-    def __call__(self, stored: str, *, sequence: int | None) -> WireMessage:
-        """The wire message of one row."""
+    def __call__(
+        self, stored: str, *, sequence: int | None, skipped: Sequence[str] = ()
+    ) -> WireMessage:
+        """The wire message of one row (``skipped``: the gap before it in its stream)."""
         ...
 
 
@@ -76,7 +79,7 @@ class Delivery:
         self,
         rows: Sequence[ClaimedRow],
         keep_lease: KeepLease | None = None,
-        held: set[str] | None = None,
+        streams: RunStreams | None = None,
     ) -> Marks:
         """Publish a batch in waves: the n-th row of every stream goes in wave n.
 
@@ -92,11 +95,18 @@ class Delivery:
         starts: the rest stays untried, and is given back with the marks at once rather than
         held until the grace period ends (and sent again by whoever claims it next).
 
-        ``held``: streams already held back by a failure in an earlier batch of the same
-        transaction (PostgreSQL); the streams this batch holds back are added to it.
+        Each row with a stream key names the gap before it (``ClaimedRow.skipped``, set here to
+        what it carries): what its claim read, with the rows of its stream abandoned since,
+        earlier in the run, and without those a row published since named. A published row's
+        gap goes into ``Marks.reported``, to be deleted with the marks.
+
+        ``streams``: what the earlier batches of the same transaction (PostgreSQL) left of
+        their streams, which this batch's claim could not see: failures that hold streams
+        back, gaps opened and closed (``RunStreams``); this batch's are added to it.
         """
         marks = Marks()
-        held = set() if held is None else held
+        streams = RunStreams() if streams is None else streams
+        held = streams.held
         split = waves(rows)
         for n, wave in enumerate(split):
             # Stopping, or another batch found the broker unreachable meanwhile: give the rest
@@ -108,7 +118,7 @@ class Delivery:
             if keep_lease is not None and not await keep_lease(self.settings.publish_limit + 1):
                 marks.untried.extend(row.seq for rest in split[n:] for row in rest)
                 break
-            sendable = self._sendable(wave, held, marks)
+            sendable = self._sendable(wave, streams, marks)
             if not sendable:
                 continue
             on_trial = self.link.on_trial
@@ -122,7 +132,7 @@ class Delivery:
                         if row.stream_key is not None:
                             held.add(row.stream_key)
                         continue
-                if not self._classify(row, result, marks) and row.stream_key is not None:
+                if not self._classify(row, result, marks, streams) and row.stream_key is not None:
                     held.add(row.stream_key)
             if unanswered is None:
                 self.link.answered()
@@ -136,35 +146,45 @@ class Delivery:
         return marks
 
     def _sendable(
-        self, wave: Sequence[ClaimedRow], held: set[str], marks: Marks
+        self, wave: Sequence[ClaimedRow], streams: RunStreams, marks: Marks
     ) -> list[tuple[ClaimedRow, OutgoingMessage]]:
-        """The wave's rows, rendered. A row behind a failed one of its stream (``held``) stays
-        untried; one that cannot be downcast or rendered has its outcome in ``marks`` now."""
+        """The wave's rows, rendered, each with the gap before it. A row behind a failed one
+        of its stream (``streams.held``) stays untried; one that cannot be downcast or
+        rendered has its outcome in ``marks`` now."""
         sendable: list[tuple[ClaimedRow, OutgoingMessage]] = []
+        held = streams.held
         for row in wave:
-            if row.stream_key is not None and row.stream_key in held:
+            key = row.stream_key
+            if key is not None and key in held:
                 marks.untried.append(row.seq)
                 continue
+            row.skipped = streams.skipped(key, row.seq, row.skipped)
             try:
-                wire = self._render(row.envelope, sequence=row.seq)
+                wire = self._render(row.envelope, sequence=row.seq, skipped=row.skipped)
             except DowncastError as exc:  # the user's downcaster: this row alone retries
                 failed = PublishResult.failed(f"cannot downcast: {exc}", retryable=True)
-                if not self._classify(row, failed, marks) and row.stream_key is not None:
-                    held.add(row.stream_key)
+                if not self._classify(row, failed, marks, streams) and key is not None:
+                    held.add(key)
                 continue
             except EnvelopeError as exc:
                 marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
+                streams.abandoned(key, row.seq, row.message_id)
                 continue
             sendable.append((row, OutgoingMessage(row.destination, wire)))
         return sendable
 
-    def _classify(self, row: ClaimedRow, result: PublishResult, marks: Marks) -> bool:
-        """Sort one outcome into ``marks``; False when the row will be retried (it then holds
-        back its stream)."""
+    def _classify(
+        self, row: ClaimedRow, result: PublishResult, marks: Marks, streams: RunStreams
+    ) -> bool:
+        """Sort one outcome into ``marks`` (and the gaps it opens or closes into ``streams``);
+        False when the row will be retried (it then holds back its stream)."""
         if result.ok:
             marks.published.append(row.seq)
             if result.receipt is not None:
                 marks.receipts[row.seq] = result.receipt
+            if row.skipped and row.stream_key is not None:  # its consumer knows of the gap now
+                marks.reported.extend((row.stream_key, mid) for mid in row.skipped)
+                streams.published(row.stream_key, row.skipped)
             return True
         error = result.error or "failed"
         if not result.retryable:
@@ -175,6 +195,7 @@ class Delivery:
             delay = retry_delay(row.attempts, self.retry, self._rand)
             marks.failed.append((row.seq, delay, error))
             return False
+        streams.abandoned(row.stream_key, row.seq, row.message_id)
         return True
 
     def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:

@@ -42,6 +42,7 @@ from router.relay.metrics import Metrics
 from router.relay.ratelimit import TokenBucket
 from router.relay.stats import ProcessorStats
 from router.relay.store import BatchLost, Claim, Marks, OutboxStore
+from router.relay.streams import RunStreams
 
 __all__ = ["Processor", "ProcessorStats"]
 
@@ -301,11 +302,12 @@ class Processor:
             await self.finish(claim, marks, deadline)
 
     async def deliver(
-        self, claim: Claim, end: float, held: set[str] | None = None
+        self, claim: Claim, end: float, streams: RunStreams | None = None
     ) -> tuple[Marks | None, float]:
         """Publish a claimed batch under its lease: the outcomes (None when ``stop()``
         cancelled a connect: the batch stays in flight, for _shutdown to give back) and the
-        lease's end, until which marking may be retried."""
+        lease's end, until which marking may be retried. ``streams``: what the run's earlier
+        batches left of their streams (``RunStreams``)."""
         lease = Lease(
             self.store,
             self.target,
@@ -315,7 +317,7 @@ class Processor:
             labels=self._log,
         )
         try:
-            marks = await self.delivery.deliver(claim.rows, lease.keep, held)
+            marks = await self.delivery.deliver(claim.rows, lease.keep, streams)
         except asyncio.CancelledError:
             if not self.link.stopped_connect():
                 raise

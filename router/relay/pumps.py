@@ -20,6 +20,8 @@ import asyncio
 from collections.abc import Sized
 from typing import Any, Generic, Protocol, TypeVar
 
+from router.relay.streams import RunStreams
+
 __all__ = ["Batch", "Cycle", "Overlapping", "Pump", "TransactionRuns"]
 
 # A run of PostgreSQL batches (one transaction) claims no further batch after this long
@@ -76,9 +78,11 @@ class Cycle(Protocol[Claim, Marks]):
     async def deliver_and_mark(self, claim: Claim, end: float) -> None:
         """Publish a batch and write its outcomes."""
 
-    async def deliver(self, claim: Claim, end: float, held: set[str]) -> tuple[Marks | None, float]:
+    async def deliver(
+        self, claim: Claim, end: float, streams: RunStreams
+    ) -> tuple[Marks | None, float]:
         """Publish a batch: its outcomes (None: a stop cancelled its connect) and the end of
-        its lease."""
+        its lease. ``streams``: what the run's earlier batches left of their streams."""
 
     async def finish(
         self, claim: Claim, marks: Marks, deadline: float, before: asyncio.Task[None] | None
@@ -153,7 +157,8 @@ class TransactionRuns(Generic[Claim, Marks]):
     after it), and while that one is published the first is marked: claims and marks overlap
     publishing. The next batch is published only once the current one is done, never beside
     it, since its rows may follow the current one's in their streams; a row whose stream
-    failed earlier in the run is held back (untried). The run claims no further batch once one
+    failed earlier in the run is held back (untried), and one whose stream had a row abandoned
+    earlier in the run names it (``RunStreams``). The run claims no further batch once one
     comes back short, after ``_RUN_SECONDS``, at a stop, with the circuit open or the rate
     limit reached; it commits with the mark of its last batch.
     """
@@ -172,7 +177,7 @@ class TransactionRuns(Generic[Claim, Marks]):
             return cycle.busy()
         cycle.not_busy()
         closes = asyncio.get_running_loop().time() + _RUN_SECONDS
-        held: set[str] = set()  # streams with a failed row earlier in the run
+        streams = RunStreams()  # failures and gaps earlier in the run, unmarked yet
         unmarked: dict[int, Claim] = {}  # claimed, and neither being marked nor left to stop
         marking: asyncio.Task[None] | None = None
         following: asyncio.Task[tuple[Claim, float]] | None = None
@@ -184,7 +189,7 @@ class TransactionRuns(Generic[Claim, Marks]):
                 more = self._goes_on(full, closes)
                 if more:
                     following = asyncio.create_task(self._claim_after(claim, more, marking))
-                marks, deadline = await cycle.deliver(claim, end, held)
+                marks, deadline = await cycle.deliver(claim, end, streams)
                 del unmarked[claim.token]
                 if marks is None:  # a connect cancelled by stop(): the processor gives it back
                     break

@@ -330,13 +330,14 @@ async def cleanup_loop(config: RouterConfig) -> None:
 
         try:
             for done in await cleanup(config):
-                if done.published or done.abandoned:
+                if done.published or done.abandoned or done.gaps:
                     log.info(
                         "cleanup.done",
                         extra={
                             "database": done.database,
                             "published": done.published,
                             "abandoned": done.abandoned,
+                            "gaps": done.gaps,
                         },
                     )
         except RouterError as exc:

@@ -16,7 +16,7 @@ is sent.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import orjson
 
@@ -78,12 +78,15 @@ class Received:
         self.settings = settings
         self._pinning = Pinning(settings.versions) if settings.versions else None
 
-    def __call__(self, stored: str, *, sequence: int | None) -> WireMessage:
-        """The wire message. Raises DowncastError when a pinned event cannot be downcast
-        (the row retries), EnvelopeError when the envelope cannot be rendered."""
+    def __call__(
+        self, stored: str, *, sequence: int | None, skipped: Sequence[str] = ()
+    ) -> WireMessage:
+        """The wire message (``skipped``: the gap before it in its stream, as message ids).
+        Raises DowncastError when a pinned event cannot be downcast (the row retries),
+        EnvelopeError when the envelope cannot be rendered."""
         if self._pinning is not None:
             stored = self._pinning(stored)
-        return self.settings.render(stored, sequence=sequence)
+        return self.settings.render(stored, sequence=sequence, skipped=skipped)
 
 
 def check_pin(spec: EventSpec, broker: str, pinned: int) -> None:

@@ -10,15 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import orjson
 import pytest
+import sqlalchemy as sa
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, create_broker
-from envelopes import BrokerUnavailable, PublishError, make_internal_envelope, render, uuid7
-from tests.contract.harnesses import Harness
+from envelopes import (
+    BrokerUnavailable,
+    PublishError,
+    make_internal_envelope,
+    message_id_of,
+    render,
+    uuid7,
+)
+from router.ops.schema import outbox
+from router.serve.runner import Runner
+from tests.conftest import Database, make_config
+from tests.contract.harnesses import Arrived, Harness
+from tests.integration.events import OrderPlaced
 
 
 def message(
@@ -221,6 +235,81 @@ async def test_close_and_reconnect_sends_each_message_once(harness: Harness) -> 
     finally:
         await broker.close()
     assert len(await harness.arrived_once(destination, 2)) == 2
+
+
+@pytest.mark.parametrize("batch_size", [100, 2], ids=["one-batch", "batches-of-two"])
+async def test_the_message_after_an_abandoned_row_of_its_stream_names_it(
+    harness: Harness, database: Database, batch_size: int
+) -> None:
+    """On one stream key, events 1, 2 and 3, where the broker refuses 2 for good, and event 4
+    on another key: 1, 3 and 4 arrive, each once; 3 names 2 (its header, and its internal
+    envelope's ``skipped``), 1 and 4 name nothing; 2 is abandoned. In one batch 3 follows 2
+    in the next wave; in batches of two, 3 comes in a later batch (on PostgreSQL claimed
+    before 2's outcome is marked)."""
+    destination = harness.destination("order_placed")  # the settings' {event_type}
+    await harness.prepare(destination)
+    brokers = {"events": harness.config(internal=True)}
+    config = make_config(
+        {"main": database.url},
+        brokers,
+        database.base_dir,
+        # RabbitMQ's refusal (unroutable) is retryable: the row is abandoned out of attempts.
+        outbox={"batch_size": batch_size, "retry": {"max_attempts": 2, "base_delay": 0.05}},
+    )
+    # Kafka refuses a record over max_request_size (64 KB here); stage() takes up to 256 KB.
+    note = "x" * 100_000 if harness.kind == "kafka" else None
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            ids = await tx.stage(
+                *(
+                    OrderPlaced(order_id=str(n), total=Decimal(n), note=note if n == 2 else None)
+                    for n in (1, 2, 3, 4)
+                ),
+                stream_keys=["k", "k", "k", "other"],
+            )
+    finally:
+        await writer.close()
+    if harness.kind != "kafka":  # the other brokers refuse 2 at a destination of their own
+        rejected = harness.rejected_destination()
+        await harness.prepare(rejected)
+        update = sa.update(outbox).where(outbox.c.message_id == ids[1])
+        await database.execute(update.values(destination=rejected))
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        arrived = await harness.arrived_once(destination, 3)
+        rows = await _settled(database, 4)
+    finally:
+        await runner.shutdown()
+
+    got = {str(message_id_of(a.body, a.headers, native_id=a.native_id)): a for a in arrived}
+    assert sorted(got) == sorted([ids[0], ids[2], ids[3]])
+    on_k = [mid for mid in got if mid in (ids[0], ids[2])]
+    assert on_k == [ids[0], ids[2]]  # in order on its stream
+    assert _named(got[ids[2]]) == ([ids[1]], [ids[1]])
+    assert _named(got[ids[0]]) == _named(got[ids[3]]) == (None, None)
+    assert [row["status"] for row in rows] == ["published", "abandoned", "published", "published"]
+    assert await database.fetch("SELECT seq FROM router_gaps") == []  # 3 closed 2's gap
+
+
+def _named(arrived: Arrived) -> tuple[list[str] | None, list[str] | None]:
+    """The gap a message names: its header's ids, and its internal envelope's ``skipped``."""
+    header = arrived.headers.get("skipped-message-ids")
+    skipped: list[str] | None = json.loads(arrived.body).get("skipped")
+    return (header.split(",") if header is not None else None), skipped
+
+
+async def _settled(database: Database, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    """The outbox's rows once none of ``count`` is open any more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = await database.rows()
+        done = [r for r in rows if r["status"] in ("published", "abandoned")]
+        if len(done) == count or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.05)
 
 
 def test_publish_error_carries_retryable() -> None:

@@ -102,11 +102,14 @@ def test_what_preview_shows_the_partner_is_what_the_exported_message_describes()
         "partners",
         "--stream-key",
         "o-1",
+        "--skipped",  # after a gap: the header the contract declares is sent too
+        "01a20935-b120-70ec-a2ef-2ad62ecc67f0",
         "--json",
         cwd=ROOT,
     )
     assert preview.returncode == 0, preview.stderr
     [sent] = json.loads(preview.stdout)
+    assert sent["headers"]["skipped-message-ids"] == "01a20935-b120-70ec-a2ef-2ad62ecc67f0"
 
     pointer = f"/components/messages/{MESSAGE}"
     part_of(document, f"{pointer}/payload").validate(sent["body"])

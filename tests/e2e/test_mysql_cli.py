@@ -130,7 +130,7 @@ async def test_the_operations_commands_on_a_fresh_mariadb_database(
 
     assert run(tmp_path, "cleanup").stdout == (
         "main: deleted 2 published row(s) older than 7d, 1 abandoned row(s) older than 30d, "
-        "2 inbox record(s) older than 14d\n"
+        "2 inbox record(s) older than 14d, 0 gap marker(s) older than 30d\n"
     )
     left = await mysql_fetch(
         url,

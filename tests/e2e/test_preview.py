@@ -67,6 +67,20 @@ def test_all_targets_side_by_side_mark_what_a_target_does_not_get() -> None:
     assert rows["body sequence"] == ["1", "-"]
 
 
+def test_a_preview_after_a_gap_names_it_in_the_header_and_the_internal_body() -> None:
+    gap = ["01a20935-b120-70ec-a2ef-2ad62ecc67f0", "01a20935-b120-70ec-a2ef-2ad62ecc67f1"]
+    args = ["--stream-key", "o-1", "--skipped", gap[0], "--skipped", gap[1], "--json"]
+    result = router("preview", "order_placed", "--all-targets", *args, cwd=ROOT)
+
+    assert result.returncode == 0, result.stderr
+    internal, partner = sorted(json.loads(result.stdout), key=lambda m: m["target"])
+    assert (internal["target"], partner["target"]) == ("events", "partners")
+    for message in (internal, partner):
+        assert message["headers"]["skipped-message-ids"] == ",".join(gap)
+    assert internal["body"]["skipped"] == gap
+    assert "skipped" not in partner["body"]  # a partner reads the header
+
+
 def test_what_preview_cannot_show_is_a_one_line_error() -> None:
     cases = {
         ("nope",): "router: unknown event type 'nope'; known types: order_placed, stock_reserved",
@@ -79,6 +93,10 @@ def test_what_preview_cannot_show_is_a_one_line_error() -> None:
         "order_placed: order_id: Input should be a valid string; customer: Field required; "
         "total: Field required",
         ("order_placed", "--header", "novalue"): "router: --header takes NAME=VALUE, got 'novalue'",
+        ("order_placed", "--skipped", "01a20935-b120-70ec-a2ef-2ad62ecc67f0"): "router: a gap "
+        "is in a stream: give --stream-key with --skipped",
+        ("order_placed", "--stream-key", "o-1", "--skipped", "nope"): "router: --skipped takes "
+        "message ids; got ['nope']",
     }
     for args, message in cases.items():
         result = router("preview", *args, cwd=ROOT)

@@ -24,7 +24,7 @@ from tests.integration.events import OrderPlaced
 
 BROKERS = {"events": {"type": "memory", "internal": True}}
 CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, true, 0)"
-MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}')"
+MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}')"
 CLAIMS = 8  # PL/pgSQL plans the first five calls for their values, then may go generic
 
 
@@ -218,3 +218,29 @@ async def test_a_claim_checks_no_stream_while_none_is_held_back(
     async with backlog.transaction():
         claimed = {r[0] for r in await backlog.fetch(CLAIM, 3_000)}
     assert claimed and not claimed & {r[0] for r in held}
+
+
+async def test_a_claim_looks_up_no_streams_gaps_while_its_target_has_none(
+    backlog: asyncpg.Connection,
+) -> None:
+    # The claim asks once whether its target has any gap marker (0016), and only then looks
+    # up each claimed row's: a target without gaps pays one probe of router_gaps per claim.
+    # Three rounds of claims, 100 rows each: the backlog's 3,000 rows last them.
+    gap_lookup = r"Index Scan using pk_router_gaps on router_gaps g.*"
+    plans = await claim_plans(backlog, batch=100, analyze=True)
+    assert len(plans) == CLAIMS
+    for plan in plans:
+        assert all("never executed" in probe for probe in re.findall(gap_lookup, plan)), plan
+    # Another target's gap changes nothing; one of this target's brings the lookups back.
+    insert = (
+        "INSERT INTO router_gaps (target, stream_key, seq, message_id)"
+        " VALUES ($1, 's-0', 0, gen_random_uuid())"
+    )
+    await backlog.execute(insert, "elsewhere")
+    plans = await claim_plans(backlog, batch=100, analyze=True)
+    for plan in plans:
+        assert all("never executed" in probe for probe in re.findall(gap_lookup, plan)), plan
+    await backlog.execute(insert, "events")
+    plans = await claim_plans(backlog, batch=100, analyze=True)
+    for plan in plans:
+        assert re.search(r"pk_router_gaps on router_gaps g .*\(actual .* loops=100\)", plan), plan

@@ -46,7 +46,8 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
     expected = await definitions(scratch, CLAIM_FUNCTION, MARK_FUNCTION)
     assert [signature for signature, _ in expected] == [
         "router_claim(text,integer,text,double precision,boolean,bigint)",
-        "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[])",
+        "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[],text,"
+        "text[],text[])",
     ]
     assert await definitions(migrated) == expected
 

@@ -91,6 +91,7 @@ async def test_init_db_creates_the_tables_at_the_revision_the_store_serves(
         for name in (
             "router_alembic_version",
             "router_audit",
+            "router_gaps",
             "router_inbox",
             "router_outbox",
             "router_streams",

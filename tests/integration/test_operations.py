@@ -230,7 +230,7 @@ async def test_cleanup_deletes_exactly_the_rows_past_retention(database: Databas
     out = run(database.base_dir, "cleanup", "--json")
     # Defaults: published rows kept 7 days, abandoned rows 30 days.
     assert json.loads(out.stdout) == {
-        "databases": [{"database": "main", "published": 2, "abandoned": 1, "inbox": 0}]
+        "databases": [{"database": "main", "published": 2, "abandoned": 1, "inbox": 0, "gaps": 0}]
     }
     left = set(await partner_rows(database))
     [events_left] = await database.fetch(

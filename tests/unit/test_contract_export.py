@@ -52,3 +52,30 @@ def test_a_field_with_a_default_is_not_required_so_older_messages_stay_valid() -
     assert list(validator.iter_errors({"sku": "a-1"})) == []
     assert list(validator.iter_errors({"sku": "a-1", "x": None, "y": 5})) == []
     assert [e.message for e in validator.iter_errors({"x": 1})] == ["'sku' is a required property"]
+
+
+GAPS = """
+service: shop
+databases: {main: "sqlite:///x.db"}
+brokers:
+  events: {type: memory, internal: true}
+  billing: {type: memory}
+  binary: {type: memory, envelope: cloudevents, cloudevents_mode: binary}
+  mirror: {type: memory, envelope: internal}
+"""
+
+
+def test_every_partner_gets_the_gap_header_and_an_internal_profile_the_field() -> None:
+    config = parse_config(GAPS, env={})
+    catalog = EventCatalog(classes={"priced": {1: Priced}})
+    messages = asyncapi_document("shop", "1", partner_messages(config, catalog))
+    for partner in ("billing", "binary", "mirror"):
+        message = messages["components"]["messages"][f"{partner}.priced.v1"]
+        headers = message["headers"]
+        assert headers["properties"]["skipped-message-ids"]["type"] == "string"
+        assert "skipped-message-ids" not in headers["required"]  # only after a gap
+        body = message["payload"].get("properties", {})
+        assert ("skipped" in body) is (partner == "mirror"), partner
+    mirror = messages["components"]["messages"]["mirror.priced.v1"]["payload"]
+    assert mirror["properties"]["skipped"]["items"] == {"type": "string"}
+    assert "skipped" not in mirror["required"]

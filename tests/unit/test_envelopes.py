@@ -52,6 +52,8 @@ EVERYTHING: dict[str, Any] = {
 }
 # A partner allowed the staged header and every extension (partners get neither by default).
 SHARED = Exposure(headers=("channel",), extensions=("*",))
+# Two rows abandoned before this one on its stream, oldest first.
+GAP = ("01a203f9-0000-7000-8000-000000000001", "01a203f9-0000-7000-8000-000000000002")
 
 
 def stored(payload: bytes = PAYLOAD, **fields: Any) -> bytes:
@@ -160,11 +162,12 @@ def test_unknown_metadata_is_a_type_error_however_often_it_is_given() -> None:
             stored(stream="o-1", size=1, colour="red")
 
 
-def test_internal_profile_keeps_every_field_plus_the_sequence() -> None:
-    document = body(stored(**EVERYTHING), "internal", sequence=42)
+def test_internal_profile_keeps_every_field_plus_the_sequence_and_the_gap() -> None:
+    document = body(stored(**EVERYTHING), "internal", sequence=42, skipped=GAP)
     assert set(document) == set(InternalEnvelope.model_fields)
     envelope = InternalEnvelope.model_validate(document)
     assert envelope.sequence == 42
+    assert envelope.skipped == list(GAP)
     assert (envelope.expected_version, envelope.asynchronous, envelope.priority) == (6, False, 5)
     assert envelope.positions == {"store": 41}
     assert (envelope.tenant, envelope.event_class) == ("acme", "shop.events.OrderPlaced")
@@ -332,6 +335,58 @@ def test_headers_carry_the_identity_of_the_event() -> None:
     }
     assert (wire.message_id, wire.event_type) == (MESSAGE_ID, "order_placed")
     assert (wire.stream_key, wire.correlation_id) == ("o-1", "corr")
+
+
+def test_the_gap_before_a_message_is_spliced_after_the_sequence_and_named_in_a_header() -> None:
+    raw = stored(**EVERYTHING)
+    wire = render(raw, "internal", sequence=42, skipped=GAP)
+    assert wire.body.endswith(
+        b'"sequence":42,"skipped":["%s","%s"]}' % tuple(g.encode() for g in GAP)
+    )
+    assert orjson.loads(wire.body) == {**orjson.loads(raw), "sequence": 42, "skipped": list(GAP)}
+    assert wire.headers["skipped-message-ids"] == ",".join(GAP)
+    # Stored with nulls by an earlier version: parsed and dumped, to the same document.
+    plain = stored(stream="o-1")
+    legacy = orjson.dumps({**orjson.loads(plain), "priority": None})
+    assert orjson.loads(render(legacy, "internal", sequence=42, skipped=GAP).body) == {
+        **orjson.loads(plain),
+        "sequence": 42,
+        "skipped": list(GAP),
+    }
+
+
+@pytest.mark.parametrize("profile", ["internal", "external", "cloudevents"])
+def test_a_message_after_no_gap_has_neither_the_field_nor_the_header(profile: str) -> None:
+    # A staged header of the marker's name is no gap marker: the router's own says it.
+    raw = stored(headers={"skipped-message-ids": "forged", "channel": "web"}, stream="o-1")
+    wire = render(raw, profile, sequence=1, exposure=SHARED)  # type: ignore[arg-type]
+    assert "skipped-message-ids" not in wire.headers
+    assert wire.headers["channel"] == "web"
+    assert "skipped" not in orjson.loads(wire.body)
+
+
+@pytest.mark.parametrize(
+    ("profile", "prefix"), [("external", None), ("cloudevents", None), ("cloudevents", "ce_")]
+)
+def test_a_partner_learns_of_the_gap_from_the_header_alone(
+    profile: Profile, prefix: str | None
+) -> None:
+    """Every profile carries the marker as the router's transport header; a partner's body
+    never has it, whatever its allow-list (docs/partners.md)."""
+    wire = render(
+        stored(**EVERYTHING), profile, skipped=GAP, cloudevents_prefix=prefix, exposure=SHARED
+    )
+    assert wire.headers["skipped-message-ids"] == ",".join(GAP)
+    assert b"skipped" not in wire.body
+    assert not any("skipped" in name for name in wire.headers if name != "skipped-message-ids")
+    with pytest.raises(ValueError, match="cannot expose"):
+        Exposure(fields=frozenset({"skipped"}))
+
+
+def test_omit_drops_the_gap_from_the_body_and_the_header() -> None:
+    wire = render(stored(**EVERYTHING), "internal", sequence=1, skipped=GAP, omit=["skipped"])
+    assert "skipped" not in orjson.loads(wire.body)
+    assert "skipped-message-ids" not in wire.headers
 
 
 def test_user_headers_cannot_override_the_reserved_ones() -> None:

@@ -94,6 +94,10 @@ _HEADER_DESCRIPTIONS = {
     HeaderName.EVENT_VERSION: "Schema version of the payload.",
     HeaderName.SOURCE: "The service that committed the event.",
     HeaderName.CONTENT_TYPE: "The media type of the body.",
+    HeaderName.SKIPPED: "Only after a gap in the stream: the message ids of the events of this "
+    "stream key that this broker's target abandoned (refused for good, or out of attempts) "
+    "since the last message delivered on it, oldest first, comma-separated. They will not "
+    "come unless an operator requeues them.",
     # Added by the adapters (BrokerSettings.native_headers).
     "Nats-Msg-Id": "The event's message id again: the key of JetStream's duplicate window.",
     "correlation_id": "The staged correlation id again, under the name some Kafka client "

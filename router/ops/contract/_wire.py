@@ -5,7 +5,8 @@ Which partners get an event and where is what staging resolves (``Stager.build_r
 envelope members and headers, is what the processor publishes (``router.write.pinning.Received``:
 downcast for a broker's ``versions:``, then rendered), with the headers and native properties
 the adapter adds (``native_headers``, ``native_properties``), read off two samples: one with
-every metadata field set (what may be sent), one with none (what is always sent). Nothing here
+every metadata field set and a gap before it in its stream (what may be sent), one with none
+(what is always sent). Nothing here
 restates those rules, so the contract cannot drift from the wire. Staged headers and
 extensions are allowed by name globs (``expose.headers``, ``expose.extensions``) and are
 described by those globs.
@@ -48,6 +49,8 @@ from router.write.staging import Row, Stager
 __all__ = ["Member", "PartnerMessage", "partner_messages"]
 
 _SAMPLE_STREAM = "stream-1"
+# The wide sample's gap: one row of its stream abandoned before it (``skipped``).
+SAMPLE_SKIPPED = ("01890a5d-ac96-774b-bcce-b302099a8056",)
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,11 @@ def _sample_event(event_class: type[Event]) -> Event:
         return event_class.model_construct()
 
 
-def _render(settings: BrokerSettings, stored: str) -> WireMessage:
+def _render(settings: BrokerSettings, stored: str, skipped: tuple[str, ...] = ()) -> WireMessage:
     """As the processor publishes a row to this broker (``Received``: downcast to a pinned
-    version, then rendered)."""
+    version, then rendered), after the gap ``skipped`` in its stream."""
     try:
-        return Received(settings)(stored, sequence=1)
+        return Received(settings)(stored, sequence=1, skipped=skipped)
     except DowncastError as exc:  # the user's downcaster: any error is theirs to see
         raise ConfigError(f"cannot downcast an example event for a pinned partner: {exc}") from exc
 
@@ -175,7 +178,8 @@ def _message(
 ) -> PartnerMessage:
     settings = config.brokers[name]
     spec = event_class.__event__
-    wide, bare = _render(settings, wide_row.envelope), _render(settings, bare_row.envelope)
+    wide = _render(settings, wide_row.envelope, SAMPLE_SKIPPED)
+    bare = _render(settings, bare_row.envelope)
     omitted = frozenset(settings.omit)
     everything = settings.exposure.everything
     staged = () if "headers" in omitted else ("*",) if everything else settings.exposure.headers

@@ -4,7 +4,7 @@ and what a worker pool needs: the leases of a worker that died, given back at on
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -26,6 +26,7 @@ __all__ = [
     "Wake",
     "Wakeup",
     "describe_error",
+    "name_gaps",
     "new_token",
     "schema_problem",
 ]
@@ -37,7 +38,7 @@ OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0015"
+SCHEMA_REVISION = "0016"
 
 
 def schema_problem(database: str, revision: str | None) -> SchemaError | None:
@@ -91,6 +92,22 @@ class ClaimedRow:
     attempts: int
     stream_key: str | None = None
     created_at: float | None = None  # epoch seconds, for commit-to-ack latency
+    skipped: tuple[str, ...] = ()
+    """The gap before this row in its stream on its target: the message ids of the rows of
+    the stream abandoned there and not yet named by a published row, oldest first (the
+    claim reads them from ``router_gaps``; delivery adds those its run opened since)."""
+
+
+def name_gaps(rows: Sequence[ClaimedRow], gaps: Iterable[tuple[str, int, str]]) -> None:
+    """Give each claimed row with a stream key its ``skipped``: of ``gaps``, the target's
+    ``(stream key, seq, message id)`` in seq order, those of its stream before it."""
+    by_key: dict[str, list[tuple[int, str]]] = {}
+    for key, seq, message_id in gaps:
+        by_key.setdefault(key, []).append((seq, message_id))
+    for row in rows:
+        found = by_key.get(row.stream_key) if row.stream_key is not None else None
+        if found:
+            row.skipped = tuple(message_id for seq, message_id in found if seq < row.seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +142,9 @@ class Marks:
     """(seq, error)"""
     untried: list[int] = field(default_factory=list)
     """Claimed but not sent (held back behind a failed row of their stream): released."""
+    reported: list[tuple[str, str]] = field(default_factory=list)
+    """(stream key, message id) of each gap a published row named (its ``skipped``): its
+    consumer knows of it now, so it is deleted with the marks. Not a row's outcome."""
 
     def __len__(self) -> int:
         return len(self.published) + len(self.failed) + len(self.abandoned) + len(self.untried)
@@ -165,13 +185,17 @@ class OutboxStore(Protocol):
         """Lease up to ``limit`` due rows of ``target`` in outbox order.
 
         A row whose stream has an earlier open row that is not claimable now (waiting to
-        retry, or in flight under another lease) is not claimed: streams stay in order.
+        retry, or in flight under another lease) is not claimed: streams stay in order. A
+        row with a stream key comes with the gaps before it (``ClaimedRow.skipped``), found
+        in the claim's own statements: a target without gaps pays no statement more.
         ``after`` (only where ``pump`` is ``TransactionRuns``): a batch still held, whose
         transaction the claim joins, taking the rows after it.
         """
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
-        """Write back a batch's outcomes for rows still held under ``token``."""
+        """Write back a batch's outcomes for rows still held under ``token``: with each
+        abandoned row that has a stream key, its gap (in ``router_gaps``); and delete the
+        gaps the published rows named (``Marks.reported``)."""
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give back rows that were claimed but not tried; their attempt does not count."""

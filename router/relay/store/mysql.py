@@ -44,6 +44,7 @@ from router.relay.store.base import (
     Wake,
     Wakeup,
     describe_error,
+    name_gaps,
     new_token,
     schema_problem,
 )
@@ -125,7 +126,8 @@ class MysqlStore:
         if not candidates:  # an idle target costs this one statement
             return Claim(token, [])
         async with self._transaction() as cursor:
-            if await self._target_paused(cursor, target):
+            paused, gaps = await self._lock_target(cursor, target)
+            if paused:
                 return Claim(token, [])
             candidates = await self._candidates(target, limit, cursor)
             if not candidates:
@@ -139,16 +141,26 @@ class MysqlStore:
                     sql.LEASE.format(seqs=sql.in_list(len(leased))),
                     [worker, token, round(lease_seconds * 1_000_000), *leased],
                 )
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4] + 1, r[5], _epoch(r[6])) for r in records]
+            rows = [
+                ClaimedRow(r[0], r[1], r[2], r[3], r[4] + 1, r[5], _epoch(r[6])) for r in records
+            ]
+            keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
+            if gaps and keys:
+                await cursor.execute(sql.gaps_of(len(keys)), [target, *keys])
+                name_gaps(rows, await cursor.fetchall())
         return Claim(token, rows)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
         """An UPDATE per kind of outcome, each fenced by the claim's token.
 
         Each commits on its own: marks are idempotent (a row marked once is no longer held
-        under the token), so the processor's retry of a half-written batch is harmless.
+        under the token), so the processor's retry of a half-written batch is harmless. A
+        batch that abandoned a row or closed a gap is marked in one transaction instead, so
+        that a row is never abandoned without its gap recorded, nor published with the gaps
+        it named left open (two statements more, only then).
         """
-        async with self._cursor() as cursor:
+        gaps = bool(marks.abandoned or marks.reported)
+        async with self._transaction() if gaps else self._cursor() as cursor:
             published, receipts = marks.published, marks.receipts
             if published and receipts:
                 await cursor.execute(
@@ -182,6 +194,13 @@ class MysqlStore:
                     ),
                     [*_flat(marks.abandoned), *seqs, token],
                 )
+                await cursor.execute(
+                    sql.RECORD_GAPS.format(seqs=sql.in_list(len(seqs))), [*seqs, token]
+                )
+            if marks.reported:  # after the gaps above: a later row of the batch may name one
+                keys = sorted({key for key, _ in marks.reported})
+                ids = [message_id for _, message_id in marks.reported]
+                await cursor.execute(sql.close_gaps(len(keys), len(ids)), [target, *keys, *ids])
             if marks.untried:
                 await self._release(cursor, token, marks.untried)
 
@@ -374,14 +393,15 @@ class MysqlStore:
             await own.execute(sql.CANDIDATES, params)
             return list(await own.fetchall())
 
-    async def _target_paused(self, cursor: Cursor, target: str) -> bool:
-        """Lock the target's row (claims of one target take turns); True if it is paused."""
-        await cursor.execute(sql.LOCK_TARGET, [target])
+    async def _lock_target(self, cursor: Cursor, target: str) -> tuple[bool, bool]:
+        """Lock the target's row (claims of one target take turns); whether it is paused,
+        and whether it has any gap marker (a new row: not known, so maybe)."""
+        await cursor.execute(sql.LOCK_TARGET, [target, target])
         row = await cursor.fetchone()
         if row is None:
             await cursor.execute(sql.ENSURE_TARGET, [target])
-            return False
-        return bool(row[0])
+            return False, True
+        return bool(row[0]), bool(row[1])
 
     async def _release(self, cursor: Cursor, token: int, seqs: Sequence[int]) -> None:
         await cursor.execute(sql.RELEASE.format(seqs=sql.in_list(len(seqs))), [*seqs, token])

@@ -6,7 +6,8 @@ statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore
 
 1. ``LOCK_TARGET``: the target's row in ``router_targets``, ``FOR UPDATE``. Claims of one target
    take turns on it, as PostgreSQL's take turns on an advisory lock, and it says whether the
-   target is paused. (``ENSURE_TARGET`` first makes the row, the first time.)
+   target is paused, and whether it has any gap marker. (``ENSURE_TARGET`` first makes the
+   row, the first time.)
 2. ``CANDIDATES``: a plain read of the due rows, streams in order. The store's sessions run
    in READ COMMITTED, so this statement sees every claim committed before the lock was
    granted: a row is never picked while an earlier row of its stream is in flight under a
@@ -14,6 +15,9 @@ statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore
 3. ``LOCK_ROWS``: the candidates again by primary key, ``FOR UPDATE SKIP LOCKED``, each still
    open and due: any number of processors never hold the same row, nor wait on each other.
 4. ``LEASE``: the lease, fenced by the claim's token.
+5. ``gaps_of``, only when step 1 found the target has gaps and some leased row has a stream
+   key: the gaps before those rows (docs/guarantees.md). A target without gaps pays no
+   statement more.
 
 Before all this the store runs ``CANDIDATES`` once on its own, outside any transaction: when it
 finds nothing (an idle target, the fallback poll), the claim ends there, one statement.
@@ -30,6 +34,7 @@ the statement names by key, and two marks of different targets could wait on eac
 from __future__ import annotations
 
 from router._schema import (
+    GAPS,
     IX_OUTBOX_CLAIM,
     IX_OUTBOX_DUE,
     IX_OUTBOX_PUBLISHED,
@@ -53,9 +58,12 @@ __all__ = [
     "MARK_PUBLISHED_RECEIPTS",
     "NEXT_DUE",
     "RECORD_CIRCUIT",
+    "RECORD_GAPS",
     "RELEASE",
     "SESSION",
     "WATCH",
+    "close_gaps",
+    "gaps_of",
     "in_list",
     "when_seq",
 ]
@@ -65,7 +73,12 @@ SESSION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 snapshot (step 2 above relies on it) and takes no gap locks, so a claim never makes an
 application's INSERT wait (in REPEATABLE READ its scans would lock the gap new rows go in)."""
 
-LOCK_TARGET = f"SELECT paused FROM {TARGETS} WHERE target = %s FOR UPDATE"
+# The EXISTS is uncorrelated (MySQL runs it once) and, in READ COMMITTED, a consistent read:
+# the gap rows it sees are not locked. Parameters: the target, twice.
+LOCK_TARGET = f"""
+SELECT paused, EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = %s)
+FROM {TARGETS} WHERE target = %s FOR UPDATE
+"""
 
 # A target whose circuit never changed and that was never paused has no row yet. Repeating
 # the key makes the upsert take the row's lock without changing it.
@@ -187,6 +200,38 @@ UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'abandoned', last_error = CASE seq {{errors}} END,
     locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+
+# An abandoned row with a stream key leaves a gap in its stream, recorded in the mark's
+# transaction (``MysqlStore.mark`` runs in one when a row is abandoned): the rows this mark
+# abandoned, still under its token. A gap already recorded stays as it is. Parameters: the
+# seqs, the token.
+RECORD_GAPS = f"""
+INSERT INTO {GAPS} (target, stream_key, seq, message_id)
+SELECT o.target, o.stream_key, o.seq, o.message_id FROM {OUTBOX} o FORCE INDEX (PRIMARY)
+WHERE o.seq IN ({{seqs}}) AND o.lease_token = %s AND o.status = 'abandoned'
+  AND o.stream_key IS NOT NULL
+ON DUPLICATE KEY UPDATE {GAPS}.seq = {GAPS}.seq
+"""
+
+
+def gaps_of(keys: int) -> str:
+    """The gaps of ``keys`` streams of a target, ``(stream key, seq, message id)`` in seq
+    order, read through the primary key. Parameters: the target, then the keys."""
+    return f"""
+SELECT stream_key, seq, message_id FROM {GAPS} FORCE INDEX (PRIMARY)
+WHERE target = %s AND stream_key IN ({in_list(keys)})
+ORDER BY seq
+"""
+
+
+def close_gaps(keys: int, ids: int) -> str:
+    """DELETE the gaps that published rows named. A message id is one row's of the target;
+    the keys lead the primary key to it. Parameters: the target, the keys, the ids."""
+    return f"""
+DELETE FROM {GAPS}
+WHERE target = %s AND stream_key IN ({in_list(keys)}) AND message_id IN ({in_list(ids)})
 """
 
 

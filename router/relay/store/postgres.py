@@ -84,7 +84,7 @@ _UNSEEN = object()  # what the poll saw before its first look, or after an outag
 CLAIM = f"SELECT * FROM {FN_CLAIM}($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
-MARK = f"SELECT {FN_MARK}($1, $2, $3, $4, $5, $6, $7)"
+MARK = f"SELECT {FN_MARK}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
 
 RECORD_CIRCUIT = f"""
 INSERT INTO {TARGETS} (target, circuit, circuit_since, circuit_worker, circuit_error)
@@ -211,7 +211,9 @@ class PostgresStore:
         return self._held_claim(run, token, records)
 
     def _held_claim(self, run: _Run, token: int, records: Sequence[Any]) -> Claim:
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6]) for r in records]
+        rows = [
+            ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(r[7] or ())) for r in records
+        ]
         rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
         run.batches[token] = len(rows)
         self._held[token] = run
@@ -229,7 +231,7 @@ class PostgresStore:
                 await self._leave(run, token)
             raise BatchLost(f"{self.name}: batch {token} is no longer held (released or ended)")
         self._upkeep.marked(len(marks))
-        receipts = marks.receipts
+        receipts, reported = marks.receipts, marks.reported
         try:
             async with run.lock:
                 if marks.published or marks.failed or marks.abandoned:
@@ -242,6 +244,9 @@ class PostgresStore:
                         [e for _, _, e in marks.failed],
                         [s for s, _ in marks.abandoned],
                         [e for _, e in marks.abandoned],
+                        target,
+                        sorted({key for key, _ in reported}),
+                        [message_id for _, message_id in reported],
                     )
                 del run.batches[token]
                 if not run.batches:

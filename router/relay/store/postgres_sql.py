@@ -8,11 +8,16 @@ inside the strings is part of the function bodies). The router calls the functio
 (``router.relay.store.postgres.CLAIM`` and ``MARK``) and never sends this text;
 tests/integration/test_claim_sql.py upgrades a fresh database and checks that the migrations
 installed exactly this, so changing either one means changing both.
+
+Since 0016 both also keep ``router_gaps``, the gap markers of streams whose head was
+abandoned (docs/guarantees.md): the mark records a gap when it abandons a row with a stream
+key and deletes the gaps a published row named; the claim names, per row, the gaps before
+it on its stream (``skipped``).
 """
 
 from __future__ import annotations
 
-from router._schema import FN_CLAIM, FN_MARK, OUTBOX, OUTBOX_QUEUE, RING, TARGETS
+from router._schema import FN_CLAIM, FN_MARK, GAPS, OUTBOX, OUTBOX_QUEUE, RING, TARGETS
 
 __all__ = [
     "CLAIM_FUNCTION",
@@ -62,13 +67,15 @@ CREATE OR REPLACE FUNCTION {FN_CLAIM}(p_target text, p_limit integer, p_worker t
                                         p_hold_seconds double precision, p_async boolean,
                                         p_after bigint)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
-               attempts integer, stream_key text, created_at double precision)
+               attempts integer, stream_key text, created_at double precision,
+               skipped text[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
 DECLARE
     v_held_back boolean;
+    v_gaps boolean;
 BEGIN
 """
     # The router passes p_async = NOT outbox.durable_bookkeeping. If PostgreSQL crashes it
@@ -116,7 +123,7 @@ BEGIN
     -- Busy while finished queue slots are being emptied ({RING}.gate_until).
     IF EXISTS (SELECT 1 FROM {RING} r WHERE r.id AND r.gate_until > clock_timestamp()) THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
-                            NULL::text, NULL::double precision;
+                            NULL::text, NULL::double precision, NULL::text[];
         RETURN;
     END IF;
 """
@@ -124,7 +131,7 @@ BEGIN
     -- Batches of one target take turns: busy (a NULL seq) while another is in flight.
     IF NOT pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target)) THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
-                            NULL::text, NULL::double precision;
+                            NULL::text, NULL::double precision, NULL::text[];
         RETURN;
     END IF;
 """
@@ -146,6 +153,14 @@ BEGIN
         WHERE p.target = p_target AND p.status IN ('processing', 'failed')
           AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
               > now());
+"""
+    # Whether the target has any gap marker at all (0016), asked once for the claim, as the
+    # held-back check above is: almost always it has none, and then no row looks for its
+    # stream's gaps below (one probe of router_gaps' primary key per claim, not per row). The
+    # answer holds for the claim: gaps are written by marks of the target, which take turns
+    # with this claim on the target's lock, and by operators' requeues, which only remove.
+    f"""\
+    v_gaps := EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = p_target);
     RETURN QUERY
     WITH picked AS (
         SELECT o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts + 1,
@@ -206,11 +221,25 @@ BEGIN
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
     )
-    SELECT * FROM picked;
+"""
+    # Each keyed row names the gaps before it on its stream, oldest first (0016): the message
+    # ids of rows of the stream abandoned on this target and not yet reported by a row
+    # published after them. router_gaps' primary key (target, stream_key, seq) serves it. A
+    # CASE evaluates the lookup only when its condition holds, so a claim of a target
+    # without gaps reads router_gaps once, above.
+    f"""\
+    SELECT picked.*,
+           CASE WHEN v_gaps AND picked.stream_key IS NOT NULL THEN ARRAY(
+               SELECT g.message_id::text FROM {GAPS} g
+               WHERE g.target = p_target AND g.stream_key = picked.stream_key
+                 AND g.seq < picked.seq
+               ORDER BY g.seq) END
+    FROM picked;
 END
 $$
 """
 )
+
 
 # A batch's rows of one queue slot (v_slot): the first two tests name the partition keys.
 _THIS_SLOT = f"""NOT (o.status IN ('published', 'abandoned'))
@@ -241,11 +270,15 @@ MARK_FUNCTION = (
     # each of the nine partitions would be searched for every seq. A published or
     # abandoned row moves to router_outbox_done (its one write: PostgreSQL deletes it from the
     # slot and inserts it there); a failed one stays in its slot.
+    # The gap markers (0016): p_target, and the stream key and message id of each gap that a
+    # published row of the batch named (its ``skipped``), to be deleted with the marks.
     f"""
 CREATE OR REPLACE FUNCTION {FN_MARK}(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
-                                       p_abandoned bigint[], p_abandoned_errors text[])
+                                       p_abandoned bigint[], p_abandoned_errors text[],
+                                       p_target text, p_reported_keys text[],
+                                       p_reported_ids text[])
 RETURNS void
 LANGUAGE plpgsql
 SET enable_nestloop = off
@@ -281,17 +314,39 @@ BEGIN
               AND o.seq = ANY(p_failed) AND o.seq = t.seq;
         END IF;
 """
-    # Abandoned: no longer open, so never claimed again.
+    # Abandoned: no longer open, so never claimed again. A row with a stream key leaves a gap
+    # in its stream (0016), recorded in the same statement: the rows after it are published,
+    # and the next of them names it (router_claim()'s skipped). ON CONFLICT: a gap is recorded
+    # once, however often its row is abandoned again after a requeue that kept it.
     f"""\
         IF cardinality(p_abandoned) > 0 THEN
-            UPDATE {OUTBOX} AS o
-            SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
-                last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
-            FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
-            WHERE {_THIS_SLOT}
-              AND o.seq = ANY(p_abandoned) AND o.seq = t.seq;
+            WITH abandoned AS (
+                UPDATE {OUTBOX} AS o
+                SET status = 'abandoned', last_error = t.error, attempts = o.attempts + 1,
+                    last_attempt_at = v_now,
+                    first_attempt_at = coalesce(o.first_attempt_at, v_now)
+                FROM unnest(p_abandoned, p_abandoned_errors) AS t(seq, error)
+                WHERE {_THIS_SLOT}
+                  AND o.seq = ANY(p_abandoned) AND o.seq = t.seq
+                RETURNING o.target, o.stream_key, o.seq, o.message_id
+            )
+            INSERT INTO {GAPS} (target, stream_key, seq, message_id, abandoned_at)
+            SELECT a.target, a.stream_key, a.seq, a.message_id, v_now
+            FROM abandoned a WHERE a.stream_key IS NOT NULL
+            ON CONFLICT DO NOTHING;
         END IF;
     END LOOP;
+"""
+    # A published row named these gaps, so its consumer knows of them: they are closed (0016).
+    # After the abandoned rows' gaps, which a later row of the same batch may have named
+    # already. The stream keys only lead router_gaps' primary key to the rows: a message id
+    # is one row's of the target, so it names one gap.
+    f"""\
+    IF cardinality(p_reported_ids) > 0 THEN
+        DELETE FROM {GAPS} g
+        WHERE g.target = p_target AND g.stream_key = ANY(p_reported_keys)
+          AND g.message_id = ANY(p_reported_ids::uuid[]);
+    END IF;
 END
 $$
 """

@@ -20,7 +20,7 @@ import aiosqlite
 
 from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
-from router._schema import OUTBOX, TARGETS
+from router._schema import GAPS, OUTBOX, TARGETS
 from router.relay.pumps import Overlapping
 from router.relay.store.base import (
     OPEN_STATUSES_SQL,
@@ -31,6 +31,7 @@ from router.relay.store.base import (
     Wake,
     Wakeup,
     describe_error,
+    name_gaps,
     new_token,
     schema_problem,
 )
@@ -59,8 +60,43 @@ WHERE NOT EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = ? AND t.paused)
     ORDER BY o.target, o.seq
     LIMIT ?
 )
-RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at
+RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at,
+    EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = ?)
 """
+# The last column: whether the target has any gap marker (docs/guarantees.md). Uncorrelated,
+# so SQLite runs it once per claim (one probe of router_gaps' primary key), not per row; only
+# when it says yes are the claimed streams' gaps read (GAPS), in the claim's transaction.
+
+
+def gaps_of(keys: int) -> str:
+    """The gaps of ``keys`` streams of a target, ``(stream key, seq, message id)`` in seq
+    order; parameters: the target, then the keys."""
+    return f"""
+SELECT stream_key, seq, message_id FROM {GAPS}
+WHERE target = ? AND stream_key IN ({", ".join(["?"] * keys)})
+ORDER BY seq
+"""
+
+
+# An abandoned row with a stream key leaves a gap in its stream, recorded in the mark's
+# transaction; only if this mark abandoned it (its token, and abandoned now).
+RECORD_GAP = f"""
+INSERT INTO {GAPS} (target, stream_key, seq, message_id, abandoned_at)
+SELECT target, stream_key, seq, message_id, ? FROM {OUTBOX}
+WHERE seq = ? AND lease_token = ? AND status = 'abandoned' AND stream_key IS NOT NULL
+ON CONFLICT DO NOTHING
+"""
+
+
+def close_gaps(keys: int, ids: int) -> str:
+    """DELETE the gaps published rows named: parameters: the target, the keys, the ids (a
+    message id is one row's of the target; the keys lead the primary key to it)."""
+    return f"""
+DELETE FROM {GAPS}
+WHERE target = ? AND stream_key IN ({", ".join(["?"] * keys)})
+  AND message_id IN ({", ".join(["?"] * ids)})
+"""
+
 
 RECORD_CIRCUIT = f"""
 INSERT INTO {TARGETS} (target, paused, circuit, circuit_since, circuit_worker, circuit_error)
@@ -150,10 +186,15 @@ class SqliteStore:
         stamp = sqlite_time(now)
         async with self._transaction() as db:
             cursor = await db.execute(
-                CLAIM, (worker, token, until, stamp, stamp, target, target, stamp, stamp, limit)
+                CLAIM,
+                (worker, token, until, stamp, stamp, target, target, stamp, stamp, limit, target),
             )
-            records = await cursor.fetchall()
-        rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
+            records = list(await cursor.fetchall())
+            rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
+            keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
+            if keys and records[0][7]:  # the target has gaps: which are before these rows
+                cursor = await db.execute(gaps_of(len(keys)), (target, *keys))
+                name_gaps(rows, [(r[0], r[1], r[2]) for r in await cursor.fetchall()])
         rows.sort(key=lambda r: r.seq)
         return Claim(token, rows)
 
@@ -180,6 +221,13 @@ class SqliteStore:
                 await db.executemany(
                     MARK_ABANDONED, [(error, seq, token) for seq, error in marks.abandoned]
                 )
+                await db.executemany(
+                    RECORD_GAP, [(stamp, seq, token) for seq, _ in marks.abandoned]
+                )
+            if marks.reported:  # after the gaps above: a later row of the batch may name one
+                keys = sorted({key for key, _ in marks.reported})
+                ids = [message_id for _, message_id in marks.reported]
+                await db.execute(close_gaps(len(keys), len(ids)), (target, *keys, *ids))
             if marks.untried:
                 await db.executemany(RELEASE, [(stamp, seq, token) for seq in marks.untried])
 
