@@ -294,6 +294,127 @@ async def test_the_message_after_an_abandoned_row_of_its_stream_names_it(
     assert await database.fetch("SELECT seq FROM router_gaps") == []  # 3 closed 2's gap
 
 
+@pytest.mark.parametrize("ordering", ["hold", "park"])
+async def test_a_stream_whose_head_is_refused_for_good_waits_as_its_ordering_says(
+    harness: Harness, database: Database, ordering: str
+) -> None:
+    """On one stream key, events 1, 2 and 3, where the broker refuses 2 for good, and event 4
+    on another key, on a target with ``ordering: hold`` or ``park``: 1 and 4 arrive, each once,
+    and 3 does not; nothing names a gap. Held: 2 is ``held`` and 3 waits, pending. Parked: 2
+    and 3 are both ``parked``."""
+    destination = harness.destination("order_placed")  # the settings' {event_type}
+    await harness.prepare(destination)
+    brokers = {"events": harness.config(internal=True, ordering=ordering)}
+    config = make_config(
+        {"main": database.url},
+        brokers,
+        database.base_dir,
+        # RabbitMQ's refusal (unroutable) is retryable: the head is kept out of attempts.
+        outbox={"retry": {"max_attempts": 2, "base_delay": 0.05}},
+    )
+    ids = await _stage_one_refused(harness, database, brokers)
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        arrived = await harness.arrived_once(destination, 2)
+        rows = await _kept(database, 4)
+    finally:
+        await runner.shutdown()
+
+    got = [str(message_id_of(a.body, a.headers, native_id=a.native_id)) for a in arrived]
+    assert sorted(got) == sorted([ids[0], ids[3]])
+    assert all(_named(a) == (None, None) for a in arrived)
+    behind = "pending" if ordering == "hold" else "parked"
+    assert [row["status"] for row in rows] == ["published", KEPT[ordering], behind, "published"]
+    assert rows[2]["attempts"] == 0  # 3 was never tried
+    assert await database.fetch("SELECT seq FROM router_gaps") == []
+
+
+@pytest.mark.parametrize("ordering", ["skip", "hold", "park"])
+async def test_an_unreachable_broker_costs_no_attempt_in_any_ordering(
+    harness: Harness, database: Database, ordering: str
+) -> None:
+    """A broker this host cannot reach is no verdict on the rows, whatever the target's
+    ordering: with one attempt allowed, none is spent, nothing is abandoned, held or parked,
+    and no gap is recorded; the target's circuit opens and its rows wait, pending."""
+    settings = harness.unreachable()
+    unreachable = settings.model_copy(update={"internal": True, "ordering": ordering})
+    brokers = {"events": harness.config_of(unreachable)}
+    config = make_config(
+        {"main": database.url}, brokers, database.base_dir, outbox={"retry": {"max_attempts": 1}}
+    )
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            await tx.stage(
+                *(OrderPlaced(order_id=str(n), total=Decimal(n)) for n in (1, 2, 3, 4)),
+                stream_keys=["k", "k", "k", "other"],
+            )
+    finally:
+        await writer.close()
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        circuit = runner.processor("main", "events").circuit
+        deadline = time.monotonic() + 20
+        while not circuit.is_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert circuit.is_open
+        await asyncio.sleep(0.5)  # probes, not attempts, from here on
+    finally:
+        await runner.shutdown()
+
+    rows = await database.rows()
+    assert [(row["status"], row["attempts"]) for row in rows] == [("pending", 0)] * 4
+    assert await database.fetch("SELECT seq FROM router_gaps") == []
+
+
+KEPT = {"hold": "held", "park": "parked"}
+"""The status of a stream's head that each ordering keeps."""
+
+
+async def _stage_one_refused(
+    harness: Harness, database: Database, brokers: dict[str, Any]
+) -> list[str]:
+    """Stage events 1, 2 and 3 on stream key ``k`` and 4 on ``other``, in one transaction,
+    where the harness's broker refuses 2 for good; their message ids."""
+    # Kafka refuses a record over max_request_size (64 KB here); stage() takes up to 256 KB.
+    note = "x" * 100_000 if harness.kind == "kafka" else None
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            ids = await tx.stage(
+                *(
+                    OrderPlaced(order_id=str(n), total=Decimal(n), note=note if n == 2 else None)
+                    for n in (1, 2, 3, 4)
+                ),
+                stream_keys=["k", "k", "k", "other"],
+            )
+    finally:
+        await writer.close()
+    if harness.kind != "kafka":  # the other brokers refuse 2 at a destination of their own
+        rejected = harness.rejected_destination()
+        await harness.prepare(rejected)
+        update = sa.update(outbox).where(outbox.c.message_id == ids[1])
+        await database.execute(update.values(destination=rejected))
+    return ids
+
+
+async def _kept(database: Database, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    """The outbox's rows once one of ``count`` is held or parked and none is in flight or
+    waiting to retry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = await database.rows()
+        statuses = {r["status"] for r in rows}
+        kept = statuses & set(KEPT.values()) and not statuses & {"processing", "failed"}
+        if (len(rows) == count and kept) or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.05)
+
+
 def _named(arrived: Arrived) -> tuple[list[str] | None, list[str] | None]:
     """The gap a message names: its header's ids, and its internal envelope's ``skipped``."""
     header = arrived.headers.get("skipped-message-ids")
