@@ -14,7 +14,7 @@ router replay      send a target's retained events again, or backfill a new targ
 router trace ID    every target's row of one event
 router pause T     stop claiming target T (every worker); router resume T undoes it
 router cleanup     delete published and abandoned rows past their retention
-router audit       who requeued, discarded, paused or resumed what, newest first
+router audit       who requeued, discarded, released, paused or resumed what, newest first
 router preview T   the exact message each target would receive for an event of type T
 router contract    what partners receive: export (AsyncAPI 3.0), lock, check against the lock
 """
