@@ -28,7 +28,10 @@ from router import Outbox
 from tests.conftest import make_config
 
 CLAIM = "SELECT seq FROM router_claim('events', 100, 'w', 30, true, 0)"
-MARK = "SELECT router_mark($1, NULL, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}')"
+MARK = (
+    "SELECT router_mark($1, NULL, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}',"
+    " '{}', '{}', '{}', '{}')"
+)
 # 0007's claim leased the rows under a token, and its mark was fenced by it.
 CLAIM_0007 = "SELECT seq FROM router_claim('events', 100, 'w', 30, $1, true)"
 MARK_0007 = """

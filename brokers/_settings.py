@@ -235,6 +235,16 @@ class BrokerSettings(BaseModel):
         description="When this target's queue passes max_rows: alert (log and metric) or "
         "pause it (load shedding for a runaway backlog); default: no limit.",
     )
+    ordering: Literal["skip", "hold", "park"] = Field(
+        "skip",
+        description="What becomes of a stream key whose head this broker refused for good, or "
+        "that ran out of attempts: skip (it is abandoned, later rows of the key go on and the "
+        "next one delivered names it), hold (the key waits, its later rows untried, until an "
+        "operator runs router release) or park (the head and every later row of the key are "
+        "set aside, parked, until router release puts them back in order). Rows without a "
+        "stream key are abandoned whatever this says. A broker that is down or unreachable "
+        "costs no attempt in any mode.",
+    )
     slo_seconds: float = Field(
         1.0,
         gt=0,

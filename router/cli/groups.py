@@ -56,7 +56,9 @@ def add_discard(commands: Any) -> None:
 
 def add_audit(commands: Any) -> None:
     """Register ``router audit``."""
-    audit_ = commands.add_parser("audit", help="who requeued, discarded, paused or resumed what")
+    audit_ = commands.add_parser(
+        "audit", help="who requeued, discarded, released, paused or resumed what"
+    )
     audit_.add_argument("--database", help="only this database")
     audit_.add_argument(
         "--limit", type=positive, default=50, help="the latest N actions (default 50)"

@@ -8,11 +8,13 @@ router status      backlog, failures and circuits per target (--json)
 router groups      failed and abandoned rows grouped by what went wrong
 router requeue     abandoned (or failed) rows back to pending, with filters or --group (--dry-run)
 router discard     delete a failure group's rows: they will never be sent (--dry-run)
+router held        stream keys held or parked per target (ordering: hold, park)
+router release     let a held or parked key go: retry its head, or --drop it (--group G)
 router replay      send a target's retained events again, or backfill a new target
 router trace ID    every target's row of one event
 router pause T     stop claiming target T (every worker); router resume T undoes it
 router cleanup     delete published and abandoned rows past their retention
-router audit       who requeued, discarded, paused or resumed what, newest first
+router audit       who requeued, discarded, released, paused or resumed what, newest first
 router preview T   the exact message each target would receive for an event of type T
 router contract    what partners receive: export (AsyncAPI 3.0), lock, check against the lock
 """
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router import __version__
-from router.cli import contract, database, groups, outbox, preview, replay, serve, status
+from router.cli import contract, database, groups, held, outbox, preview, replay, serve, status
 
 __all__ = ["build_parser"]
 
@@ -38,6 +40,8 @@ REGISTER: tuple[Callable[[Any], None], ...] = (
     groups.add_groups,
     outbox.add_requeue,
     groups.add_discard,
+    held.add_held,
+    held.add_release,
     replay.add_parser,
     outbox.add_trace,
     outbox.add_pause_resume,

@@ -1,9 +1,11 @@
-"""Failure groups: the failed and abandoned rows of an outbox, grouped by what went wrong.
+"""Failure groups: the failed and abandoned rows of an outbox, grouped by what went wrong
+(with the held and parked stream heads, which ``router release --group`` lets go).
 
 A group is (database, target, error class, broker error code, normalised message): the rows
 of one target that failed the same way, whatever their event, time, id or attempt count.
 ``router groups`` lists them; ``router requeue --group`` and ``router discard --group`` act
-on exactly one group's rows.
+on exactly one group's failed and abandoned rows, ``router release --group`` on the held and
+parked keys whose head is one of its rows.
 
 The database groups the rows by their exact ``last_error`` (so nothing loads every row);
 ``signature`` then normalises each distinct text and the groups with equal signatures merge.
@@ -39,6 +41,9 @@ __all__ = [
 ]
 
 FAILED = ("failed", "abandoned")
+# Listed with their group too: held and parked stream heads (a target's ``ordering``), which
+# ``router release --group`` lets go. Requeue and discard act on FAILED rows alone.
+LISTED = (*FAILED, "held", "parked")
 DISCARD_BATCH = 1000
 AUDITED_IDS = 100
 
@@ -54,7 +59,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class FailureGroup:
-    """Failed and abandoned rows of one target that failed the same way."""
+    """Failed and abandoned rows of one target that failed the same way (and held or parked
+    ones: ``statuses`` names those only when there are some)."""
 
     id: str
     database: str
@@ -148,7 +154,7 @@ async def _groups_of(
             sa.type_coerce(sa.func.max(o.c.last_attempt_at), time).label("last"),
             sa.func.min(o.c.seq).label("sample"),
         )
-        .where(o.c.status.in_(FAILED))
+        .where(o.c.status.in_(LISTED))
         .group_by(o.c.target, o.c.status, o.c.last_error)
     )
     if target is not None:
@@ -181,7 +187,11 @@ def _group(database: str, merging: _Merging, ids: dict[int, str]) -> FailureGrou
         error_class=sig.error_class,
         code=sig.code,
         message=sig.message,
-        statuses={status: merging.statuses.get(status, 0) for status in FAILED},
+        statuses={
+            status: merging.statuses.get(status, 0)
+            for status in LISTED
+            if status in FAILED or merging.statuses.get(status)
+        },
         count=sum(merging.statuses.values()),
         first_seen=connections.iso(merging.first),
         last_seen=connections.iso(merging.last),

@@ -40,6 +40,7 @@ __all__ = [
     "requeue_rows",
     "set_paused",
     "trace",
+    "wake_targets",
 ]
 
 OPEN = ("pending", "processing", "failed")
@@ -287,7 +288,7 @@ async def requeue_rows(
         )
         changed += result.rowcount or 0
     if touched:
-        await _notify(conn, sorted(touched))
+        await wake_targets(conn, sorted(touched))
     return changed, sorted(touched)
 
 
@@ -328,7 +329,7 @@ async def set_paused(
             # A resume wakes the target's processors to deliver; a pause wakes them too, so
             # that an idle one gives back its wake lock (PostgreSQL): a paused target's
             # stagers need not notify.
-            await _notify(conn, [target])
+            await wake_targets(conn, [target])
             if actor is not None:
                 await record(
                     conn,
@@ -487,7 +488,7 @@ async def _delete_gaps(engine: AsyncEngine, cutoff: datetime, size: int) -> int:
             return total
 
 
-async def _notify(conn: AsyncConnection, target_names: Sequence[str]) -> None:
+async def wake_targets(conn: AsyncConnection, target_names: Sequence[str]) -> None:
     """Wake the processors of these targets once the transaction commits.
 
     Only PostgreSQL needs a word: SQLite's watcher sees the file change, and MySQL's sees the

@@ -103,6 +103,11 @@ class Delivery:
         ``streams``: what the earlier batches of the same transaction (PostgreSQL) left of
         their streams, which this batch's claim could not see: failures that hold streams
         back, gaps opened and closed (``RunStreams``); this batch's are added to it.
+
+        A row refused for good, or out of attempts, is given up on as the target's
+        ``ordering`` says (``_give_up``): abandoned (``skip``), or kept, held or parked, and
+        then its stream is held back for the rest of the run as behind a failed row. A broker
+        this host cannot reach gives no verdict: those rows go back untried in every mode.
         """
         marks = Marks()
         streams = RunStreams() if streams is None else streams
@@ -167,8 +172,9 @@ class Delivery:
                     held.add(key)
                 continue
             except EnvelopeError as exc:
-                marks.abandoned.append((row.seq, f"cannot render envelope: {exc}"))
-                streams.abandoned(key, row.seq, row.message_id)
+                error = f"cannot render envelope: {exc}"
+                if not self._give_up(row, error, marks, streams) and key is not None:
+                    held.add(key)
                 continue
             sendable.append((row, OutgoingMessage(row.destination, wire)))
         return sendable
@@ -188,15 +194,30 @@ class Delivery:
             return True
         error = result.error or "failed"
         if not result.retryable:
-            marks.abandoned.append((row.seq, f"not retryable: {error}"))
-        elif row.attempts >= self.retry.max_attempts:
-            marks.abandoned.append((row.seq, f"gave up after {row.attempts} attempts: {error}"))
+            return self._give_up(row, f"not retryable: {error}", marks, streams)
+        if row.attempts >= self.retry.max_attempts:
+            reason = f"gave up after {row.attempts} attempts: {error}"
+            return self._give_up(row, reason, marks, streams)
+        delay = retry_delay(row.attempts, self.retry, self._rand)
+        marks.failed.append((row.seq, delay, error))
+        return False
+
+    def _give_up(self, row: ClaimedRow, error: str, marks: Marks, streams: RunStreams) -> bool:
+        """A row refused for good (or out of attempts), as the target's ``ordering`` says:
+        ``skip`` abandons it and opens a gap in its stream (True: the stream goes on);
+        ``hold`` keeps it, ``held``, and ``park`` parks it with the rest of its stream (False:
+        the stream waits, as behind a failed row). A row without a stream key has no stream to
+        keep in order: it is abandoned whatever the mode."""
+        ordering, key = self.settings.ordering, row.stream_key
+        if key is None or ordering == "skip":
+            marks.abandoned.append((row.seq, error))
+            streams.abandoned(key, row.seq, row.message_id)
+            return True
+        if ordering == "hold":
+            marks.held.append((row.seq, error))
         else:
-            delay = retry_delay(row.attempts, self.retry, self._rand)
-            marks.failed.append((row.seq, delay, error))
-            return False
-        streams.abandoned(row.stream_key, row.seq, row.message_id)
-        return True
+            marks.parked.append((row.seq, key, error))
+        return False
 
     def _record(self, marks: Marks, rows: Sequence[ClaimedRow]) -> None:
         self.stats.published += len(marks.published)
@@ -205,19 +226,27 @@ class Delivery:
         by_seq = {row.seq: row for row in rows}
         if self._metrics is not None:
             self._measure(marks, by_seq)
-        if not (marks.failed or marks.abandoned):
+        parked = [(seq, error) for seq, _, error in marks.parked]
+        kept = [*marks.held, *parked]  # their streams wait for an operator
+        if not (marks.failed or marks.abandoned or kept):
             return
-        for seq, error in marks.abandoned:
-            row = by_seq[seq]
-            log.error(
-                "row.abandoned",
-                extra={
-                    **self._log,
-                    "message_id": row.message_id,
-                    "attempts": row.attempts,
-                    "error": error,
-                },
-            )
+        given_up = (
+            ("row.abandoned", marks.abandoned),
+            ("row.held", marks.held),
+            ("row.parked", parked),
+        )
+        for event, outcomes in given_up:
+            for seq, error in outcomes:
+                row = by_seq[seq]
+                log.error(
+                    event,
+                    extra={
+                        **self._log,
+                        "message_id": row.message_id,
+                        "attempts": row.attempts,
+                        "error": error,
+                    },
+                )
         for seq, delay, error in marks.failed:
             row = by_seq[seq]
             log.debug(
@@ -230,7 +259,7 @@ class Delivery:
                     "error": error,
                 },
             )
-        first = marks.failed[0][2] if marks.failed else marks.abandoned[0][1]
+        first = marks.failed[0][2] if marks.failed else [*marks.abandoned, *kept][0][1]
         self.stats.last_error = first
         log.warning(
             "batch.failures",
@@ -238,6 +267,7 @@ class Delivery:
                 **self._log,
                 "failed": len(marks.failed),
                 "abandoned": len(marks.abandoned),
+                "set_aside": len(kept),
                 "published": len(marks.published),
                 "error": first,
             },
@@ -254,6 +284,8 @@ class Delivery:
             *marks.published,
             *(s for s, _, _ in marks.failed),
             *(s for s, _ in marks.abandoned),
+            *(s for s, _ in marks.held),
+            *(s for s, _, _ in marks.parked),
         ]
         metrics.retried.labels(*labels).inc(sum(1 for s in tried if by_seq[s].attempts > 1))
         now = time.time()

@@ -8,8 +8,8 @@ and on PostgreSQL the next batch of a run is claimed while the current one is pu
 before its outcomes are marked (``router.relay.pumps.TransactionRuns``). ``RunStreams`` is
 what those answers said, kept for the rest of the run (one batch where claims commit at once):
 
-- ``held``: streams with a row that failed and will be retried: their later rows stay
-  untried, and wait for it;
+- ``held``: streams with a row that failed and will be retried, or that the target's
+  ordering kept (held or parked): their later rows stay untried, and wait for it;
 - gaps opened (a row of the stream abandoned) and closed (named by a row that was then
   published): a later row names the first and not the second, whatever its claim read.
 """
@@ -26,7 +26,8 @@ class RunStreams:
     """The streams of one run, as its deliveries left them."""
 
     held: set[str] = field(default_factory=set)
-    """Streams with a row that failed earlier in the run: their later rows stay untried."""
+    """Streams with a row that failed earlier in the run, or was held or parked: their later
+    rows stay untried."""
     _opened: dict[str, dict[int, str]] = field(default_factory=dict)  # key -> seq -> id
     _closed: dict[str, set[str]] = field(default_factory=dict)  # key -> ids named since
 

@@ -98,7 +98,11 @@ class Harness:
 
     def config(self, **overrides: Any) -> dict[str, Any]:
         """``settings(**overrides)`` as config.yaml holds them, secrets included."""
-        settings = self.settings(**overrides)
+        return self.config_of(self.settings(**overrides))
+
+    @staticmethod
+    def config_of(settings: BrokerSettings) -> dict[str, Any]:
+        """``settings`` as config.yaml holds them, secrets included."""
         data: dict[str, Any] = settings.model_dump(mode="json", exclude_none=True)
         for field in ("url", "connection_string"):  # model_dump masks secrets
             value = getattr(settings, field, None)

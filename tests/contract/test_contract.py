@@ -28,6 +28,8 @@ from envelopes import (
     render,
     uuid7,
 )
+from router.ops.audit import history
+from router.ops.held import release
 from router.ops.schema import outbox
 from router.serve.runner import Runner
 from tests.conftest import Database, make_config
@@ -292,6 +294,175 @@ async def test_the_message_after_an_abandoned_row_of_its_stream_names_it(
     assert _named(got[ids[0]]) == _named(got[ids[3]]) == (None, None)
     assert [row["status"] for row in rows] == ["published", "abandoned", "published", "published"]
     assert await database.fetch("SELECT seq FROM router_gaps") == []  # 3 closed 2's gap
+
+
+@pytest.mark.parametrize("ordering", ["hold", "park"])
+async def test_a_stream_whose_head_is_refused_for_good_waits_as_its_ordering_says(
+    harness: Harness, database: Database, ordering: str
+) -> None:
+    """On one stream key, events 1, 2 and 3, where the broker refuses 2 for good, and event 4
+    on another key, on a target with ``ordering: hold`` or ``park``: 1 and 4 arrive, each once,
+    and 3 does not; nothing names a gap. Held: 2 is ``held`` and 3 waits, pending. Parked: 2
+    and 3 are both ``parked``.
+
+    Then the key is released while the broker still refuses 2: 2 is tried again and kept
+    again, and 3 still waits. Once the broker takes 2, a second release delivers 2 and 3,
+    each once, in order after 1; each release left an audit row."""
+    destination = harness.destination("order_placed")  # the settings' {event_type}
+    await harness.prepare(destination)
+    brokers = {"events": harness.config(internal=True, ordering=ordering)}
+    config = make_config(
+        {"main": database.url},
+        brokers,
+        database.base_dir,
+        # RabbitMQ's refusal (unroutable) is retryable: the head is kept out of attempts.
+        outbox={"retry": {"max_attempts": 2, "base_delay": 0.05}},
+    )
+    ids = await _stage_one_refused(harness, database, brokers)
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        arrived = await harness.arrived_once(destination, 2)
+        rows = await _kept(database, ordering)
+        await release(config, "events", "k", reason="try again", actor="contract")
+        again = await _kept(database, ordering, tried=True)
+        await _accept_the_second(harness, database, ids[1], destination)
+        await release(config, "events", "k", reason="accepted now", actor="contract")
+        everything = await harness.arrived_once(destination, 4)
+        done = await _settled(database, 4)
+    finally:
+        await runner.shutdown()
+
+    got = [str(message_id_of(a.body, a.headers, native_id=a.native_id)) for a in arrived]
+    assert sorted(got) == sorted([ids[0], ids[3]])
+    assert all(_named(a) == (None, None) for a in arrived)
+    expected = ["published", KEPT[ordering], BEHIND[ordering], "published"]
+    assert [row["status"] for row in rows] == expected
+    assert rows[2]["attempts"] == 0  # 3 was never tried
+    assert await database.fetch("SELECT seq FROM router_gaps") == []
+
+    # Released while still refused: tried afresh, kept again, 3 still untried.
+    assert [row["status"] for row in again] == expected
+    assert again[1]["attempts"] >= 1 and again[2]["attempts"] == 0
+
+    # Released once accepted: 2 and 3 arrive once each, after 1, in order.
+    on_k = [
+        mid
+        for a in everything
+        if (mid := str(message_id_of(a.body, a.headers, native_id=a.native_id))) != ids[3]
+    ]
+    assert on_k == ids[:3]
+    assert [row["status"] for row in done] == ["published"] * 4
+    actions = [a for a in await history(config) if a.action == "release"]
+    assert [(a.actor, a.target, a.detail["reason"]) for a in actions] == [
+        ("contract", "events", "accepted now"),
+        ("contract", "events", "try again"),
+    ]
+
+
+@pytest.mark.parametrize("ordering", ["skip", "hold", "park"])
+async def test_an_unreachable_broker_costs_no_attempt_in_any_ordering(
+    harness: Harness, database: Database, ordering: str
+) -> None:
+    """A broker this host cannot reach is no verdict on the rows, whatever the target's
+    ordering: with one attempt allowed, none is spent, nothing is abandoned, held or parked,
+    and no gap is recorded; the target's circuit opens and its rows wait, pending."""
+    settings = harness.unreachable()
+    unreachable = settings.model_copy(update={"internal": True, "ordering": ordering})
+    brokers = {"events": harness.config_of(unreachable)}
+    config = make_config(
+        {"main": database.url}, brokers, database.base_dir, outbox={"retry": {"max_attempts": 1}}
+    )
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            await tx.stage(
+                *(OrderPlaced(order_id=str(n), total=Decimal(n)) for n in (1, 2, 3, 4)),
+                stream_keys=["k", "k", "k", "other"],
+            )
+    finally:
+        await writer.close()
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        circuit = runner.processor("main", "events").circuit
+        deadline = time.monotonic() + 20
+        while not circuit.is_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert circuit.is_open
+        await asyncio.sleep(0.5)  # probes, not attempts, from here on
+    finally:
+        await runner.shutdown()
+
+    rows = await database.rows()
+    assert [(row["status"], row["attempts"]) for row in rows] == [("pending", 0)] * 4
+    assert await database.fetch("SELECT seq FROM router_gaps") == []
+
+
+KEPT = {"hold": "held", "park": "parked"}
+"""The status of a stream's head that each ordering keeps."""
+BEHIND = {"hold": "pending", "park": "parked"}
+"""The status of the rows of its stream after it: waiting untried, or parked with it."""
+
+
+async def _accept_the_second(
+    harness: Harness, database: Database, message_id: str, destination: str
+) -> None:
+    """Make the broker take event 2: at the destination of the others, and on Kafka without
+    the note that made it too large."""
+    update = sa.update(outbox).where(outbox.c.message_id == message_id)
+    if harness.kind != "kafka":
+        await database.execute(update.values(destination=destination))
+        return
+    [row] = [r for r in await database.rows() if r["message_id"] == message_id]
+    envelope = row["envelope"]
+    envelope["payload"].pop("note", None)
+    # As JSON: the column is json on PostgreSQL, which takes no plain text parameter.
+    await database.execute(update.values(envelope=sa.literal(envelope, type_=sa.JSON)))
+
+
+async def _stage_one_refused(
+    harness: Harness, database: Database, brokers: dict[str, Any]
+) -> list[str]:
+    """Stage events 1, 2 and 3 on stream key ``k`` and 4 on ``other``, in one transaction,
+    where the harness's broker refuses 2 for good; their message ids."""
+    # Kafka refuses a record over max_request_size (64 KB here); stage() takes up to 256 KB.
+    note = "x" * 100_000 if harness.kind == "kafka" else None
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            ids = await tx.stage(
+                *(
+                    OrderPlaced(order_id=str(n), total=Decimal(n), note=note if n == 2 else None)
+                    for n in (1, 2, 3, 4)
+                ),
+                stream_keys=["k", "k", "k", "other"],
+            )
+    finally:
+        await writer.close()
+    if harness.kind != "kafka":  # the other brokers refuse 2 at a destination of their own
+        rejected = harness.rejected_destination()
+        await harness.prepare(rejected)
+        update = sa.update(outbox).where(outbox.c.message_id == ids[1])
+        await database.execute(update.values(destination=rejected))
+    return ids
+
+
+async def _kept(
+    database: Database, ordering: str, *, tried: bool = False, timeout: float = 10
+) -> list[dict[str, Any]]:
+    """The outbox's rows once 1 and 4 are published, 2 is kept as ``ordering`` says (with
+    ``tried``: tried at least once since it was released) and 3 waits behind it."""
+    expected = ["published", KEPT[ordering], BEHIND[ordering], "published"]
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = await database.rows()
+        done = [r["status"] for r in rows] == expected and (not tried or rows[1]["attempts"])
+        if done or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.05)
 
 
 def _named(arrived: Arrived) -> tuple[list[str] | None, list[str] | None]:

@@ -24,7 +24,10 @@ from tests.integration.events import OrderPlaced
 
 BROKERS = {"events": {"type": "memory", "internal": True}}
 CLAIM = "SELECT seq FROM router_claim('events', $1, 'w', 30, true, 0)"
-MARK = "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}')"
+MARK = (
+    "SELECT router_mark($1, $2, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}',"
+    " '{}', '{}', '{}', '{}')"
+)
 CLAIMS = 8  # PL/pgSQL plans the first five calls for their values, then may go generic
 
 
@@ -244,3 +247,52 @@ async def test_a_claim_looks_up_no_streams_gaps_while_its_target_has_none(
     plans = await claim_plans(backlog, batch=100, analyze=True)
     for plan in plans:
         assert re.search(r"pk_router_gaps on router_gaps g .*\(actual .* loops=100\)", plan), plan
+
+
+async def test_a_claim_pays_nothing_for_held_or_parked_streams_while_its_target_has_none(
+    backlog: asyncpg.Connection,
+) -> None:
+    # Held and parked rows hold their streams back through the held-back check the claim ran
+    # already (0017): with none of them, and no row failed, no stream is checked and no
+    # parked row looked for; with a failed row but no parked one, the claim looks for a
+    # parked row once (a probe of the stream index) and parks nothing.
+    parked_probe = r"Index (?:Only )?Scan using ix_router_outbox_stream_q\d on router_outbox_q\d p"
+    notices = await plans(backlog, batch=100, analyze=True)
+    claims = [n for n in notices if "WITH picked AS" in n]
+    assert len(claims) == CLAIMS
+    assert not [n for n in notices if "Update on router_outbox_queue o" in n], notices
+    looks = [n for n in notices if "p.status = 'parked'" in n]
+    assert len(looks) == CLAIMS
+    for look in looks:  # planned away (held back is false), or never run
+        assert all("never executed" in probe for probe in re.findall(parked_probe + ".*", look))
+    for plan in claims:
+        probes = re.findall(r"Index Scan using ix_router_outbox_stream_q\d on .*", plan)
+        assert all("never executed" in probe for probe in probes), plan
+
+    await hold_back_a_stream(backlog)
+    notices = await plans(backlog, batch=100, analyze=True)
+    assert not [n for n in notices if "Update on router_outbox_queue o" in n], notices
+    looks = [n for n in notices if "p.status = 'parked'" in n]
+    assert len(looks) == CLAIMS
+    for look in looks:
+        assert re.search(parked_probe + r".*\(actual .* loops=1\)", look), look
+
+    # A parked head: the claims park the rows they find behind it, and claim none of them.
+    await backlog.execute(
+        "UPDATE router_outbox SET status = 'parked' WHERE seq = (SELECT min(seq) FROM"
+        " router_outbox WHERE stream_key = 's-2994' AND status = 'pending')"
+    )
+    await backlog.execute(
+        "INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key,"
+        " envelope) SELECT gen_random_uuid(), target, destination, event_type, stream_key,"
+        " envelope FROM router_outbox WHERE stream_key = 's-2994' LIMIT 1"
+    )
+    async with backlog.transaction():
+        claimed = await backlog.fetch(
+            "SELECT seq, stream_key FROM router_claim('events', 3000, 'w', 30, true, 0)"
+        )
+    assert claimed and all(r["stream_key"] != "s-2994" for r in claimed)
+    behind = await backlog.fetch(
+        "SELECT status FROM router_outbox WHERE stream_key = 's-2994' ORDER BY seq"
+    )
+    assert [r["status"] for r in behind] == ["parked"] * len(behind)

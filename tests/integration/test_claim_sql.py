@@ -47,17 +47,18 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
     assert [signature for signature, _ in expected] == [
         "router_claim(text,integer,text,double precision,boolean,bigint)",
         "router_mark(bigint[],text[],bigint[],double precision[],text[],bigint[],text[],text,"
-        "text[],text[])",
+        "text[],text[],bigint[],text[],bigint[],text[])",
     ]
     assert await definitions(migrated) == expected
 
 
 def test_the_claim_reads_queued_rows_and_checks_streams_against_rows_in_flight() -> None:
     # Word for word the predicates of ix_router_outbox_claim and ix_router_outbox_stream
-    # (migration 0008): the claim index leaves 'processing' out, so only the stream index
-    # can answer the stream check.
-    assert CLAIM_FUNCTION.count("status IN ('pending', 'failed')") == 2
-    assert "p.status IN ('processing', 'failed')" in CLAIM_FUNCTION
+    # (migrations 0008 and 0017): the claim index leaves 'processing' out, so only the stream
+    # index can answer the stream check; held and parked rows hold their streams back too.
+    assert "o.status IN ('pending', 'failed') AND o.available_at <= now()" in CLAIM_FUNCTION
+    assert "f.status IN ('pending', 'failed')" in CLAIM_FUNCTION
+    assert CLAIM_FUNCTION.count("p.status IN ('processing', 'failed', 'held', 'parked')") == 2
     assert set(OPEN_STATUSES) == {"pending", "processing", "failed"}
     assert f"pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, " in CLAIM_FUNCTION
     # Each advisory lock of the router has a first key of its own (a shared one made an idle

@@ -311,7 +311,8 @@ async def test_claims_and_marks_skip_the_wal_flush_for_their_own_transaction_onl
             )
             await note_setting(conn)
             await conn.execute(
-                "SELECT router_mark($1, NULL, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}')",
+                "SELECT router_mark($1, NULL, '{}', '{}', '{}', '{}', '{}', 'events', '{}', '{}',"
+                " '{}', '{}', '{}', '{}')",
                 [row["seq"]],
             )
             await note_setting(conn)

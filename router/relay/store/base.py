@@ -17,6 +17,7 @@ __all__ = [
     "OPEN_STATUSES",
     "OPEN_STATUSES_SQL",
     "SCHEMA_REVISION",
+    "SET_ASIDE_STATUSES",
     "VERSION_TABLE",
     "BatchLost",
     "Claim",
@@ -35,10 +36,16 @@ OPEN_STATUSES = ("pending", "processing", "failed")
 OPEN_STATUSES_SQL = ", ".join(f"'{status}'" for status in OPEN_STATUSES)
 """The open states as an SQL list, for ``status IN (...)``."""
 
+SET_ASIDE_STATUSES = ("held", "parked")
+"""A stream's head that its target's ``ordering`` keeps instead of abandoning it (``hold``,
+``park``; docs/guarantees.md): never claimed, and holding back the later rows of its stream
+on its target until an operator releases it (``router release``). Not open: no claim takes
+them, whatever their due time."""
+
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0016"
+SCHEMA_REVISION = "0017"
 
 
 def schema_problem(database: str, revision: str | None) -> SchemaError | None:
@@ -140,6 +147,12 @@ class Marks:
     """(seq, seconds until the next attempt, error)"""
     abandoned: list[tuple[int, str]] = field(default_factory=list)
     """(seq, error)"""
+    held: list[tuple[int, str]] = field(default_factory=list)
+    """(seq, error): stream heads given up on, on a target whose ``ordering`` is ``hold``:
+    kept with their error, holding back their streams, and no gap recorded."""
+    parked: list[tuple[int, str, str]] = field(default_factory=list)
+    """(seq, stream key, error): stream heads given up on, on a target whose ``ordering`` is
+    ``park``: parked, with every later open row of their stream on the target."""
     untried: list[int] = field(default_factory=list)
     """Claimed but not sent (held back behind a failed row of their stream): released."""
     reported: list[tuple[str, str]] = field(default_factory=list)
@@ -147,7 +160,8 @@ class Marks:
     consumer knows of it now, so it is deleted with the marks. Not a row's outcome."""
 
     def __len__(self) -> int:
-        return len(self.published) + len(self.failed) + len(self.abandoned) + len(self.untried)
+        given_up = len(self.abandoned) + len(self.held) + len(self.parked)
+        return len(self.published) + len(self.failed) + given_up + len(self.untried)
 
 
 class OutboxStore(Protocol):
@@ -185,7 +199,10 @@ class OutboxStore(Protocol):
         """Lease up to ``limit`` due rows of ``target`` in outbox order.
 
         A row whose stream has an earlier open row that is not claimable now (waiting to
-        retry, or in flight under another lease) is not claimed: streams stay in order. A
+        retry, or in flight under another lease), or an earlier held or parked row, is not
+        claimed: streams stay in order; a held or parked row is never claimed. Where the
+        target has a parked stream, the claim parks the rows it finds behind it (staged since
+        it was parked). A
         row with a stream key comes with the gaps before it (``ClaimedRow.skipped``), found
         in the claim's own statements: a target without gaps pays no statement more.
         ``after`` (only where ``pump`` is ``TransactionRuns``): a batch still held, whose
@@ -195,7 +212,8 @@ class OutboxStore(Protocol):
     async def mark(self, target: str, token: int, marks: Marks) -> None:
         """Write back a batch's outcomes for rows still held under ``token``: with each
         abandoned row that has a stream key, its gap (in ``router_gaps``); and delete the
-        gaps the published rows named (``Marks.reported``)."""
+        gaps the published rows named (``Marks.reported``). A parked head parks, in the same
+        mark, every later open row of its stream on the target."""
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Give back rows that were claimed but not tried; their attempt does not count."""

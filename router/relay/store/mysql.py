@@ -126,9 +126,11 @@ class MysqlStore:
         if not candidates:  # an idle target costs this one statement
             return Claim(token, [])
         async with self._transaction() as cursor:
-            paused, gaps = await self._lock_target(cursor, target)
+            paused, gaps, parked = await self._lock_target(cursor, target)
             if paused:
                 return Claim(token, [])
+            if parked:
+                await self._park_behind(cursor, target, limit)
             candidates = await self._candidates(target, limit, cursor)
             if not candidates:
                 return Claim(token, [])
@@ -157,10 +159,11 @@ class MysqlStore:
         under the token), so the processor's retry of a half-written batch is harmless. A
         batch that abandoned a row or closed a gap is marked in one transaction instead, so
         that a row is never abandoned without its gap recorded, nor published with the gaps
-        it named left open (two statements more, only then).
+        it named left open (two statements more, only then); so is one that parked a stream's
+        head, with the rest of its stream.
         """
-        gaps = bool(marks.abandoned or marks.reported)
-        async with self._transaction() if gaps else self._cursor() as cursor:
+        whole = bool(marks.abandoned or marks.reported or marks.parked)
+        async with self._transaction() if whole else self._cursor() as cursor:
             published, receipts = marks.published, marks.receipts
             if published and receipts:
                 await cursor.execute(
@@ -197,12 +200,21 @@ class MysqlStore:
                 await cursor.execute(
                     sql.RECORD_GAPS.format(seqs=sql.in_list(len(seqs))), [*seqs, token]
                 )
+            for seq, error in marks.held:
+                await cursor.execute(sql.MARK_KEPT, ["held", error, seq, token])
+            parked = []  # the heads this mark parked (still under its token)
+            for seq, key, error in marks.parked:
+                await cursor.execute(sql.MARK_KEPT, ["parked", error, seq, token])
+                if cursor.rowcount == 1:
+                    parked.append((key, seq))
             if marks.reported:  # after the gaps above: a later row of the batch may name one
                 keys = sorted({key for key, _ in marks.reported})
                 ids = [message_id for _, message_id in marks.reported]
                 await cursor.execute(sql.close_gaps(len(keys), len(ids)), [target, *keys, *ids])
             if marks.untried:
                 await self._release(cursor, token, marks.untried)
+            for key, seq in parked:  # after the release: the batch's rows of it are queued
+                await cursor.execute(sql.PARK_FOLLOWERS, [target, key, seq])
 
     async def release(self, target: str, token: int, seqs: Sequence[int]) -> None:
         """Return untried rows to the queue without counting an attempt."""
@@ -385,7 +397,7 @@ class MysqlStore:
         self, target: str, limit: int, cursor: Cursor | None = None
     ) -> list[tuple[int, str | None]]:
         """The rows a claim would pick now, ``(seq, stream_key)`` in outbox order."""
-        params = [target, limit] * 3 + [limit]
+        params = [target, target, limit] * 3 + [limit]
         if cursor is not None:
             await cursor.execute(sql.CANDIDATES, params)
             return list(await cursor.fetchall())
@@ -393,15 +405,24 @@ class MysqlStore:
             await own.execute(sql.CANDIDATES, params)
             return list(await own.fetchall())
 
-    async def _lock_target(self, cursor: Cursor, target: str) -> tuple[bool, bool]:
+    async def _lock_target(self, cursor: Cursor, target: str) -> tuple[bool, bool, bool]:
         """Lock the target's row (claims of one target take turns); whether it is paused,
-        and whether it has any gap marker (a new row: not known, so maybe)."""
-        await cursor.execute(sql.LOCK_TARGET, [target, target])
+        whether it has any gap marker, and whether it has a parked row (a new row: not
+        known, so maybe)."""
+        await cursor.execute(sql.LOCK_TARGET, [target, target, target])
         row = await cursor.fetchone()
         if row is None:
             await cursor.execute(sql.ENSURE_TARGET, [target])
-            return False, True
-        return bool(row[0]), bool(row[1])
+            return False, True, True
+        return bool(row[0]), bool(row[1]), bool(row[2])
+
+    async def _park_behind(self, cursor: Cursor, target: str, limit: int) -> None:
+        """Park the rows staged behind a parked row of their stream since, among the first
+        ``limit`` queued rows of ``target`` (``mysql_sql.PARKED_BEHIND``)."""
+        await cursor.execute(sql.PARKED_BEHIND, [target, limit, target, limit, limit, target])
+        seqs = [seq for (seq,) in await cursor.fetchall()]
+        if seqs:
+            await cursor.execute(sql.PARK.format(seqs=sql.in_list(len(seqs))), seqs)
 
     async def _release(self, cursor: Cursor, token: int, seqs: Sequence[int]) -> None:
         await cursor.execute(sql.RELEASE.format(seqs=sql.in_list(len(seqs))), [*seqs, token])

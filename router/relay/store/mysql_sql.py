@@ -6,8 +6,10 @@ statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore
 
 1. ``LOCK_TARGET``: the target's row in ``router_targets``, ``FOR UPDATE``. Claims of one target
    take turns on it, as PostgreSQL's take turns on an advisory lock, and it says whether the
-   target is paused, and whether it has any gap marker. (``ENSURE_TARGET`` first makes the
-   row, the first time.)
+   target is paused, whether it has any gap marker, and whether it has a parked row.
+   (``ENSURE_TARGET`` first makes the row, the first time.) With a parked row,
+   ``PARKED_BEHIND`` and ``PARK`` park the rows staged behind one since, among the first the
+   claim would look at (rows of a parked stream are parked as they come).
 2. ``CANDIDATES``: a plain read of the due rows, streams in order. The store's sessions run
    in READ COMMITTED, so this statement sees every claim committed before the lock was
    granted: a row is never picked while an earlier row of its stream is in flight under a
@@ -54,9 +56,13 @@ __all__ = [
     "LOCK_TARGET",
     "MARK_ABANDONED",
     "MARK_FAILED",
+    "MARK_KEPT",
     "MARK_PUBLISHED",
     "MARK_PUBLISHED_RECEIPTS",
     "NEXT_DUE",
+    "PARK",
+    "PARKED_BEHIND",
+    "PARK_FOLLOWERS",
     "RECORD_CIRCUIT",
     "RECORD_GAPS",
     "RELEASE",
@@ -73,10 +79,13 @@ SESSION = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 snapshot (step 2 above relies on it) and takes no gap locks, so a claim never makes an
 application's INSERT wait (in REPEATABLE READ its scans would lock the gap new rows go in)."""
 
-# The EXISTS is uncorrelated (MySQL runs it once) and, in READ COMMITTED, a consistent read:
-# the gap rows it sees are not locked. Parameters: the target, twice.
+# The EXISTS are uncorrelated (MySQL runs each once) and, in READ COMMITTED, consistent
+# reads: the rows they see are not locked. Whether a row is parked is one dive into the claim
+# index (target, status). Parameters: the target, three times.
 LOCK_TARGET = f"""
-SELECT paused, EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = %s)
+SELECT paused, EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = %s),
+    EXISTS (SELECT 1 FROM {OUTBOX} s FORCE INDEX ({IX_OUTBOX_CLAIM})
+            WHERE s.target = %s AND s.status = 'parked')
 FROM {TARGETS} WHERE target = %s FOR UPDATE
 """
 
@@ -100,10 +109,24 @@ def _none_earlier(status: str, due_column: str) -> str:
                AND p.{due_column} > UTC_TIMESTAMP(6))"""
 
 
+# A held or parked row (migration 0017) holds its stream back for good, until an operator
+# releases it. Whether the target has one at all is asked once per statement (uncorrelated:
+# its own parameter, the target), so that a target without one, nearly always, pays no
+# probe per candidate for it; the answer and the check are one statement's reads, of one
+# snapshot, so a row held meanwhile cannot slip between them.
+_NONE_SET_ASIDE = f"""(NOT EXISTS (
+                 SELECT 1 FROM {OUTBOX} s FORCE INDEX ({IX_OUTBOX_CLAIM})
+                 WHERE s.target = %s AND s.status IN ('held', 'parked'))
+                OR NOT EXISTS (
+                 SELECT 1 FROM {OUTBOX} p FORCE INDEX ({IX_OUTBOX_STREAM})
+                 WHERE p.target = o.target AND p.stream_key = o.stream_key
+                   AND p.status IN ('held', 'parked') AND p.seq < o.seq))"""
+
 _IN_ORDER = f"""\
        AND (o.stream_key IS NULL
             OR {_none_earlier("processing", "locked_until")}
-               AND {_none_earlier("failed", "available_at")})"""
+               AND {_none_earlier("failed", "available_at")}
+               AND {_NONE_SET_ASIDE})"""
 
 
 def _due(status: str, due_column: str, indexes: str) -> str:
@@ -122,7 +145,7 @@ _CLAIM_ORDER = f"FORCE INDEX ({IX_OUTBOX_CLAIM})"
 _FAILED = f"USE INDEX ({IX_OUTBOX_CLAIM}, {IX_OUTBOX_DUE})"
 
 # The first `limit` due rows of each open status, then the first `limit` of those: the rows
-# the PostgreSQL claim would pick. Parameters: (target, limit) three times, then limit.
+# the PostgreSQL claim would pick. Parameters: (target, target, limit) three times, then limit.
 CANDIDATES = f"""
 SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at", _CLAIM_ORDER)}
     UNION ALL {_due("failed", "available_at", _FAILED)}
@@ -137,6 +160,33 @@ def in_list(count: int) -> str:
     """``%s, %s, ...``: ``count`` placeholders for ``IN (...)``."""
     return ", ".join(["%s"] * count)
 
+
+# The rows staged on a parked stream since its head was parked, among the first `limit`
+# queued rows of the target (those a claim would otherwise walk past): parked as they come,
+# each claim doing at most a batch of this work. Read first, then parked by key (``PARK``):
+# MySQL updates no table that a subquery of the same statement reads. Parameters: (target,
+# limit) twice, the limit, the target.
+PARKED_BEHIND = f"""
+SELECT w.seq FROM (
+    (SELECT o.seq, o.stream_key FROM {OUTBOX} o {_CLAIM_ORDER}
+     WHERE o.target = %s AND o.status = 'pending' ORDER BY o.seq LIMIT %s)
+    UNION ALL
+    (SELECT o.seq, o.stream_key FROM {OUTBOX} o {_CLAIM_ORDER}
+     WHERE o.target = %s AND o.status = 'failed' ORDER BY o.seq LIMIT %s)
+    ORDER BY seq LIMIT %s
+) AS w
+WHERE w.stream_key IS NOT NULL AND EXISTS (
+    SELECT 1 FROM {OUTBOX} p FORCE INDEX ({IX_OUTBOX_STREAM})
+    WHERE p.target = %s AND p.stream_key = w.stream_key AND p.status = 'parked'
+      AND p.seq < w.seq)
+"""
+
+# Parked, if still queued (``PARKED_BEHIND``'s rows; a release may have come between).
+# Parameters: the seqs.
+PARK = f"""
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY) SET status = 'parked'
+WHERE seq IN ({{seqs}}) AND status IN ('pending', 'failed')
+"""
 
 # Still open and due once locked (a late mark may have changed a row since step 2); the rows
 # another transaction holds are skipped, not waited for. Parameters: target, then the seqs.
@@ -200,6 +250,25 @@ UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
 SET status = 'abandoned', last_error = CASE seq {{errors}} END,
     locked_by = NULL, locked_until = NULL
 WHERE seq IN ({{seqs}}) AND {_HELD.format(row="")}
+"""
+
+
+# A stream's head given up on, on a target whose ordering keeps it: held, or parked. It keeps
+# its error and its stream waits for an operator. Parameters: the status, the error, the seq,
+# the token.
+MARK_KEPT = f"""
+UPDATE {OUTBOX} FORCE INDEX (PRIMARY)
+SET status = %s, last_error = %s, locked_by = NULL, locked_until = NULL
+WHERE seq = %s AND {_HELD.format(row="")}
+"""
+
+# The later queued rows of a parked head's stream on its target, parked with it in the mark's
+# transaction (once MARK_KEPT parked the head under the mark's token, and after the batch's
+# untried rows were given back: those of the stream are parked too). Parameters: the target,
+# the stream key, the head's seq.
+PARK_FOLLOWERS = f"""
+UPDATE {OUTBOX} FORCE INDEX ({IX_OUTBOX_STREAM}) SET status = 'parked'
+WHERE target = %s AND stream_key = %s AND status IN ('pending', 'failed') AND seq > %s
 """
 
 

@@ -84,7 +84,7 @@ _UNSEEN = object()  # what the poll saw before its first look, or after an outag
 CLAIM = f"SELECT * FROM {FN_CLAIM}($1, $2, $3, $4, $5, $6)"
 
 # All outcomes of one batch in one round trip, before the batch's commit; also in postgres_sql.py.
-MARK = f"SELECT {FN_MARK}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+MARK = f"SELECT {FN_MARK}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
 
 RECORD_CIRCUIT = f"""
 INSERT INTO {TARGETS} (target, circuit, circuit_since, circuit_worker, circuit_error)
@@ -234,7 +234,7 @@ class PostgresStore:
         receipts, reported = marks.receipts, marks.reported
         try:
             async with run.lock:
-                if marks.published or marks.failed or marks.abandoned:
+                if len(marks) > len(marks.untried):  # any outcome to write
                     await run.conn.execute(
                         MARK,
                         marks.published,
@@ -247,6 +247,10 @@ class PostgresStore:
                         target,
                         sorted({key for key, _ in reported}),
                         [message_id for _, message_id in reported],
+                        [s for s, _ in marks.held],
+                        [e for _, e in marks.held],
+                        [s for s, _, _ in marks.parked],
+                        [e for _, _, e in marks.parked],
                     )
                 del run.batches[token]
                 if not run.batches:

@@ -13,6 +13,11 @@ Since 0016 both also keep ``router_gaps``, the gap markers of streams whose head
 abandoned (docs/guarantees.md): the mark records a gap when it abandons a row with a stream
 key and deletes the gaps a published row named; the claim names, per row, the gaps before
 it on its stream (``skipped``).
+
+Since 0017 a stream's head that its target's ``ordering`` keeps (``held``, or ``parked`` with
+the rest of its stream) holds back the later rows of its stream as a failed row does, for as
+long as it stays so; the mark writes those outcomes, and parks a parked head's followers; the
+claim parks the rows it finds staged behind a parked row since.
 """
 
 from __future__ import annotations
@@ -147,12 +152,50 @@ BEGIN
     # of the database's CPU per delivered row). The answer holds for the whole claim: only
     # the holder of the target's lock, taken above, marks its rows failed, and in a run of
     # batches this transaction's own marks are visible to both statements.
+    # A held or parked row (0017) holds its stream back for good, until an operator releases
+    # it: its time is 'infinity'. The status list is ix_router_outbox_stream's predicate, word
+    # for word, here and below.
     f"""\
     v_held_back := EXISTS (
         SELECT 1 FROM {OUTBOX_QUEUE} p
-        WHERE p.target = p_target AND p.status IN ('processing', 'failed')
-          AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
-              > now());
+        WHERE p.target = p_target AND p.status IN ('processing', 'failed', 'held', 'parked')
+          AND CASE WHEN p.status = 'processing' THEN p.locked_until
+                   WHEN p.status = 'failed' THEN p.available_at
+                   ELSE 'infinity' END > now());
+"""
+    # Rows staged on a parked stream after its head was parked are parked as they come
+    # (0017): the claim parks those among the first p_limit queued rows it would look at (the
+    # rows it would otherwise walk past), so a claim does at most a batch of this work, and a
+    # parked stream's rows leave the claim index as claims reach them. Asked only while a
+    # stream of the target is held back at all (above): a target with none pays nothing for
+    # it, and one without a parked row one probe of the stream index. SKIP LOCKED: a row an
+    # operator's release holds this moment is left to it.
+    f"""\
+    IF v_held_back AND EXISTS (
+        SELECT 1 FROM {OUTBOX_QUEUE} p WHERE p.target = p_target AND p.status = 'parked')
+    THEN
+        WITH first_queued AS (
+            SELECT c.seq, c.stream_key FROM {OUTBOX_QUEUE} c
+            WHERE c.target = p_target AND c.seq > p_after
+              AND c.status IN ('pending', 'failed')
+            ORDER BY c.target, c.seq
+            LIMIT p_limit
+        ), behind_parked AS (
+            SELECT x.seq FROM {OUTBOX_QUEUE} x
+            WHERE x.target = p_target AND x.status IN ('pending', 'failed')
+              AND x.seq IN (
+                SELECT w.seq FROM first_queued w
+                WHERE w.stream_key IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM {OUTBOX_QUEUE} p
+                    WHERE p.target = p_target AND p.stream_key = w.stream_key
+                      AND (p.target, p.stream_key, p.seq) < (p_target, w.stream_key, w.seq)
+                      AND p.status = 'parked'))
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE {OUTBOX_QUEUE} AS o SET status = 'parked'
+        FROM behind_parked b
+        WHERE o.target = p_target AND o.seq = b.seq AND o.status IN ('pending', 'failed');
+    END IF;
 """
     # Whether the target has any gap marker at all (0016), asked once for the claim, as the
     # held-back check above is: almost always it has none, and then no row looks for its
@@ -204,14 +247,17 @@ BEGIN
     # (0012): a plain ``p.seq < o.seq`` let a slot's unique seq index serve the check, and a
     # plan that took it walked, for every candidate, every entry of the slot before it (dead
     # ones too, while the xmin horizon is held): claims of 100-800 ms in bench.xmin_hold.
+    # Since 0017 a held or parked row holds its stream back too, for good (its time is
+    # 'infinity'), and the index holds those rows as well.
     f"""\
           AND (NOT v_held_back OR o.stream_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM {OUTBOX_QUEUE} p
                 WHERE p.target = o.target AND p.stream_key = o.stream_key
                   AND (p.target, p.stream_key, p.seq) < (o.target, o.stream_key, o.seq)
-                  AND p.status IN ('processing', 'failed')
-                  AND CASE WHEN p.status = 'processing' THEN p.locked_until ELSE p.available_at END
-                      > now()))
+                  AND p.status IN ('processing', 'failed', 'held', 'parked')
+                  AND CASE WHEN p.status = 'processing' THEN p.locked_until
+                           WHEN p.status = 'failed' THEN p.available_at
+                           ELSE 'infinity' END > now()))
 """
     # Outbox order, in the claim index's order (target, seq). The row locks are the batch's
     # lease (see above); SKIP LOCKED passes over a row an operator's requeue or discard holds
@@ -272,13 +318,16 @@ MARK_FUNCTION = (
     # slot and inserts it there); a failed one stays in its slot.
     # The gap markers (0016): p_target, and the stream key and message id of each gap that a
     # published row of the batch named (its ``skipped``), to be deleted with the marks.
+    # The held and parked stream heads (0017), as seq and error, as the abandoned ones come.
     f"""
 CREATE OR REPLACE FUNCTION {FN_MARK}(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
                                        p_failed_errors text[],
                                        p_abandoned bigint[], p_abandoned_errors text[],
                                        p_target text, p_reported_keys text[],
-                                       p_reported_ids text[])
+                                       p_reported_ids text[],
+                                       p_held bigint[], p_held_errors text[],
+                                       p_parked bigint[], p_parked_errors text[])
 RETURNS void
 LANGUAGE plpgsql
 SET enable_nestloop = off
@@ -290,7 +339,8 @@ DECLARE
     v_slot bigint;
 BEGIN
     FOR v_slot IN
-        SELECT DISTINCT {SLOT_OF} FROM unnest(p_published || p_failed || p_abandoned) AS seq
+        SELECT DISTINCT {SLOT_OF}
+        FROM unnest(p_published || p_failed || p_abandoned || p_held || p_parked) AS seq
     LOOP
         IF cardinality(p_published) > 0 THEN
             UPDATE {OUTBOX} AS o
@@ -334,6 +384,42 @@ BEGIN
             SELECT a.target, a.stream_key, a.seq, a.message_id, v_now
             FROM abandoned a WHERE a.stream_key IS NOT NULL
             ON CONFLICT DO NOTHING;
+        END IF;
+"""
+    # Held (0017): the head of a stream on a target whose ordering is hold. It stays in the
+    # queue with its error, holds its stream back until an operator releases it, and leaves
+    # no gap: nothing after it is sent.
+    f"""\
+        IF cardinality(p_held) > 0 THEN
+            UPDATE {OUTBOX} AS o
+            SET status = 'held', last_error = t.error, attempts = o.attempts + 1,
+                last_attempt_at = v_now, first_attempt_at = coalesce(o.first_attempt_at, v_now)
+            FROM unnest(p_held, p_held_errors) AS t(seq, error)
+            WHERE {_THIS_SLOT}
+              AND o.seq = ANY(p_held) AND o.seq = t.seq;
+        END IF;
+"""
+    # Parked (0017): the head of a stream on a target whose ordering is park, and in the same
+    # statement every later queued row of its stream on the target, wherever its slot (rows of
+    # this run's later batches among them: this transaction holds them, unsent), read through
+    # the claim index from the head on: rare work, paid when a stream is parked. Rows staged
+    # on the stream later are parked by the claims that find them (router_claim()).
+    f"""\
+        IF cardinality(p_parked) > 0 THEN
+            WITH heads AS (
+                UPDATE {OUTBOX} AS o
+                SET status = 'parked', last_error = t.error, attempts = o.attempts + 1,
+                    last_attempt_at = v_now,
+                    first_attempt_at = coalesce(o.first_attempt_at, v_now)
+                FROM unnest(p_parked, p_parked_errors) AS t(seq, error)
+                WHERE {_THIS_SLOT}
+                  AND o.seq = ANY(p_parked) AND o.seq = t.seq
+                RETURNING o.target, o.stream_key, o.seq
+            )
+            UPDATE {OUTBOX_QUEUE} AS f SET status = 'parked'
+            FROM heads h
+            WHERE f.target = p_target AND f.status IN ('pending', 'failed')
+              AND f.stream_key = h.stream_key AND f.seq > h.seq;
         END IF;
     END LOOP;
 """
