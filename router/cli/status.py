@@ -130,10 +130,33 @@ def _human(rows: list[Any]) -> str:
         right=1,
     )
     human = backlog + "\n\n" + flow
+    stopped = [_stopped(r) for r in rows if r.held_keys or r.parked_keys]
+    if stopped:
+        human += (
+            "\n\nkeys stopped behind a head refused for good "
+            "(`router held` lists them, `router release` frees them):\n" + "\n".join(stopped)
+        )
     errors = [f"  {r.database}/{r.target}: {r.last_error}" for r in rows if r.last_error]
     if errors:
         human += "\n\nlatest errors:\n" + "\n".join(errors)
     return human
+
+
+def _stopped(row: Any) -> str:
+    parts = []
+    if row.held_keys:
+        parts.append(f"{row.held_keys} held {_plural(row.held_keys, 'key')}")
+    if row.parked_keys:
+        parts.append(
+            f"{row.parked_keys} parked {_plural(row.parked_keys, 'key')} "
+            f"({row.parked} {_plural(row.parked, 'row')})"
+        )
+    since = _age(row.oldest_held_age)
+    return f"  {row.database}/{row.target}: {', '.join(parts)}; the oldest waits since {since}"
+
+
+def _plural(count: int, word: str) -> str:
+    return word if count == 1 else word + "s"
 
 
 def _share(share: float | None, slo: float) -> str:

@@ -21,7 +21,7 @@ from router.ops.schema import outbox, targets
 from router.ops.times import utc as _utc
 from router.relay.circuit import stale_after
 
-__all__ = ["TargetStatus", "status"]
+__all__ = ["HELD_STATUSES", "TargetStatus", "status"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,13 @@ class TargetStatus:
     in_flight: int = 0
     failed: int = 0
     abandoned: int = 0
+    # Rows held (``ordering: hold``) or parked (``ordering: park``) behind a head refused for
+    # good, the keys they stop, and how long the oldest of those heads has been waiting.
+    held: int = 0
+    parked: int = 0
+    held_keys: int = 0
+    parked_keys: int = 0
+    oldest_held_age: float | None = None
     # None when not counted (``status(published=False)``): unknown, which 0 would not say.
     published: int | None = 0
     oldest_claimable_age: float | None = None
@@ -98,8 +105,13 @@ class _Counts(NamedTuple):
     in_flight: int = 0
     failed: int = 0
     abandoned: int = 0
+    held: int = 0
+    parked: int = 0
+    held_keys: int = 0
+    parked_keys: int = 0
     published: int = 0
     oldest_claimable: datetime | None = None
+    oldest_held: datetime | None = None
     recent_attempts: int = 0  # failed or abandoned within RETRY_WINDOW
     open_staged: int = 0  # unfinished, staged within the flow's WINDOW
 
@@ -110,6 +122,7 @@ class _Counts(NamedTuple):
         return cls(
             **{name: int(values[name] or 0) for name in _COUNTED},
             oldest_claimable=_utc(values["oldest_claimable"]),
+            oldest_held=_utc(values["oldest_held"]),
         )
 
     @property
@@ -118,7 +131,9 @@ class _Counts(NamedTuple):
         return self.pending + self.in_flight + self.failed
 
 
-_COUNTED = tuple(name for name in _Counts._fields if name != "oldest_claimable")
+_COUNTED = tuple(name for name in _Counts._fields if not name.startswith("oldest_"))
+HELD_STATUSES = ("held", "parked")
+"""Rows that stop their stream key until an operator releases it (``router release``)."""
 
 
 def _counts_query(now: datetime, published: bool) -> sa.Select[Any]:
@@ -131,24 +146,37 @@ def _counts_query(now: datetime, published: bool) -> sa.Select[Any]:
         o.c.status.in_(("failed", "abandoned")), o.c.last_attempt_at > now - RETRY_WINDOW
     )
     oldest = sa.func.min(sa.case((claimable, o.c.created_at)))
+    # A key's head is its held (or first parked) row; it waits since its last attempt.
+    head = sa.and_(o.c.status.in_(HELD_STATUSES), o.c.last_error.is_not(None))
+    oldest_held = sa.func.min(sa.case((head, o.c.last_attempt_at)))
     query = sa.select(
         o.c.target,
         _count(sa.or_(o.c.status == "pending", lease_over)).label("pending"),
         _count(sa.and_(o.c.status == "processing", o.c.locked_until > now)).label("in_flight"),
         _count(o.c.status == "failed").label("failed"),
         _count(o.c.status == "abandoned").label("abandoned"),
+        _count(o.c.status == "held").label("held"),
+        _count(o.c.status == "parked").label("parked"),
+        _keys(o.c.status == "held").label("held_keys"),
+        _keys(o.c.status == "parked").label("parked_keys"),
         _count(o.c.status == "published").label("published"),
         sa.type_coerce(oldest, o.c.created_at.type).label("oldest_claimable"),
+        sa.type_coerce(oldest_held, o.c.last_attempt_at.type).label("oldest_held"),
         _count(recent_attempt).label("recent_attempts"),
         _count(sa.and_(o.c.status.in_(OPEN), o.c.created_at > now - WINDOW)).label("open_staged"),
     ).group_by(o.c.target)
     if not published:
-        query = query.where(o.c.status.in_((*OPEN, "abandoned")))
+        query = query.where(o.c.status.in_((*OPEN, "abandoned", *HELD_STATUSES)))
     return query
 
 
 def _count(condition: Any) -> Any:
     return sa.func.sum(sa.case((condition, 1), else_=0))
+
+
+def _keys(condition: Any) -> Any:
+    """The distinct stream keys of the rows matching ``condition``."""
+    return sa.func.count(sa.distinct(sa.case((condition, outbox.c.stream_key))))
 
 
 async def _status_of(
@@ -206,7 +234,7 @@ def _target_status(
     # reason is why they wait.
     if error is None and circuit == "open" and state is not None:
         error = state.circuit_error
-    oldest = counts.oldest_claimable
+    oldest, held_since = counts.oldest_claimable, counts.oldest_held
     return TargetStatus(
         database=database,
         target=target,
@@ -214,6 +242,11 @@ def _target_status(
         in_flight=counts.in_flight,
         failed=counts.failed,
         abandoned=counts.abandoned,
+        held=counts.held,
+        parked=counts.parked,
+        held_keys=counts.held_keys,
+        parked_keys=counts.parked_keys,
+        oldest_held_age=round((now - held_since).total_seconds(), 3) if held_since else None,
         published=counts.published if published else None,
         oldest_claimable_age=round((now - oldest).total_seconds(), 3) if oldest else None,
         retries_per_minute=round(counts.recent_attempts / (RETRY_WINDOW.total_seconds() / 60), 2),

@@ -216,6 +216,22 @@ class BacklogCollector:
             ("router_waiting_retry", "Rows that failed and wait for their next attempt.", "failed"),
             ("router_abandoned_rows", "Abandoned rows kept for inspection.", "abandoned"),
             (
+                "router_held_keys",
+                "Stream keys held behind a head refused for good (ordering: hold).",
+                "held_keys",
+            ),
+            (
+                "router_parked_keys",
+                "Stream keys parked with their head refused for good (ordering: park).",
+                "parked_keys",
+            ),
+            ("router_parked_rows", "Rows parked, waiting for their key's release.", "parked"),
+            (
+                "router_oldest_held_age_seconds",
+                "How long the oldest held or parked head has waited for an operator.",
+                "oldest_held_age",
+            ),
+            (
                 "router_oldest_claimable_age_seconds",
                 "Age of the oldest row that is due.",
                 "oldest_claimable_age",

@@ -386,9 +386,11 @@ def _target(
     retries: Mapping[tuple[str, str], float],
 ) -> dict[str, Any]:
     """One target as /api/outbox shows it: the status, the counters since start, and whether
-    nothing calls for an operator (no abandoned row, circuit closed, not paused)."""
+    nothing calls for an operator (no abandoned row, no held or parked key, circuit closed,
+    not paused)."""
     key = (row.database, row.target)
-    healthy = row.abandoned == 0 and row.circuit == "closed" and not row.paused
+    waiting = row.held_keys or row.parked_keys
+    healthy = row.abandoned == 0 and not waiting and row.circuit == "closed" and not row.paused
     return {
         **row.as_dict(),
         "retries_per_minute": retries.get(key, 0.0),

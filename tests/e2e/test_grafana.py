@@ -1,5 +1,5 @@
-"""The Grafana dashboard shipped in docs/grafana/ queries only metrics `router serve` exports:
-every `router_*` name in its queries has samples in a real /metrics scrape (a router on
+"""The Grafana dashboard and alert rules shipped in docs/grafana/ query only metrics `router
+serve` exports: every `router_*` name in their queries has samples in a real /metrics scrape (a router on
 PostgreSQL and NATS with a rate-limited internal broker and a partner that is down, so every
 counter, histogram and gauge has something to say)."""
 
@@ -23,6 +23,7 @@ from tests.integration.events import OrderPlaced
 from tests.services import free_port
 
 DASHBOARD = ROOT / "docs" / "grafana" / "outbox-router.json"
+ALERT_RULES = ROOT / "docs" / "grafana" / "alert-rules.yaml"
 TOKEN = "grafana-test-token"
 
 
@@ -31,6 +32,29 @@ def queried_metrics(dashboard: dict[str, Any]) -> set[str]:
     texts = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     texts += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     return set(re.findall(r"\brouter_[a-z_]+", " ".join(texts)))
+
+
+def alerted_metrics(rules: dict[str, Any]) -> set[str]:
+    """Every metric name in the alert rules' Prometheus queries."""
+    texts = [
+        query["model"]["expr"]
+        for group in rules["groups"]
+        for rule in group["rules"]
+        for query in rule["data"]
+        if "expr" in query["model"]
+    ]
+    return set(re.findall(r"\brouter_[a-z_]+", " ".join(texts)))
+
+
+def test_the_alert_rules_are_grafana_provisioning_rules() -> None:
+    rules = yaml.safe_load(ALERT_RULES.read_text())
+    assert rules["apiVersion"] == 1
+    (group,) = rules["groups"]
+    for rule in group["rules"]:
+        assert rule["uid"] and rule["title"] and rule["for"]
+        refs = {query["refId"] for query in rule["data"]}
+        assert rule["condition"] in refs
+    assert "router_held_keys" in alerted_metrics(rules)
 
 
 def test_the_dashboard_is_a_grafana_dashboard() -> None:
@@ -95,6 +119,7 @@ async def test_every_metric_the_dashboard_queries_is_exported(
         serving.stop()
     sampled = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line[:1] != "#"}
     wanted = queried_metrics(json.loads(DASHBOARD.read_text()))
+    wanted |= alerted_metrics(yaml.safe_load(ALERT_RULES.read_text()))
     assert len(wanted) >= 15
     missing = sorted(name for name in wanted if name not in sampled)
     assert not missing, f"queried by the dashboard, not in /metrics: {missing}"
