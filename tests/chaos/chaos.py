@@ -144,6 +144,7 @@ class Chaos:
         broker_kill: bool = False,
         postgres: PrivatePostgres | None = None,
         wakeup: str = "auto",
+        ordering: str = "skip",
     ) -> None:
         self.size = size
         self.events = events
@@ -163,6 +164,8 @@ class Chaos:
         self.random = random.Random(self.report.seed)
         self.wakeup = wakeup
         self.report.wakeup = wakeup
+        self.ordering = ordering
+        self.report.ordering = ordering
         self._log_cuts: list[tuple[float, int]] = []  # (time.time(), connections cut)
         self.db: ChaosDatabase = chaos_database(database, folder, postgres, log=wakeup == "log")
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
@@ -233,6 +236,7 @@ class Chaos:
                     "internal": True,
                     "url": router_nats,
                     "destination": SUBJECT + ".{event_type}",
+                    "ordering": self.ordering,
                     "connect_timeout": 2,
                     "publish_timeout": 5,
                     "stream": {
@@ -617,7 +621,8 @@ async def run_chaos(
     """Run one chaos test of ``size`` (a key of ``SIZES``) on ``database`` ('postgresql' or
     'mysql') in ``folder``; ``postgres=`` a private server to use (else the run starts one;
     with ``wakeup="log"`` it must have wal_level = logical), ``wakeup=`` the database's
-    ``wakeup:`` setting (``WAKEUPS``; default auto, whatever the server allows)."""
+    ``wakeup:`` setting (``WAKEUPS``; default auto, whatever the server allows), ``ordering=``
+    the broker's ``ordering:`` (default skip)."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
 
@@ -637,6 +642,12 @@ def main() -> None:
         choices=WAKEUPS,
         default="auto",
         help="the database's wakeup setting; log: a server with its log on, cut twice mid-run",
+    )
+    parser.add_argument(
+        "--ordering",
+        choices=("skip", "hold", "park"),
+        default="skip",
+        help="the broker's ordering: what a stream does when its head is refused for good",
     )
     parser.add_argument("--events", type=int)
     parser.add_argument("--streams", type=int)
@@ -681,6 +692,7 @@ def main() -> None:
             inbox=args.inbox,
             ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
             wakeup=args.wakeup,
+            ordering=args.ordering,
         )
     )
     if report.passed:
@@ -692,6 +704,7 @@ def main() -> None:
     name += "-graceful" if args.graceful_stops else ""
     name += "" if args.database == "postgresql" else f"-{args.database}"
     name += "" if args.wakeup == "auto" else f"-{args.wakeup}"
+    name += "" if args.ordering == "skip" else f"-{args.ordering}"
     target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(

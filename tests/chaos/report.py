@@ -231,6 +231,8 @@ class Report:
     database_restarts: int = 0
     wakeup: str = "auto"
     """The database's ``wakeup:`` setting."""
+    ordering: str = "skip"
+    """The broker's ``ordering:`` setting."""
     wake_first: str = ""
     """The wake-up mechanism the router's log names first."""
     wake_cuts: int = 0
@@ -334,6 +336,7 @@ class Report:
             ("partitions (path to the broker silent)", self.partitions),
             ("database restarts", self.database_restarts),
             (f"wake-up (wakeup: {self.wakeup}), first used", self.wake_first or "-"),
+            ("ordering", self.ordering),
             ("  log sessions started / fallbacks", self._wake_changes()),
             ("  log connections cut (recovered)", self._wake_cuts()),
             ("producer retries (unknown commit)", self.producer_retries),
