@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from envelopes import RouterError
+from envelopes import ConfigError, RouterError
 from router._secrets import Redactor, secrets_of
 from router.config import RouterConfig
 from router.relay.metrics import BacklogCollector, CounterRate, counter_totals
@@ -77,6 +77,7 @@ FLOW_REUSE = 5.0
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
 BAD_LIMIT = {"error": f"limit: a number of rows, at most {MAX_LIMIT}"}
+RELEASE_BODY = 'the body is {"stream_key": "...", "reason": "...", "drop": false}'
 # How long a probed wake-up (a worker pool's parent runs no relay of its own) is reused.
 WAKEUP_PROBE_REUSE = 30.0
 
@@ -123,6 +124,7 @@ class StatusService:
         """The GET routes that read path and query parameters, by path."""
         return {
             "/api/groups": self.groups,
+            "/api/held": self.held,
             "/api/messages": self.messages,
             "/api/messages/{message_id}": self.message,
             "/api/audit": self.audit,
@@ -135,6 +137,7 @@ class StatusService:
             "/api/targets/{database}/{target}/resume": self.resume,
             "/api/groups/{database}/{group_id}/requeue": self.requeue_group,
             "/api/groups/{database}/{group_id}/discard": self.discard_group,
+            "/api/held/{database}/{target}/release": self.release_key,
         }
 
     async def rows(self) -> list[TargetStatus]:
@@ -313,6 +316,55 @@ class StatusService:
         return self._json(
             200, {"group": group.id, "database": database, "rows": rows, "dry_run": dry_run}
         )
+
+    async def held(self, params: Params) -> Response:
+        """GET /api/held: the held and parked stream keys, as ``router held --json``."""
+        from router.ops.held import held_keys
+
+        database = params.get("database") or None
+        if database is not None and database not in self.config.databases:
+            return self._unknown_database(database)
+        target = params.get("target") or None
+        try:
+            found = await held_keys(self.config, target, database)
+        except ConfigError as exc:
+            return self._json(404, {"error": str(exc)})
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        return self._json(200, {"keys": [key.as_dict() for key in found]})
+
+    async def release_key(self, params: Params, body: Mapping[str, Any], actor: str) -> Response:
+        """POST /api/held/{database}/{target}/release, body ``{"stream_key": ..., "reason":
+        ..., "drop": false}``: as ``router release``: the head tried again (or, with drop,
+        abandoned and its gap recorded) and the rest of the key back in order, audited."""
+        from router.ops.held import release
+
+        database, target = params["database"], params["target"]
+        if database not in self.config.databases:
+            return self._unknown_database(database)
+        key, reason, drop = body.get("stream_key"), body.get("reason"), body.get("drop", False)
+        unknown = sorted(set(body) - {"stream_key", "reason", "drop"})
+        if unknown or not isinstance(key, str) or not isinstance(reason, str):
+            return self._json(400, {"error": RELEASE_BODY})
+        if not isinstance(drop, bool):  # a misspelt drop must not drop
+            return self._json(400, {"error": RELEASE_BODY})
+        if not reason.strip():
+            return self._json(400, {"error": "a release needs a reason, for the audit trail"})
+        try:
+            released = await release(
+                self.config, target, key, drop=drop, reason=reason, actor=actor, database=database
+            )
+        except ConfigError as exc:  # an unknown target
+            return self._json(404, {"error": str(exc)})
+        except RouterError as exc:
+            return self._json(503, {"error": str(exc)})
+        if not released:
+            error = f"stream key {key!r} is neither held nor parked on {target!r} in {database!r}"
+            return self._json(404, {"error": error})
+        self._read_at = 0.0  # the next status read shows the change
+        extra = {"database": database, "target": target, "drop": drop, "by": actor}
+        log.info("http.release", extra=extra)
+        return self._json(200, {"released": [r.as_dict() for r in released]})
 
     async def messages(self, params: Params) -> Response:
         """GET /api/messages: one entry per outbox row, newest first, filtered and paged."""

@@ -292,6 +292,7 @@ ROUTES = sorted(
         *(f"/api/targets/{{database}}/{{target}}/{a}" for a in ("pause", "resume")),
         *("/api/groups", "/api/messages", "/api/messages/{message_id}", "/api/audit"),
         *(f"/api/groups/{{database}}/{{group_id}}/{a}" for a in ("requeue", "discard")),
+        *("/api/held", "/api/held/{database}/{target}/release"),
     ]
 )
 
