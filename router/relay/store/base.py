@@ -3,6 +3,7 @@ and what a worker pool needs: the leases of a worker that died, given back at on
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from router.relay.pumps import Cycle, Pump
 from router.relay.store.outage import Outage
 
 __all__ = [
+    "ECHO_AFTER",
     "OPEN_STATUSES",
     "OPEN_STATUSES_SQL",
     "SCHEMA_REVISION",
@@ -22,6 +24,7 @@ __all__ = [
     "BatchLost",
     "Claim",
     "ClaimedRow",
+    "Echo",
     "Marks",
     "OutboxStore",
     "Wake",
@@ -77,6 +80,47 @@ class BatchLost(DatabaseError):
 
 Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
+
+ECHO_AFTER = 0.05
+"""Seconds after the last wake-up from a database's log that ``Echo`` wakes once more."""
+
+
+class Echo:
+    """A wake-up from a database's log, and its echo.
+
+    A log (PostgreSQL's WAL, the MySQL binlog) may carry a commit a moment before its rows are
+    visible to other sessions, so a claim woken at once can miss them and nothing would wake
+    it again. ``Echo`` calls ``wake`` at once and once more ``after`` seconds after the last
+    call, for the targets of every call since the last echo (None, every target, absorbs
+    any set): each commit gets its echo at least ``after`` seconds after its own wake-up, and
+    a steady stream of commits one timer, not one each."""
+
+    def __init__(self, wake: Wake, after: float = ECHO_AFTER) -> None:
+        self._wake = wake
+        self._after = after
+        self._pending: set[str] | None = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __call__(self, targets: set[str] | None) -> None:
+        """Wake ``targets`` now, and again with the echo (on the event loop's thread)."""
+        self._wake(targets)
+        if targets is None or self._pending is None:
+            self._pending = None
+        else:
+            self._pending |= targets
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._after, self._echo)
+
+    def _echo(self) -> None:
+        targets, self._pending, self._timer = self._pending, set(), None
+        self._wake(targets)
+
+    def cancel(self) -> None:
+        """Drop a pending echo (the follower stops)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class Wakeup(NamedTuple):

@@ -30,7 +30,7 @@ import pymysql
 
 from envelopes import DatabaseError
 from router._schema import OUTBOX
-from router.relay.store.base import Wake, describe_error
+from router.relay.store.base import Echo, Wake, describe_error
 
 __all__ = [
     "BINLOG_STATUS",
@@ -51,7 +51,6 @@ GRANT = "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO the router's user
 
 HEARTBEAT = 1.0  # the server sends one when it has nothing else: how often a session looks up
 READ_TIMEOUT = 5.0  # no byte for this long (not even a heartbeat): the connection is lost
-FOLLOW_UP = 0.05  # a second wake-up this long after rows arrive (see BinlogFollower)
 
 BINLOG_STATUS = ("SHOW MASTER STATUS", "SHOW BINARY LOG STATUS")
 """The binlog's end: the first form everywhere but MySQL 8.4+, which knows only the second."""
@@ -118,19 +117,17 @@ class BinlogFollower:
         ended: asyncio.Future[None] = loop.create_future()
         stop = threading.Event()
 
-        def arrived(targets: set[str] | None) -> None:
-            rows(targets)
-            # The server may send a transaction's events a moment before its commit is
-            # visible to other sessions (the binlog is written first): a claim made at once
-            # could miss the rows, so the processors look once more shortly after.
-            loop.call_later(FOLLOW_UP, rows, targets)
-
+        # The server may send a transaction's events a moment before its commit is visible
+        # to other sessions (the binlog is written first): a claim made at once could miss
+        # the rows, so the processors look once more shortly after (``Echo``).
+        arrived = Echo(rows)
         session = _Session(self, loop, arrived, connected, stop, ended)
         threading.Thread(target=session.run, name=f"binlog:{self.name}", daemon=True).start()
         try:
             await ended
         finally:
             stop.set()
+            arrived.cancel()
 
 
 class _Session:

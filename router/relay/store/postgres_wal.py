@@ -43,16 +43,14 @@ from typing import Any, NoReturn
 
 from envelopes import DatabaseError
 from router._schema import WAKEUP_PUBLICATION
-from router.relay.store.base import Wake, describe_error
+from router.relay.store.base import Echo, Wake, describe_error
 
 __all__ = [
-    "ECHO_AFTER",
     "FEEDBACK_EVERY",
     "PUBLICATION",
     "SLOT_PREFIX",
     "Commit",
     "Decoder",
-    "Echo",
     "Follower",
     "LogLost",
     "log_problem",
@@ -199,46 +197,6 @@ def _text_column(payload: bytes, at: int, wanted: int) -> str | None:
     return None
 
 
-# A commit reaches the log, and so this follower, a moment before its rows are visible to
-# other sessions: PostgreSQL flushes the commit record, which the walsender may decode and
-# send at once, and only then takes the transaction out of the running ones that snapshots
-# see. A claim woken at once can miss the rows, and nothing would wake it again (on a loaded
-# machine the randomised wake-up test lost 1 event in 120 that way). So every wake-up is
-# echoed once, ECHO_AFTER seconds later, for the targets of every commit since the last echo.
-ECHO_AFTER = 0.05
-
-
-class Echo:
-    """Calls ``wake`` at once and once more ``after`` seconds later, coalescing the targets
-    woken in between into that one echo (None, every target, absorbs any set)."""
-
-    def __init__(self, wake: Wake, after: float = ECHO_AFTER) -> None:
-        self._wake = wake
-        self._after = after
-        self._pending: set[str] | None = set()
-        self._timer: asyncio.TimerHandle | None = None
-
-    def __call__(self, targets: set[str] | None) -> None:
-        """Wake ``targets`` now, and again with the next echo."""
-        self._wake(targets)
-        if targets is None or self._pending is None:
-            self._pending = None
-        else:
-            self._pending |= targets
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._after, self._echo)
-
-    def _echo(self) -> None:
-        targets, self._pending, self._timer = self._pending, set(), None
-        self._wake(targets)
-
-    def cancel(self) -> None:
-        """Drop a pending echo (the follower stops)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-
 class Follower:
     """One replication connection with its temporary slot: ``start()`` opens it, ``run()``
     wakes on every commit until the connection ends (``LogLost``), ``close()`` ends it."""
@@ -246,6 +204,10 @@ class Follower:
     def __init__(self, dsn: str, wake: Wake, *, feedback_every: float = FEEDBACK_EVERY) -> None:
         self.slot = SLOT_PREFIX + secrets.token_hex(4)
         self._dsn = dsn
+        # A commit reaches the log, and so this follower, a moment before its rows are
+        # visible to other sessions: PostgreSQL flushes the commit record, which the walsender
+        # may decode and send at once, and only then takes the transaction out of the running
+        # ones that snapshots see (the randomised wake-up test lost 1 event in 120 that way).
         self._wake = Echo(wake)
         self._feedback_every = feedback_every
         self._decoder = Decoder()
