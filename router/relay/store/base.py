@@ -81,7 +81,7 @@ class BatchLost(DatabaseError):
 Wake = Callable[[set[str] | None], None]
 """Called with the targets that have new rows (``None``: every target)."""
 
-ECHO_AFTER = 0.05
+ECHO_AFTER = 0.02
 """Seconds after the last wake-up from a database's log that ``Echo`` wakes once more."""
 
 
