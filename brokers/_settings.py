@@ -245,6 +245,14 @@ class BrokerSettings(BaseModel):
         "stream key are abandoned whatever this says. A broker that is down or unreachable "
         "costs no attempt in any mode.",
     )
+    atomic: bool = Field(
+        False,
+        description="Publish the rows of one application transaction for this target as one "
+        "atomic unit: all stored or none, together (NATS JetStream: one atomic batch per "
+        "stream, nats-server 2.12+; Azure Service Bus: one batch per entity; Redis: MULTI/EXEC "
+        "on one node). Never across targets. Kafka and RabbitMQ have no such unit and refuse "
+        "it. Databases: PostgreSQL.",
+    )
     slo_seconds: float = Field(
         1.0,
         gt=0,
@@ -340,11 +348,20 @@ class BrokerSettings(BaseModel):
     # What a native property means where it differs by kind (the unit of ``timestamp``), by
     # property name; the contract describes the rest alike on every kind.
     property_descriptions: ClassVar[Mapping[str, str]] = {}
+    # Why ``atomic: true`` is refused on this kind; None where its adapter has an atomic write
+    # of several messages (``brokers.AtomicBroker``).
+    no_atomic_unit: ClassVar[str | None] = "this kind of broker has no atomic write"
 
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:
         if self.internal and self.events is not None:
             raise ValueError("'events' filters external brokers; the internal broker gets all")
+        return self
+
+    @model_validator(mode="after")
+    def _atomic_where_possible(self) -> BrokerSettings:
+        if self.atomic and self.no_atomic_unit is not None:
+            raise ValueError(f"atomic: true is not possible on {self.type}: {self.no_atomic_unit}")
         return self
 
     @property

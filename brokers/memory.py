@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -37,6 +37,7 @@ class MemorySettings(BrokerSettings):
         description="The in-memory broker, for tests only: it keeps messages in the process "
         "and delivers them nowhere. Never a broker to deploy."
     )
+    no_atomic_unit: ClassVar[str | None] = None  # MemoryBroker.publish_atomic
 
 
 class MemoryBroker:

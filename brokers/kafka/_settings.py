@@ -46,6 +46,11 @@ class KafkaSettings(BrokerSettings):
     cloudevents_prefix: ClassVar[str] = "ce_"  # the Kafka binding's header prefix
     title: ClassVar[str | None] = "Apache Kafka"
     asyncapi_protocol: ClassVar[str | None] = "kafka"
+    no_atomic_unit: ClassVar[str | None] = (
+        "an atomic write on Kafka is a producer transaction, which the router does not use (its "
+        "idempotent producer writes each record on its own, and tansu, the broker its tests "
+        "run on, has no transactions); leave atomic off"
+    )
     property_descriptions: ClassVar[Mapping[str, str]] = {
         "timestamp": "The event's time (not the publish time), in milliseconds since the "
         "epoch (the record's CreateTime; a topic with LogAppendTime replaces it).",

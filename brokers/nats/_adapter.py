@@ -447,7 +447,7 @@ class NatsBroker:
                         num_replicas=wanted.replicas,
                         max_age=wanted.max_age_seconds,
                         duplicate_window=wanted.duplicate_window_seconds,
-                        allow_atomic=wanted.allow_atomic or None,
+                        allow_atomic=wanted.allow_atomic or self.settings.atomic or None,
                     )
                 )
             except nats.js.errors.APIError as exc:
@@ -467,10 +467,10 @@ class NatsBroker:
                 f"{self.name}: stream {wanted.name!r} exists with subjects {have}, "
                 f"which do not cover {missing}"
             )
-        if wanted.allow_atomic and not info.config.allow_atomic:
+        if (wanted.allow_atomic or self.settings.atomic) and not info.config.allow_atomic:
+            why = "atomic is on" if self.settings.atomic else "stream.allow_atomic is on"
             raise BrokerError(
                 f"{self.name}: stream {wanted.name!r} does not allow atomic batch publish "
-                "(stream.allow_atomic is on): allow it on the stream (allow_atomic, "
-                "nats-server 2.12 or later)"
+                f"({why}): allow it on the stream (allow_atomic, nats-server 2.12 or later)"
             )
         return False

@@ -86,6 +86,7 @@ class NatsSettings(BrokerSettings):
     cloudevents_prefix: ClassVar[str] = "ce-"  # the NATS binding's header prefix
     title: ClassVar[str | None] = "NATS JetStream"
     asyncapi_protocol: ClassVar[str | None] = "nats"
+    no_atomic_unit: ClassVar[str | None] = None  # JetStream atomic batches (ADR-50)
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )

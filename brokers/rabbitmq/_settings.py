@@ -44,6 +44,10 @@ class RabbitSettings(BrokerSettings):
     title: ClassVar[str | None] = "RabbitMQ"
     asyncapi_protocol: ClassVar[str | None] = "amqp"
     asyncapi_protocol_version: ClassVar[str | None] = "0.9.1"
+    no_atomic_unit: ClassVar[str | None] = (
+        "RabbitMQ confirms each message on its own, and its channel transactions promise no "
+        "atomicity across queues; leave atomic off (each row is then delivered on its own)"
+    )
     property_descriptions: ClassVar[Mapping[str, str]] = {
         "timestamp": "The event's time (not the publish time), in seconds since the epoch.",
     }

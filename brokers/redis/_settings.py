@@ -28,6 +28,7 @@ class RedisSettings(BrokerSettings):
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
     title: ClassVar[str | None] = "Redis Streams"
     asyncapi_protocol: ClassVar[str | None] = "redis"
+    no_atomic_unit: ClassVar[str | None] = None  # MULTI/EXEC on one node
 
     url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."

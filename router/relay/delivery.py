@@ -23,7 +23,7 @@ from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
 from router.relay.streams import RunStreams
 
-__all__ = ["Delivery", "KeepLease", "Render", "waves"]
+__all__ = ["Delivery", "KeepLease", "Render", "unit_waves", "waves"]
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +108,17 @@ class Delivery:
         ``ordering`` says (``_give_up``): abandoned (``skip``), or kept, held or parked, and
         then its stream is held back for the rest of the run as behind a failed row. A broker
         this host cannot reach gives no verdict: those rows go back untried in every mode.
+
+        On a target with ``atomic`` the batch goes as units instead (``_deliver_units``).
         """
-        marks = Marks()
         streams = RunStreams() if streams is None else streams
+        if self.settings.atomic:
+            return await self._deliver_units(rows, keep_lease, streams)
+        marks = Marks()
         held = streams.held
         split = waves(rows)
         for n, wave in enumerate(split):
-            # Stopping, or another batch found the broker unreachable meanwhile: give the rest
-            # back untried.
-            if self._stopping() or self.link.is_open:
-                marks.untried.extend(row.seq for rest in split[n:] for row in rest)
-                break
-            # publish_limit bounds the wave's publish; the second is for rendering and marking.
-            if keep_lease is not None and not await keep_lease(self.settings.publish_limit + 1):
+            if not await self._may_send(keep_lease):
                 marks.untried.extend(row.seq for rest in split[n:] for row in rest)
                 break
             sendable = self._sendable(wave, streams, marks)
@@ -149,6 +147,124 @@ class Delivery:
             break
         self._record(marks, rows)
         return marks
+
+    async def _may_send(self, keep_lease: KeepLease | None) -> bool:
+        """Whether the next wave may go: not when stopping, or when another batch found the
+        broker unreachable meanwhile, or when the lease cannot be kept for a publish
+        (``publish_limit``) and a second more, for rendering and marking."""
+        if self._stopping() or self.link.is_open:
+            return False
+        return keep_lease is None or await keep_lease(self.settings.publish_limit + 1)
+
+    async def _deliver_units(
+        self, rows: Sequence[ClaimedRow], keep_lease: KeepLease | None, streams: RunStreams
+    ) -> Marks:
+        """``deliver`` for a target with ``atomic``: each unit (the rows one application
+        transaction staged for the target, ``ClaimedRow.unit``) is one atomic write, all its
+        members stored or none, with one verdict for all of them.
+
+        Units go in the order their transactions committed on each stream (their last rows'
+        order: a transaction staging on a stream after another waited for that one's commit,
+        so all its rows come later), in waves where no two units share a stream
+        (``unit_waves``). A unit the claim could not take whole, or with a member whose
+        stream is held back, stays untried, and holds back its streams for the rest of the
+        run: a later unit never overtakes it. A member that cannot be rendered gives its
+        whole unit its verdict, naming it."""
+        marks = Marks()
+        held = streams.held
+        split = unit_waves(_units(rows))
+        for n, wave in enumerate(split):
+            if not await self._may_send(keep_lease):
+                marks.untried.extend(row.seq for later in split[n:] for u in later for row in u)
+                break
+            sendable: list[tuple[list[ClaimedRow], list[OutgoingMessage]]] = []
+            for unit in wave:
+                keys = _keys(unit)
+                if not all(row.whole for row in unit) or not held.isdisjoint(keys):
+                    marks.untried.extend(row.seq for row in unit)
+                    held.update(keys)
+                    continue
+                messages = self._render_unit(unit, streams, marks)
+                if messages is not None:
+                    sendable.append((unit, messages))
+            if not sendable:
+                continue
+            on_trial = self.link.on_trial
+            verdicts = await self.link.publish_atomic([messages for _, messages in sendable])
+            unanswered = None
+            for (unit, _), results in zip(sendable, verdicts, strict=True):
+                cut = next((r for r in results if r.unreachable), None)
+                if cut is not None:
+                    unanswered = unanswered or cut.error or "no answer"
+                    if not on_trial:  # no verdict on the unit: another host may send it
+                        marks.untried.extend(row.seq for row in unit)
+                        held.update(_keys(unit))
+                        continue
+                self._judge_unit(unit, results, marks, streams)
+            if unanswered is None:
+                self.link.answered()
+                continue
+            self.link.cut_off(unanswered)
+            marks.untried.extend(row.seq for later in split[n + 1 :] for u in later for row in u)
+            break
+        self._record(marks, rows)
+        return marks
+
+    def _render_unit(
+        self, unit: list[ClaimedRow], streams: RunStreams, marks: Marks
+    ) -> list[OutgoingMessage] | None:
+        """The unit's messages, each member with the gap before it; None when a member cannot
+        be rendered (the unit's verdict is then in ``marks``)."""
+        messages = []
+        for position, row in enumerate(unit, 1):
+            row.skipped = streams.skipped(row.stream_key, row.seq, row.skipped)
+            try:
+                wire = self._render(row.envelope, sequence=row.seq, skipped=row.skipped)
+            except (DowncastError, EnvelopeError) as exc:
+                retryable = isinstance(exc, DowncastError)  # the user's downcaster may change
+                what = "cannot downcast" if retryable else "cannot render envelope"
+                error = (
+                    f"atomic unit of {len(unit)} refused: member {position} ({row.message_id}) "
+                    f"{what}: {exc}"
+                )
+                verdict = PublishResult.failed(error, retryable=retryable)
+                self._judge_unit(unit, [verdict] * len(unit), marks, streams)
+                return None
+            messages.append(OutgoingMessage(row.destination, wire))
+        return messages
+
+    def _judge_unit(
+        self,
+        unit: list[ClaimedRow],
+        results: Sequence[PublishResult],
+        marks: Marks,
+        streams: RunStreams,
+    ) -> None:
+        """Sort a unit's outcome into ``marks``: stored, each member with its receipt; else
+        one verdict for every member, a retry with one delay for all (so the unit falls due
+        as one), or given up on as ``ordering`` says. The streams of a unit that stays hold
+        back the rest of the run."""
+        if any(result.ok for result in results):  # stored (a broker's partial apply: as it says)
+            for row, result in zip(unit, results, strict=True):
+                if not self._classify(row, result, marks, streams) and row.stream_key is not None:
+                    streams.held.add(row.stream_key)
+            return
+        first = results[0]
+        error = first.error or "failed"
+        attempts = max(row.attempts for row in unit)
+        if first.retryable and attempts < self.retry.max_attempts:
+            delay = retry_delay(attempts, self.retry, self._rand)
+            marks.failed.extend((row.seq, delay, error) for row in unit)
+            streams.held.update(_keys(unit))
+            return
+        reason = (
+            f"not retryable: {error}"
+            if not first.retryable
+            else f"gave up after {attempts} attempts: {error}"
+        )
+        for row in unit:
+            if not self._give_up(row, reason, marks, streams) and row.stream_key is not None:
+                streams.held.add(row.stream_key)
 
     def _sendable(
         self, wave: Sequence[ClaimedRow], streams: RunStreams, marks: Marks
@@ -306,3 +422,34 @@ def waves(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
 
 def _stream_of(row: ClaimedRow) -> str | None:
     return row.stream_key
+
+
+def _units(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
+    """A batch's units (``ClaimedRow.unit``), each in outbox order, in the order their
+    transactions committed on any stream they share: by their last rows. A row without a
+    unit is one of its own."""
+    units: dict[int | tuple[int], list[ClaimedRow]] = {}
+    for row in rows:
+        units.setdefault(row.unit if row.unit is not None else (row.seq,), []).append(row)
+    ordered = [sorted(unit, key=lambda r: r.seq) for unit in units.values()]
+    return sorted(ordered, key=lambda unit: unit[-1].seq)
+
+
+def unit_waves(units: Sequence[list[ClaimedRow]]) -> list[list[list[ClaimedRow]]]:
+    """Split units so that no wave holds two units sharing a stream, each unit in a later wave
+    than every unit before it on any of its streams (``units`` in commit order)."""
+    split: list[list[list[ClaimedRow]]] = []
+    last: dict[str, int] = {}
+    for unit in units:
+        keys = _keys(unit)
+        n = max((last[key] + 1 for key in keys if key in last), default=0)
+        for key in keys:
+            last[key] = n
+        while len(split) <= n:
+            split.append([])
+        split[n].append(unit)
+    return split
+
+
+def _keys(unit: Sequence[ClaimedRow]) -> set[str]:
+    return {row.stream_key for row in unit if row.stream_key is not None}

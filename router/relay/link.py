@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from brokers import Broker, BrokerSettings, OutgoingMessage, PublishResult
+from brokers import AtomicBroker, Broker, BrokerSettings, OutgoingMessage, PublishResult
 from envelopes import BrokerError
 from router.relay.circuit import Circuit
 from router.relay.metrics import Metrics
@@ -86,9 +87,29 @@ class BrokerLink:
         """Publish one wave and return one result per message. A broker that cannot be
         reached or used, or stays silent, gives every message a ``cut_off`` result (no
         verdict on the message); an adapter bug fails them all, retryable."""
+        return await self._publish(messages, lambda: self.broker.publish(messages))
+
+    async def publish_atomic(self, units: list[list[OutgoingMessage]]) -> list[list[PublishResult]]:
+        """Publish one wave of atomic units (``brokers.AtomicBroker``): per unit, one result
+        per member, every member with the unit's verdict. Watched as ``publish`` is; a
+        broker that gives no verdict leaves every member of every unit cut off."""
+        broker = self.broker
+        if not isinstance(broker, AtomicBroker):  # the config refuses atomic on such a kind
+            raise TypeError(f"{self._log['target']}: {type(broker).__name__} has no atomic write")
+
+        async def send() -> list[PublishResult]:
+            return [result for unit in await broker.publish_atomic(units) for result in unit]
+
+        results = iter(await self._publish([m for unit in units for m in unit], send))
+        return [[next(results) for _ in unit] for unit in units]
+
+    async def _publish(
+        self, messages: list[OutgoingMessage], send: Callable[[], Awaitable[list[PublishResult]]]
+    ) -> list[PublishResult]:
+        """``send()`` (the publish of ``messages``) on a connection, watched and timed."""
         started = time.perf_counter()
         try:
-            results = await self._watched(messages)
+            results = await self._watched(send)
             if self._metrics is not None:  # one wave: from the first send to the last ack
                 self._metrics.publish.labels(self._log["database"], self._log["target"]).observe(
                     time.perf_counter() - started
@@ -176,12 +197,16 @@ class BrokerLink:
             self._connects.discard(connect)
             connect.cancel()  # when we were cancelled before awaiting it
 
-    async def _connected_publish(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
+    async def _connected(
+        self, send: Callable[[], Awaitable[list[PublishResult]]]
+    ) -> list[PublishResult]:
         await self._connect()
-        return await self.broker.publish(messages)
+        return await send()
 
-    async def _watched(self, messages: list[OutgoingMessage]) -> list[PublishResult]:
-        """The publish's results, within ``publish_limit``.
+    async def _watched(
+        self, send: Callable[[], Awaitable[list[PublishResult]]]
+    ) -> list[PublishResult]:
+        """The results of ``send()`` (a publish), within ``publish_limit``.
 
         Once the broker's answer time is known (``router.relay.silence``), a publish still
         unanswered after its limit has the connection asked for a round trip (``ping``);
@@ -195,7 +220,7 @@ class BrokerLink:
         silence = answer.limit
         patience = self._pings.limit
         started = time.monotonic()
-        publish = asyncio.ensure_future(self._connected_publish(messages))
+        publish = asyncio.ensure_future(self._connected(send))
         ping: asyncio.Future[None] | None = None
         try:
             if answer.known:

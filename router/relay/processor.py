@@ -285,7 +285,12 @@ class Processor:
         limit's tokens."""
         sent = asyncio.get_running_loop().time()
         claim = await self.store.claim(
-            self.target, limit, self.worker_id, self.outbox.lease_seconds, after
+            self.target,
+            limit,
+            self.worker_id,
+            self.outbox.lease_seconds,
+            after,
+            units=self.settings.atomic,
         )
         if self.bucket is not None:
             self.bucket.take(len(claim))

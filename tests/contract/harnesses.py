@@ -160,6 +160,12 @@ class NatsHarness(Harness):
     kind = "nats"
     native_dedup = "Nats-Msg-Id header"
 
+    def __init__(self, url: str = NATS_URL) -> None:
+        """``url``: the shared server by default; an embedded one where a test needs a
+        newer nats-server (atomic batches: 2.12 or later)."""
+        super().__init__()
+        self.url = url
+
     @property
     def stream(self) -> str:
         return f"CONTRACT_{self.tag}".upper()
@@ -168,7 +174,7 @@ class NatsHarness(Harness):
         return NatsSettings.model_validate(
             {
                 "type": "nats",
-                "url": NATS_URL,
+                "url": self.url,
                 "destination": f"c{self.tag}.{{event_type}}",
                 "stream": {
                     "name": self.stream,
@@ -204,7 +210,7 @@ class NatsHarness(Harness):
     async def prepare(self, destination: str) -> None:
         if destination != self.rejected_destination():
             return  # the adapter creates its own stream
-        client = await nats.connect(NATS_URL)
+        client = await nats.connect(self.url)
         try:
             await client.jetstream().add_stream(
                 StreamConfig(
@@ -218,7 +224,7 @@ class NatsHarness(Harness):
             await client.close()
 
     async def arrived(self, destination: str, count: int, timeout: float = 10) -> list[Arrived]:
-        client = await nats.connect(NATS_URL)
+        client = await nats.connect(self.url)
         try:
             js = client.jetstream()
             deadline = time.monotonic() + timeout
@@ -245,7 +251,7 @@ class NatsHarness(Harness):
         ]
 
     async def cleanup(self) -> None:
-        client = await nats.connect(NATS_URL)
+        client = await nats.connect(self.url)
         for stream in (self.stream, self.small_stream):
             with contextlib.suppress(NotFoundError):
                 await client.jetstream().delete_stream(stream)
@@ -416,11 +422,18 @@ class RedisHarness(Harness):
     kind = "redis"
     native_dedup = "none (message-id header)"
 
+    def __init__(self, url: str = REDIS_URL, reader: str | None = None) -> None:
+        """``url``: the router's (the shared server by default); ``reader``: the tests' own
+        reads and preparations, by default the same."""
+        super().__init__()
+        self.url = url
+        self.reader = reader or url
+
     def settings(self, **overrides: Any) -> BrokerSettings:
         return RedisSettings.model_validate(
             {
                 "type": "redis",
-                "url": REDIS_URL,
+                "url": self.url,
                 "destination": f"c{self.tag}.{{event_type}}",
                 **overrides,
             }
@@ -437,7 +450,7 @@ class RedisHarness(Harness):
 
     async def prepare(self, destination: str) -> None:
         if destination == self.rejected_destination():
-            client = aioredis.Redis.from_url(REDIS_URL)
+            client = aioredis.Redis.from_url(self.reader)
             await client.set(destination, "not a stream")
             await client.aclose()
 
@@ -446,7 +459,7 @@ class RedisHarness(Harness):
         return [fields for _, fields in await self._xrange(destination, count, timeout)]
 
     async def _xrange(self, destination: str, count: int, timeout: float) -> list[Any]:
-        client = aioredis.Redis.from_url(REDIS_URL)
+        client = aioredis.Redis.from_url(self.reader)
         try:
             deadline = time.monotonic() + timeout
             entries: Any = []
@@ -473,7 +486,7 @@ class RedisHarness(Harness):
         return found
 
     async def cleanup(self) -> None:
-        client = aioredis.Redis.from_url(REDIS_URL)
+        client = aioredis.Redis.from_url(self.reader)
         keys = [k async for k in client.scan_iter(match=f"c{self.tag}.*")]
         if keys:
             await client.delete(*keys)

@@ -282,7 +282,7 @@ async def test_the_message_after_an_abandoned_row_of_its_stream_names_it(
     await runner.start()
     try:
         arrived = await harness.arrived_once(destination, 3)
-        rows = await _settled(database, 4)
+        rows = await settled(database, 4)
     finally:
         await runner.shutdown()
 
@@ -330,7 +330,7 @@ async def test_a_stream_whose_head_is_refused_for_good_waits_as_its_ordering_say
         await _accept_the_second(harness, database, ids[1], destination)
         await release(config, "events", "k", reason="accepted now", actor="contract")
         everything = await harness.arrived_once(destination, 4)
-        done = await _settled(database, 4)
+        done = await settled(database, 4)
     finally:
         await runner.shutdown()
 
@@ -472,7 +472,7 @@ def _named(arrived: Arrived) -> tuple[list[str] | None, list[str] | None]:
     return (header.split(",") if header is not None else None), skipped
 
 
-async def _settled(database: Database, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+async def settled(database: Database, count: int, timeout: float = 10) -> list[dict[str, Any]]:
     """The outbox's rows once none of ``count`` is open any more."""
     deadline = time.monotonic() + timeout
     while True:

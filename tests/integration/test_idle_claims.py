@@ -55,10 +55,16 @@ async def test_a_stream_held_behind_a_retry_is_not_claimed_until_the_retry_is_du
     claim = store.claim
 
     async def counted(
-        target: str, limit: int, worker: str, lease_seconds: float, after: Claim | None = None
+        target: str,
+        limit: int,
+        worker: str,
+        lease_seconds: float,
+        after: Claim | None = None,
+        *,
+        units: bool = False,
     ) -> Claim:
         claims.append(time.monotonic())
-        return await claim(target, limit, worker, lease_seconds, after)
+        return await claim(target, limit, worker, lease_seconds, after, units=units)
 
     store.claim = counted  # type: ignore[method-assign]  # count the store's claims
     await supervisor.start()

@@ -9,10 +9,6 @@ the shared server is never reconfigured.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +21,7 @@ from brokers.redis import RedisSettings
 from envelopes import BrokerUnavailable
 from tests.contract.harnesses import REDIS_URL, Arrived, RedisHarness
 from tests.contract.test_contract import message
-from tests.peers import end
-from tests.services import free_port, in_ci, program, reachable
+from tests.peers.redis import private_redis as start_private_redis
 
 # The private server's users: "partner" may XADD (in a transaction) to atomic.ok.* only;
 # "no-multi" may XADD there but not open a transaction.
@@ -40,29 +35,8 @@ USERS = (
 @pytest.fixture(scope="module")
 def private_redis() -> Iterator[int]:
     """A redis-server of this module's own, with the ACL users of ``USERS``; its port."""
-    binary = program("redis-server")
-    if binary is None:
-        message = "redis-server is not installed (apt-get install redis-server)"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
-    port = free_port()
-    folder = tempfile.mkdtemp(prefix="router-redis-")
-    arguments = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    arguments += ["--appendonly", "no", "--dir", folder]
-    for name, *commands in USERS:
-        arguments += ["--user", name, "on", "nopass", f"~{PARTNER_KEYS}*", "+ping", "+client"]
-        arguments += commands
-    process = subprocess.Popen(arguments, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not reachable("127.0.0.1", port, timeout=0.2):
-        if process.poll() is not None or time.monotonic() > deadline:
-            end(process)
-            pytest.fail(f"a private redis-server did not start on {port}")
-        time.sleep(0.05)
-    yield port
-    end(process)
-    shutil.rmtree(folder, ignore_errors=True)
+    with start_private_redis(USERS, f"{PARTNER_KEYS}*") as port:
+        yield port
 
 
 def private_settings(port: int, user: str) -> RedisSettings:

@@ -48,7 +48,7 @@ them, whatever their due time."""
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0017"
+SCHEMA_REVISION = "0018"
 
 
 def schema_problem(database: str, revision: str | None) -> SchemaError | None:
@@ -147,6 +147,12 @@ class ClaimedRow:
     """The gap before this row in its stream on its target: the message ids of the rows of
     the stream abandoned there and not yet named by a published row, oldest first (the
     claim reads them from ``router_gaps``; delivery adds those its run opened since)."""
+    unit: int | None = None
+    """On a target with ``atomic``: the application transaction that staged the row (its
+    unit: the rows of one transaction for one target, published as one atomic write)."""
+    whole: bool = True
+    """On a target with ``atomic``: False when the claim could not take every open row of
+    the row's unit (one waits behind its stream, or is held or parked): the unit stays."""
 
 
 def name_gaps(rows: Sequence[ClaimedRow], gaps: Iterable[tuple[str, int, str]]) -> None:
@@ -239,6 +245,8 @@ class OutboxStore(Protocol):
         worker: str,
         lease_seconds: float,
         after: Claim | None = None,
+        *,
+        units: bool = False,
     ) -> Claim:
         """Lease up to ``limit`` due rows of ``target`` in outbox order.
 
@@ -251,6 +259,11 @@ class OutboxStore(Protocol):
         in the claim's own statements: a target without gaps pays no statement more.
         ``after`` (only where ``pump`` is ``TransactionRuns``): a batch still held, whose
         transaction the claim joins, taking the rows after it.
+
+        ``units`` (a target with ``atomic``): each row comes with its unit, and the claim
+        takes more rows past ``limit`` to complete the units it cut; a unit it still could
+        not complete has its rows ``whole=False``. PostgreSQL only (the config refuses
+        ``atomic`` elsewhere); the other stores raise ``ConfigError``.
         """
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:

@@ -33,7 +33,7 @@ import asyncmy
 from asyncmy.cursors import Cursor
 from asyncmy.errors import MySQLError
 
-from envelopes import DatabaseError
+from envelopes import ConfigError, DatabaseError
 from router.relay.pumps import Overlapping
 from router.relay.store import mysql_sql as sql
 from router.relay.store.base import (
@@ -119,8 +119,12 @@ class MysqlStore:
         worker: str,
         lease_seconds: float,
         after: Claim | None = None,  # leases: never given (its pump overlaps claims)
+        *,
+        units: bool = False,
     ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
+        if units:  # the config refuses atomic targets on this database (RouterConfig)
+            raise ConfigError(f"{self.name}: atomic targets need a PostgreSQL database")
         token = new_token()
         candidates = await self._candidates(target, limit)
         if not candidates:  # an idle target costs this one statement

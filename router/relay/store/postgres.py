@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
@@ -116,6 +117,37 @@ SELECT extract(epoch FROM (SELECT min(available_at) FROM {OUTBOX_QUEUE}
 """
 
 
+# The units of an atomic target's claimed rows (``PostgresStore._units``): each row's
+# transaction, and how many rows of it the target has open or set aside (a unit is whole in
+# a claim only when it holds them all). ix_router_outbox_unit (migration 0018) serves the
+# count: its predicate, word for word. One count per row, not per unit: a unit's rows are
+# few, and a statement of one level is cheaper to plan than a DISTINCT and a join.
+UNITS = f"""
+SELECT m.seq, m.xid::text::bigint,
+       (SELECT count(*) FROM {OUTBOX_QUEUE} u
+        WHERE u.target = $1 AND u.xid = m.xid
+          AND u.status IN ('pending', 'failed', 'held', 'parked'))
+FROM {OUTBOX_QUEUE} m
+WHERE m.target = $1 AND m.seq = ANY($2::bigint[]) AND m.status IN ('pending', 'failed')
+"""
+# How often a claim of an atomic target claims on to complete the units it cut, at most, and
+# the fewest rows each time.
+_UNIT_EXTENSIONS = 4
+_UNIT_EXTENSION_ROWS = 16
+
+
+def _rows(records: Sequence[Any]) -> list[ClaimedRow]:
+    """The rows of a claim's records (none when nothing was due, or the target was busy: a
+    NULL seq), in outbox order."""
+    if not records or records[0][0] is None:
+        return []
+    rows = [
+        ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(r[7] or ())) for r in records
+    ]
+    rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
+    return rows
+
+
 class PostgresStore:
     """A lazily opened asyncpg pool plus a LISTEN connection for wake-ups."""
 
@@ -152,27 +184,31 @@ class PostgresStore:
         worker: str,
         lease_seconds: float,
         after: Claim | None = None,
+        *,
+        units: bool = False,
     ) -> Claim:
         """Lock up to ``limit`` due rows of ``target``, oldest first, streams in order, in a
         transaction that stays open until its batches are marked or released (the rows'
         lease). Busy, without rows, while another batch of the target is in flight (see
         router_claim()). ``after``: a batch of this store still held, whose transaction this
         claim joins, taking the rows after it; the transaction then commits with the mark of
-        the last of its batches."""
+        the last of its batches. ``units``: see ``OutboxStore.claim`` (``_units``)."""
         token = new_token()
+        hold = min(lease_seconds, _HOLD)
         if after is not None:
-            return await self._claim_after(target, limit, worker, lease_seconds, after, token)
+            return await self._claim_after(target, limit, worker, hold, after, token, units)
         pool = await self._open()
         try:
             conn = await pool.acquire()
         except DB_ERRORS as exc:
             raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
-        run = _Run(pool, conn, hold=min(lease_seconds, _HOLD))
+        run = _Run(pool, conn, hold=hold)
         try:
             await conn.execute("BEGIN")
-            records = await conn.fetch(
-                CLAIM, target, limit, worker, min(lease_seconds, _HOLD), self._async_commit, 0
-            )
+            records = await conn.fetch(CLAIM, target, limit, worker, hold, self._async_commit, 0)
+            rows = _rows(records)
+            if units and rows:
+                await self._units(conn, target, rows, worker, hold)
         except BaseException as exc:
             await run.end()  # cancelled (stop) or failed: nothing of it is kept
             _raise_as_database_error(self.name, exc)
@@ -183,10 +219,17 @@ class PostgresStore:
                 await run.end()
                 _raise_as_database_error(self.name, exc)
             return Claim(token, [], busy=bool(records))
-        return self._held_claim(run, token, records)
+        return self._held_claim(run, token, rows)
 
     async def _claim_after(
-        self, target: str, limit: int, worker: str, lease_seconds: float, after: Claim, token: int
+        self,
+        target: str,
+        limit: int,
+        worker: str,
+        hold: float,
+        after: Claim,
+        token: int,
+        units: bool,
     ) -> Claim:
         run = self._held.get(after.token)
         if run is None or run.broken or not after.rows:
@@ -195,26 +238,54 @@ class PostgresStore:
         try:
             async with run.lock:
                 records = await run.conn.fetch(
-                    CLAIM,
-                    target,
-                    limit,
-                    worker,
-                    min(lease_seconds, _HOLD),
-                    self._async_commit,
-                    last,
+                    CLAIM, target, limit, worker, hold, self._async_commit, last
                 )
+                rows = _rows(records)
+                if units and rows:
+                    await self._units(run.conn, target, rows, worker, hold)
         except BaseException as exc:
             run.broken = True  # the transaction cannot be trusted: its batches are lost
             _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:  # nothing due, or busy (the ring's gate)
             return Claim(token, [], busy=bool(records))
-        return self._held_claim(run, token, records)
+        return self._held_claim(run, token, rows)
 
-    def _held_claim(self, run: _Run, token: int, records: Sequence[Any]) -> Claim:
-        rows = [
-            ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(r[7] or ())) for r in records
-        ]
-        rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
+    async def _units(
+        self, conn: Any, target: str, rows: list[ClaimedRow], worker: str, hold: float
+    ) -> None:
+        """An atomic target's claim made whole, in the claim's transaction: each row gets its
+        unit (its transaction's id), and while the claim holds only part of a unit, it claims
+        on past its last row, as a claim in its run would (streams in order, held and parked
+        rows never taken), a few times at most. A unit still partly claimed then (a member
+        waits behind its stream, or is held or parked) has its rows ``whole=False``: delivery
+        sends none of them, and they are claimed again once the member can go. ``rows`` is
+        extended in place, in outbox order."""
+        unit_of: dict[int, int] = {}
+        open_rows: dict[int, int] = {}
+        new = rows[:]
+        for extension in range(_UNIT_EXTENSIONS + 1):
+            for seq, xid, count in await conn.fetch(UNITS, target, [r.seq for r in new]):
+                unit_of[seq] = xid
+                open_rows[xid] = count
+            claimed = Counter(unit_of.get(r.seq) for r in rows)
+            missing = sum(max(0, n - claimed[xid]) for xid, n in open_rows.items())
+            if not missing or extension == _UNIT_EXTENSIONS:
+                break
+            # Past the claim's last row: the missing rows, and room for the rows of other
+            # transactions staged among them.
+            after = rows[-1].seq
+            limit = max(2 * missing, _UNIT_EXTENSION_ROWS)
+            new = _rows(
+                await conn.fetch(CLAIM, target, limit, worker, hold, self._async_commit, after)
+            )
+            if not new:
+                break
+            rows.extend(new)
+        for row in rows:
+            row.unit = unit_of.get(row.seq)
+            row.whole = row.unit is not None and open_rows[row.unit] == claimed[row.unit]
+
+    def _held_claim(self, run: _Run, token: int, rows: list[ClaimedRow]) -> Claim:
         run.batches[token] = len(rows)
         self._held[token] = run
         run.beat()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiosqlite
 
-from envelopes import DatabaseError
+from envelopes import ConfigError, DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
 from router._schema import GAPS, OUTBOX, TARGETS
 from router.relay.pumps import Overlapping
@@ -231,8 +231,12 @@ class SqliteStore:
         worker: str,
         lease_seconds: float,
         after: Claim | None = None,  # leases: never given (its pump overlaps claims)
+        *,
+        units: bool = False,
     ) -> Claim:
         """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
+        if units:  # the config refuses atomic targets on this database (RouterConfig)
+            raise ConfigError(f"{self.name}: atomic targets need a PostgreSQL database")
         token = new_token()
         now = datetime.now(UTC)
         until = sqlite_time(now + timedelta(seconds=lease_seconds))
