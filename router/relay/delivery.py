@@ -23,7 +23,7 @@ from router.relay.stats import ProcessorStats
 from router.relay.store import ClaimedRow, Marks
 from router.relay.streams import RunStreams
 
-__all__ = ["Delivery", "KeepLease", "Render", "unit_waves", "waves"]
+__all__ = ["Delivery", "KeepLease", "Render", "unit_waves", "units_of", "waves"]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Delivery:
         whole unit its verdict, naming it."""
         marks = Marks()
         held = streams.held
-        split = unit_waves(_units(rows))
+        split = unit_waves(units_of(rows))
         for n, wave in enumerate(split):
             if not await self._may_send(keep_lease):
                 marks.untried.extend(row.seq for later in split[n:] for u in later for row in u)
@@ -424,7 +424,7 @@ def _stream_of(row: ClaimedRow) -> str | None:
     return row.stream_key
 
 
-def _units(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
+def units_of(rows: Sequence[ClaimedRow]) -> list[list[ClaimedRow]]:
     """A batch's units (``ClaimedRow.unit``), each in outbox order, in the order their
     transactions committed on any stream they share: by their last rows. A row without a
     unit is one of its own."""

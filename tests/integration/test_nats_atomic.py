@@ -34,14 +34,24 @@ async def server(tmp_path: Path) -> AsyncIterator[str]:
         await embedded.stop()
 
 
-def settings(url: str, **stream: Any) -> NatsSettings:
+def settings(url: str, *, atomic: bool = False, **stream: Any) -> NatsSettings:
     return NatsSettings.model_validate(
         {
             "type": "nats",
             "url": url,
+            "atomic": atomic,
             "stream": {"name": "ATOMIC", "subjects": ["orders.>"], **stream},
         }
     )
+
+
+# A stream needs atomic batches allowed for either setting: the stream's own, or the broker's
+# atomic (which the relay's units need).
+WANTS_ATOMIC = pytest.mark.parametrize(
+    ("wanted", "why"),
+    [({"allow_atomic": True}, "stream.allow_atomic is on"), ({"atomic": True}, "atomic is on")],
+    ids=["allow_atomic", "atomic"],
+)
 
 
 def message(n: int, *, size: int = 0, key: str = "k") -> OutgoingMessage:
@@ -150,20 +160,26 @@ async def test_a_unit_over_the_batch_limit_is_refused_unsent(server: str) -> Non
     assert await stored(server) == []
 
 
-async def test_a_stream_without_atomic_publish_is_refused_at_connect(server: str) -> None:
+@WANTS_ATOMIC
+async def test_a_stream_without_atomic_publish_is_refused_at_connect(
+    server: str, wanted: dict[str, bool], why: str
+) -> None:
     client = await nats.connect(server)
     try:
         await client.jetstream().add_stream(StreamConfig(name="ATOMIC", subjects=["orders.>"]))
     finally:
         await client.close()
-    broker = NatsBroker("partner", settings(server, allow_atomic=True))
-    with pytest.raises(BrokerError, match="does not allow atomic batch publish"):
+    broker = NatsBroker("partner", settings(server, **wanted))
+    with pytest.raises(BrokerError, match=f"does not allow atomic batch publish \\({why}\\)"):
         await broker.connect()
     await broker.close()
 
 
-async def test_the_router_creates_its_stream_with_atomic_publish(server: str) -> None:
-    broker = NatsBroker("partner", settings(server, allow_atomic=True))
+@WANTS_ATOMIC
+async def test_the_router_creates_its_stream_with_atomic_publish(
+    server: str, wanted: dict[str, bool], why: str
+) -> None:
+    broker = NatsBroker("partner", settings(server, **wanted))
     try:
         await broker.connect()
     finally:

@@ -253,6 +253,55 @@ def test_each_problem_names_its_yaml_path(old: str, new: str, expected: str) -> 
     assert expected in problems(changed(old, new))
 
 
+ATOMIC = """
+databases: {main: "postgresql://app@db/shop"}
+brokers:
+  events: {type: memory, internal: true}
+  partner:
+    type: %s
+    atomic: true
+    destination: "partner.{event_type}"
+    %s
+"""
+KIND_SETTINGS = {
+    "rabbitmq": "exchange: {name: partner}",
+    "kafka": "",
+    "redis": "",
+    "nats": "stream: {name: P, subjects: ['partner.>']}",
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("rabbitmq", "RabbitMQ confirms each message on its own"),
+        ("kafka", "an atomic write on Kafka is a producer transaction"),
+    ],
+)
+def test_atomic_is_refused_on_a_broker_without_an_atomic_write(kind: str, why: str) -> None:
+    message = problems(ATOMIC % (kind, KIND_SETTINGS[kind]))
+    assert f"brokers.partner: atomic: true is not possible on {kind}: {why}" in message
+
+
+@pytest.mark.parametrize("kind", ["redis", "nats"])
+def test_atomic_is_taken_on_a_broker_with_an_atomic_write(kind: str) -> None:
+    config = parse_config(ATOMIC % (kind, KIND_SETTINGS[kind]), env={})
+    assert config.brokers["partner"].atomic
+
+
+@pytest.mark.parametrize("url", ["sqlite:///x.db", "mysql://root@db/shop"])
+def test_atomic_is_refused_on_a_database_that_does_not_record_transactions(url: str) -> None:
+    text = (ATOMIC % ("redis", "")).replace("postgresql://app@db/shop", url)
+    kind = "sqlite" if url.startswith("sqlite") else "mysql"
+    assert (
+        "databases.main: broker(s) ['partner'] have atomic: true, which needs each row's "
+        f"transaction; the relay knows it on PostgreSQL only, not on {kind}"
+    ) in problems(text)
+    # Listing only the other brokers for that database is enough.
+    text = text.replace(f'main: "{url}"', f'main: {{url: "{url}", brokers: [events]}}')
+    assert not parse_config(text, env={}).brokers_of("main").get("partner")
+
+
 def test_two_internal_brokers_are_refused() -> None:
     text = changed('events: {include: ["order_*"], exclude: ["order_internal*"]}', "internal: true")
     assert "only one broker may be internal; found ['events', 'partner']" in problems(text)
