@@ -351,6 +351,9 @@ class BrokerSettings(BaseModel):
     # Why ``atomic: true`` is refused on this kind; None where its adapter has an atomic write
     # of several messages (``brokers.AtomicBroker``).
     no_atomic_unit: ClassVar[str | None] = "this kind of broker has no atomic write"
+    # What ``atomic: true`` makes of a transaction's rows on this kind, for the partner
+    # contract; None where it is refused.
+    atomic_unit: ClassVar[str | None] = None
 
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:
@@ -406,6 +409,11 @@ class BrokerSettings(BaseModel):
         those the adapter adds (``Nats-Msg-Id`` on NATS, say). A new dict, made from the
         rendered message alone: the adapter publishes exactly these."""
         return dict(wire.headers)
+
+    def unit_headers(self) -> dict[str, bool]:
+        """The headers the adapter adds to each member of an atomic unit (``atomic``), by
+        name: True where every member has it. None on most kinds."""
+        return {}
 
     def location(self) -> dict[str, Any]:
         """Where this broker's messages go besides each destination, by name: what a

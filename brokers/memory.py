@@ -37,7 +37,8 @@ class MemorySettings(BrokerSettings):
         description="The in-memory broker, for tests only: it keeps messages in the process "
         "and delivers them nowhere. Never a broker to deploy."
     )
-    no_atomic_unit: ClassVar[str | None] = None  # MemoryBroker.publish_atomic
+    no_atomic_unit: ClassVar[str | None] = None
+    atomic_unit: ClassVar[str | None] = "one unit of the in-memory broker"
 
 
 class MemoryBroker:

@@ -67,7 +67,14 @@ from brokers._protocol import (
 )
 from brokers.nats import _frames
 from brokers.nats._acks import NO_STREAM, AckInbox, AckWindow, is_batch_stored, new_client
-from brokers.nats._settings import MSG_ID_HEADER, NatsSettings, subject_matches
+from brokers.nats._settings import (
+    BATCH_COMMIT,
+    BATCH_ID,
+    BATCH_SEQUENCE,
+    MSG_ID_HEADER,
+    NatsSettings,
+    subject_matches,
+)
 from envelopes import BrokerError, BrokerUnavailable, MissingDestination
 
 __all__ = ["MSG_ID_HEADER", "NatsBroker"]
@@ -96,10 +103,7 @@ _ANSWER_ERRORS: tuple[type[BaseException], ...] = (
 # Seconds between nats-py's keepalive pings (see connect()).
 _PING_INTERVAL = 10
 
-# ADR-50's headers, and the most members one batch may hold.
-BATCH_ID = "Nats-Batch-Id"
-BATCH_SEQUENCE = "Nats-Batch-Sequence"
-BATCH_COMMIT = "Nats-Batch-Commit"
+# The most members one batch may hold (ADR-50).
 MAX_BATCH = 1000
 
 
@@ -126,6 +130,10 @@ class NatsBroker:
         # The processor publishes two batches at once: the second must wait for the first's
         # connect to finish (stream created or checked), not publish on a half-made client.
         self._connecting = asyncio.Lock()
+        self.duplicate_window: float | None = None
+        """Seconds the stream drops a repeated ``Nats-Msg-Id`` for, once connected (as found,
+        or as created): how long a unit sent again is recognised as stored (``router
+        check`` compares it with the retry horizon of an atomic target)."""
 
     async def connect(self) -> None:
         """Connect and create (or check) the stream."""
@@ -455,11 +463,13 @@ class NatsBroker:
                     f"{self.name}: cannot create stream {wanted.name!r}: {exc.description}"
                 ) from exc
             log.info("nats.stream.created", extra={"broker": self.name, "stream": wanted.name})
+            self.duplicate_window = wanted.duplicate_window_seconds
             return True
         except _ANSWER_ERRORS as exc:
             raise BrokerUnavailable(
                 f"{self.name}: cannot read stream {wanted.name!r}: {describe(exc)}"
             ) from exc
+        self.duplicate_window = info.config.duplicate_window
         have = list(info.config.subjects or [])
         missing = [s for s in wanted.subjects if not any(subject_matches(h, s) for h in have)]
         if missing:

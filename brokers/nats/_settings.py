@@ -22,6 +22,10 @@ __all__ = [
 ]
 
 MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's duplicate-window key
+# ADR-50's headers on each member of an atomic batch (JetStream keeps them on the message).
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """What NATS (and nats-py) take as a header name: an RFC 7230 token."""
 _JETSTREAM_PREFIX = "nats-"
@@ -86,7 +90,11 @@ class NatsSettings(BrokerSettings):
     cloudevents_prefix: ClassVar[str] = "ce-"  # the NATS binding's header prefix
     title: ClassVar[str | None] = "NATS JetStream"
     asyncapi_protocol: ClassVar[str | None] = "nats"
-    no_atomic_unit: ClassVar[str | None] = None  # JetStream atomic batches (ADR-50)
+    no_atomic_unit: ClassVar[str | None] = None
+    atomic_unit: ClassVar[str | None] = (
+        "one JetStream atomic batch on one stream: the messages share Nats-Batch-Id, at "
+        "contiguous stream sequences"
+    )
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )
@@ -124,6 +132,13 @@ class NatsSettings(BrokerSettings):
         """The rendered headers and ``Nats-Msg-Id`` = the message id (JetStream's
         deduplication key). NATS messages have no properties besides headers."""
         return {**wire.headers, MSG_ID_HEADER: wire.message_id}
+
+    def unit_headers(self) -> dict[str, bool]:
+        """With ``atomic``: the batch's headers on each member (the id and the member's place
+        in it always; the commit on the last member only)."""
+        if not self.atomic:
+            return {}
+        return {BATCH_ID: True, BATCH_SEQUENCE: True, BATCH_COMMIT: False}
 
     def location(self) -> dict[str, Any]:
         """The JetStream stream that captures the subject."""

@@ -28,7 +28,11 @@ class RedisSettings(BrokerSettings):
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
     title: ClassVar[str | None] = "Redis Streams"
     asyncapi_protocol: ClassVar[str | None] = "redis"
-    no_atomic_unit: ClassVar[str | None] = None  # MULTI/EXEC on one node
+    no_atomic_unit: ClassVar[str | None] = None
+    atomic_unit: ClassVar[str | None] = (
+        "one MULTI/EXEC transaction on one Redis node: the entries follow one another in "
+        "each stream"
+    )
 
     url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."

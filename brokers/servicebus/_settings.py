@@ -28,7 +28,8 @@ class ServiceBusSettings(BrokerSettings):
     # Service Bus speaks AMQP 1.0, whose AsyncAPI binding is named amqp1.
     asyncapi_protocol: ClassVar[str | None] = "amqp1"
     asyncapi_protocol_version: ClassVar[str | None] = "1.0"
-    no_atomic_unit: ClassVar[str | None] = None  # one batch per entity
+    no_atomic_unit: ClassVar[str | None] = None
+    atomic_unit: ClassVar[str | None] = "one Service Bus batch to one queue or topic"
 
     connection_string: SecretStr = Field(
         description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."

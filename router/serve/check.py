@@ -107,6 +107,7 @@ async def _brokers(
                 embedded.get(name),
                 create,
                 destination_problems(settings, config.service, catalog),
+                retry_horizon(config, settings) if settings.atomic else None,
             ),
             "broker",
             name,
@@ -158,11 +159,15 @@ async def _check_broker(
     embedded: EmbeddedRun | None,
     create: bool,
     problems: list[str],
+    horizon: float | None = None,
 ) -> str:
+    """``horizon``: an atomic target's retry horizon (``retry_horizon``), which the broker's
+    duplicate window should cover."""
     creates = settings.creates()
     detail = "reachable"
+    window = None
     try:
-        await _reach(name, settings if create else settings.without_creating())
+        window = await _reach(name, settings if create else settings.without_creating())
     except MissingDestination:
         if creates is None:
             raise
@@ -173,6 +178,12 @@ async def _check_broker(
             detail += f", {creates} ready"
     if embedded is not None:
         detail += f" ({embedded.describe()})"
+    if horizon is not None and window is not None and window < horizon:
+        detail += (
+            f"; WARNING: atomic, and the duplicate window is {window:g} s: a unit sent again "
+            f"after its commit's answer was lost (up to {horizon:g} s later: lease, publish "
+            "limit and circuit probe) would be stored twice; make the window longer"
+        )
     if problems:
         raise RouterError("; ".join([detail, *problems]))
     return detail
@@ -204,11 +215,22 @@ def destination_problems(
     return problems
 
 
-async def _reach(name: str, settings: BrokerSettings) -> None:
+def retry_horizon(config: RouterConfig, settings: BrokerSettings) -> float:
+    """How long after a lost answer to a unit's commit the relay may send the unit again:
+    its lease ends (a worker that died), then a publish's limit and the circuit's longest
+    wait between probes (a path that went silent). A longer broker outage can take longer."""
+    outbox = config.outbox
+    return outbox.lease_seconds + settings.publish_limit + outbox.circuit.probe_max_delay
+
+
+async def _reach(name: str, settings: BrokerSettings) -> float | None:
+    """Connect and ping; the broker's duplicate window where it has one (JetStream)."""
     broker = create_broker(name, settings)
     try:
         await broker.connect()
         await broker.ping()
+        window: float | None = getattr(broker, "duplicate_window", None)
+        return window
     finally:
         with contextlib.suppress(Exception):
             await broker.close()

@@ -15,6 +15,7 @@ import nats
 import yaml
 from nats.js.errors import NotFoundError
 
+from brokers.nats import EmbeddedNats
 from tests.conftest import NATS_URL, NatsStreams
 from tests.e2e.helpers import Serving, copy_default_config, router
 from tests.services import free_port
@@ -229,3 +230,42 @@ async def test_check_accepts_a_projection_of_the_newest_version_only_with_a_warn
     ]
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr
     assert "config.deprecated" not in replaced.stderr
+
+
+async def test_check_warns_when_an_atomic_streams_duplicate_window_is_short(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """An atomic target's unit sent again after its commit's answer was lost is recognised
+    only within the stream's duplicate window: shorter than the retry horizon (lease 30 s,
+    publish limit 16 s, probe 3 s: 49 s), check warns, and passes."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    server = EmbeddedNats(url, tmp_path / "nats")  # atomic batches: nats-server 2.12+
+    await server.start()
+    try:
+        for window, warned in ((10, True), (120, False)):
+            folder = tmp_path / str(window)
+            folder.mkdir()
+            broker = {
+                "type": "nats",
+                "url": url,
+                "internal": True,
+                "atomic": True,
+                "destination": f"w{window}.{{event_type}}",
+                "stream": {
+                    "name": f"W{window}",
+                    "subjects": [f"w{window}.>"],
+                    "duplicate_window_seconds": window,
+                },
+            }
+            config = {"databases": {"main": pg_url}, "brokers": {"events": broker}}
+            (folder / "config.yaml").write_text(yaml.safe_dump(config))
+            result = await asyncio.to_thread(router, "check", "--create", cwd=folder)
+            assert result.returncode == 0, result.stdout + result.stderr
+            line = broker_line(result.stdout)
+            warning = (
+                f"WARNING: atomic, and the duplicate window is {window} s: a unit sent again "
+                "after its commit's answer was lost (up to 49 s later"
+            )
+            assert (warning in line) is warned, line
+    finally:
+        await server.stop()

@@ -79,3 +79,42 @@ def test_every_partner_gets_the_gap_header_and_an_internal_profile_the_field() -
     mirror = messages["components"]["messages"]["mirror.priced.v1"]["payload"]
     assert mirror["properties"]["skipped"]["items"] == {"type": "string"}
     assert "skipped" not in mirror["required"]
+
+
+ATOMIC = """
+service: shop
+databases: {main: "postgresql://app@db/shop"}
+brokers:
+  events: {type: memory, internal: true}
+  ledger:
+    type: nats
+    atomic: true
+    destination: "ledger.{event_type}"
+    stream: {name: LEDGER, subjects: ["ledger.>"]}
+  billing:
+    type: nats
+    destination: "billing.{event_type}"
+    stream: {name: BILLING, subjects: ["billing.>"]}
+"""
+
+
+def test_an_atomic_partner_is_told_its_units_and_their_batch_headers() -> None:
+    config = parse_config(ATOMIC, env={})
+    catalog = EventCatalog(classes={"priced": {1: Priced}})
+    document = asyncapi_document("shop", "1", partner_messages(config, catalog))
+    servers = document["servers"]
+    ledger = next(s for s in servers.values() if s["title"].startswith("ledger"))
+    billing = next(s for s in servers.values() if s["title"].startswith("billing"))
+    assert (
+        "Atomic: the events one transaction commits for this partner arrive as one unit"
+        in (ledger["description"])
+    )
+    assert "Nats-Batch-Id, at contiguous stream sequences" in ledger["description"]
+    assert "Atomic" not in billing["description"]
+    messages = document["components"]["messages"]
+    headers = messages["ledger.priced.v1"]["headers"]
+    assert {"Nats-Batch-Id", "Nats-Batch-Sequence"} <= set(headers["required"])
+    assert "Nats-Batch-Commit" in headers["properties"]
+    assert "Nats-Batch-Commit" not in headers["required"]  # the last member's only
+    assert "one transaction" in headers["properties"]["Nats-Batch-Id"]["description"]
+    assert "Nats-Batch-Id" not in messages["billing.priced.v1"]["headers"]["properties"]

@@ -97,6 +97,13 @@ def _server(message: PartnerMessage) -> dict[str, Any]:
         server["pathname"] = paths[0]
     server["title"] = f"{message.partner} ({settings.title or settings.type})"
     server["description"] = f"Partner broker {message.partner!r}, {message.profile} envelope."
+    if settings.atomic:
+        server["description"] += (
+            " Atomic: the events one transaction commits for this partner arrive as one unit, "
+            "all or none, together and in order"
+            + (f" ({settings.atomic_unit})" if settings.atomic_unit else "")
+            + "; never across partners."
+        )
     return server
 
 

@@ -204,6 +204,9 @@ def _message(
     headers = tuple(
         Member(header, header in always, header_schema(header, settings, fixed))
         for header in on_wire
+    ) + tuple(
+        Member(header, every, header_schema(header, settings, fixed))
+        for header, every in settings.unit_headers().items()
     )
     bare_properties = settings.native_properties(bare)
     properties = tuple(
