@@ -8,6 +8,7 @@ Run as a user would run the tool::
     python -m tests.chaos.chaos --graceful-stops 10 # and 10 workers stopped with SIGTERM
     python -m tests.chaos.chaos --database mysql    # on MariaDB
     python -m tests.chaos.chaos --wakeup log        # woken by the database's log, which is cut
+    python -m tests.chaos.chaos --ordering hold --poison 5  # 5 keys stopped, then released
 
 What happens:
 
@@ -34,6 +35,13 @@ What happens:
   recent of them are lost, as in a real crash: a repeat whose first copy reached the broker
   in the database's ``commit_window`` before it is explained by it. On MariaDB each of them
   is flushed at commit and the window is empty;
+- with ``--poison N`` (and ``--ordering hold`` or ``park``), N events, each on a stream of its
+  own and spread over the first half of the run, are padded past the stream's
+  ``max_msg_size`` (the run creates the stream with it): JetStream refuses them for good, so
+  their keys stop, held or parked, the events behind them waiting through the disruptions.
+  Once ``router held`` lists them all, the run raises the limit and runs ``router release``
+  for each key, as an operator would (``tests.chaos.poison``): every poison event must then
+  arrive, ahead of the rest of its stream;
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back and checked against the
@@ -43,9 +51,11 @@ It reports committed, delivered, lost, duplicated (and which duplicates were not
 a disruption), per-stream order violations (a first delivery of sequence n after a first
 delivery of a later one), and time: p50/p99/max commit-to-publish delay, the longest stall
 (nothing delivered while something waited) and when, and each worker's start-to-ready time
-from the router's log (``tests.chaos.report``). The stream's duplicate window is kept very
-short so that duplicates show up here instead of being absorbed by JetStream's
-``Nats-Msg-Id`` check.
+from the router's log (``tests.chaos.report``); with poison, the keys seen stopped, the
+releases, and the seconds from the first hold to the last release (the stopped streams'
+events are left out of the delay and stall figures: they wait for the operator by design).
+The stream's duplicate window is kept very short so that duplicates show up here instead of
+being absorbed by JetStream's ``Nats-Msg-Id`` check.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ from router.serve.forkserver import worker_pids
 from tests.chaos.databases import DATABASES, ChaosDatabase, Producer, chaos_database
 from tests.chaos.inbox_consumer import InboxConsumer
 from tests.chaos.ledger import Ledger, check_stream
+from tests.chaos.poison import MAX_MSG_SIZE, PAD, Operator, poison_slots
 from tests.chaos.proxy import DelayingProxy
 from tests.chaos.report import Report, wakeup_changes, worker_starts
 from tests.private_postgres import PrivatePostgres
@@ -83,6 +94,7 @@ from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM, SUBJECT = "CHAOS", "chaos"
+TARGET = "events"  # the broker's name in the run's config
 # How long a dead worker's rows wait when no parent gives them back (a database crash that
 # lost the release): a batch still being published has its lease extended past this.
 LEASE_SECONDS = 10
@@ -102,6 +114,12 @@ class Tick(Event, type="chaos.tick"):
 
     stream: str
     n: int
+
+
+class Poison(Tick, type="chaos.poison"):
+    """A tick padded past the stream's ``max_msg_size`` (``tests.chaos.poison``)."""
+
+    pad: str
 
 
 # database_restarts: how many crashes; broker_kill: the NATS server gets SIGKILL (a crash, no
@@ -145,7 +163,12 @@ class Chaos:
         postgres: PrivatePostgres | None = None,
         wakeup: str = "auto",
         ordering: str = "skip",
+        poison: int = 0,
     ) -> None:
+        if poison and ordering == "skip":
+            raise ValueError("poison stops keys only with ordering hold or park")
+        if poison > streams:
+            raise ValueError("each poison event takes a stream of its own")
         self.size = size
         self.events = events
         self.streams = [f"s{i:04d}" for i in range(streams)]
@@ -166,6 +189,7 @@ class Chaos:
         self.report.wakeup = wakeup
         self.ordering = ordering
         self.report.ordering = ordering
+        self.poison = self.report.poison = poison
         self._log_cuts: list[tuple[float, int]] = []  # (time.time(), connections cut)
         self.db: ChaosDatabase = chaos_database(database, folder, postgres, log=wakeup == "log")
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
@@ -195,9 +219,12 @@ class Chaos:
             self._started_at = time.time()
             producers = asyncio.create_task(self._produce())
             chaos = asyncio.create_task(self._disrupt(producers))
+            operator = asyncio.create_task(self._operate()) if self.poison else None
             await producers
             self._producing = False
             await chaos
+            if operator is not None:
+                await operator
             await asyncio.gather(*self._watchers)
             await self._drain()
             await check_stream(
@@ -231,7 +258,7 @@ class Chaos:
             "service": "chaos",
             "databases": {"main": {"url": self.db.url, "wakeup": self.wakeup}},
             "brokers": {
-                "events": {
+                TARGET: {
                     "type": "nats",
                     "internal": True,
                     "url": router_nats,
@@ -267,8 +294,9 @@ class Chaos:
         )
         if result.returncode != 0:
             raise RuntimeError(f"init-db failed: {result.stdout}{result.stderr}")
-        if self.consumer is not None:
+        if self.consumer is not None or self.poison:
             await self._create_stream()
+        if self.consumer is not None:
             await self.consumer.start()
 
     def _start_router(self) -> None:
@@ -314,11 +342,15 @@ class Chaos:
         return worker_pids(self.router.pid)  # not its fork server, which is a child too
 
     async def _create_stream(self) -> None:
-        """Create the stream as the router would, so the consumer can attach first."""
+        """Create the stream as the router would, so the consumer can attach first, and with
+        poison its ``max_msg_size``, which the router's stream settings do not set."""
         client = await nats.connect(self.nats_url)
         try:
             await client.jetstream().add_stream(
-                name=STREAM, subjects=[SUBJECT + ".>"], duplicate_window=0.1
+                name=STREAM,
+                subjects=[SUBJECT + ".>"],
+                duplicate_window=0.1,
+                max_msg_size=MAX_MSG_SIZE if self.poison else None,
             )
         finally:
             await client.close()
@@ -343,29 +375,35 @@ class Chaos:
         outbox = Outbox(load_config(self.folder / "config.yaml"))
         producers = 8
         interval = producers / self.rate
+        shares = _shares(self.events, producers)
+        slots = poison_slots(self.poison, shares)
         await asyncio.gather(
             *(
-                self._producer(outbox, self.streams[p::producers], share, interval)
-                for p, share in enumerate(_shares(self.events, producers))
+                self._producer(outbox, self.streams[p::producers], share, interval, slots[p])
+                for p, share in enumerate(shares)
             )
         )
         self.report.committed = len(self.ledger.commits)
 
     async def _producer(
-        self, outbox: Outbox, streams: list[str], count: int, interval: float
+        self, outbox: Outbox, streams: list[str], count: int, interval: float, poison: set[int]
     ) -> None:
+        """Commit ``count`` events over ``streams``; those at the indexes in ``poison`` are
+        poison, each on a stream no other poison event is on."""
         counters = dict.fromkeys(streams, 0)
         conn: Producer | None = None
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         done = 0
         while done < count:
-            stream = self.random.choice(streams)
+            poisoned = done in poison
+            clean = [s for s in streams if s not in self.ledger.stopped]
+            stream = self.random.choice(clean if poisoned else streams)
             n = counters[stream] + 1
             try:
                 if conn is None:
                     conn = await self.db.producer()
-                committed = await self._commit(outbox, conn, stream, n)
+                committed = await self._commit(outbox, conn, stream, n, poisoned)
             except Exception:  # the database is restarting: reconnect and retry this event
                 if conn is not None:
                     await conn.abort()
@@ -380,12 +418,16 @@ class Chaos:
         if conn is not None:
             await conn.close()
 
-    async def _commit(self, outbox: Outbox, conn: Producer, stream: str, n: int) -> bool:
-        """Commit one event; when the outcome is unknown, look it up before going on."""
+    async def _commit(
+        self, outbox: Outbox, conn: Producer, stream: str, n: int, poisoned: bool = False
+    ) -> bool:
+        """Commit one event (a poison one if ``poisoned``); when the outcome is unknown, look
+        it up before going on."""
         message_id = ""
+        event = Poison(stream=stream, n=n, pad="x" * PAD) if poisoned else Tick(stream=stream, n=n)
         try:
             async with conn.transaction() as tx:
-                [message_id] = await outbox.stage(tx, Tick(stream=stream, n=n), stream_key=stream)
+                [message_id] = await outbox.stage(tx, event, stream_key=stream)
         except Exception as exc:
             if not message_id:
                 raise
@@ -394,6 +436,8 @@ class Chaos:
             if not await self._exists(message_id):
                 raise exc from None
         self.ledger.commits[message_id] = (stream, n, time.time())
+        if poisoned:
+            self.ledger.stopped.add(stream)
         return True
 
     async def _exists(self, message_id: str) -> bool:
@@ -595,6 +639,19 @@ class Chaos:
             except self.db.away:
                 await asyncio.sleep(0.2)
 
+    # -- the operator ------------------------------------------------------------------------
+
+    async def _operate(self) -> None:
+        """Once every poison event is committed, release their keys as an operator would."""
+        while len(self.ledger.stopped) < self.poison:
+            await asyncio.sleep(0.2)
+        operator = Operator(_router(), self.folder, self.nats_url, STREAM, TARGET, self.report)
+        await operator.run(set(self.ledger.stopped))
+        # On the timeline with the disruptions, so it shows which ones the keys waited through.
+        self._disrupted_at(f"{self.report.releases} keys released")
+        first = round(operator.first_hold - self._started_at, 3)
+        self.report.disruptions = sorted([*self.report.disruptions, (first, "first key stopped")])
+
     # -- results ------------------------------------------------------------------------------
 
     async def _drain(self, timeout: float = 120.0) -> None:
@@ -622,7 +679,8 @@ async def run_chaos(
     'mysql') in ``folder``; ``postgres=`` a private server to use (else the run starts one;
     with ``wakeup="log"`` it must have wal_level = logical), ``wakeup=`` the database's
     ``wakeup:`` setting (``WAKEUPS``; default auto, whatever the server allows), ``ordering=``
-    the broker's ``ordering:`` (default skip)."""
+    the broker's ``ordering:`` (default skip), ``poison=`` how many events the stream refuses
+    until the run releases their keys (``tests.chaos.poison``; hold or park only)."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
 
@@ -648,6 +706,13 @@ def main() -> None:
         choices=("skip", "hold", "park"),
         default="skip",
         help="the broker's ordering: what a stream does when its head is refused for good",
+    )
+    parser.add_argument(
+        "--poison",
+        type=int,
+        default=0,
+        help="this many events refused for good (over max_msg_size) until the run raises the "
+        "limit and releases their keys (with --ordering hold or park)",
     )
     parser.add_argument("--events", type=int)
     parser.add_argument("--streams", type=int)
@@ -677,6 +742,8 @@ def main() -> None:
         help="where to write the report (default bench/results/chaos-SIZE.json)",
     )
     args = parser.parse_args()
+    if args.poison and args.ordering == "skip":
+        parser.error("--poison stops keys only with --ordering hold or park")
     folder = Path(tempfile.mkdtemp(prefix="router-chaos-"))
     report = asyncio.run(
         run_chaos(
@@ -693,6 +760,7 @@ def main() -> None:
             ack_delay=args.ack_delay if args.ack_delay is not None else (0.3 if args.inbox else 0),
             wakeup=args.wakeup,
             ordering=args.ordering,
+            poison=args.poison,
         )
     )
     if report.passed:
@@ -705,6 +773,7 @@ def main() -> None:
     name += "" if args.database == "postgresql" else f"-{args.database}"
     name += "" if args.wakeup == "auto" else f"-{args.wakeup}"
     name += "" if args.ordering == "skip" else f"-{args.ordering}"
+    name += f"-poison{args.poison}" if args.poison else ""
     target = args.json or ROOT / "bench" / "results" / f"{name}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(

@@ -2,9 +2,10 @@
 
 The run (``tests.chaos.chaos``) writes the ledger: each committed id with its stream, sequence
 number and commit time, the ids in flight at each disruption, and the windows in which a
-database crash may have forgotten the router's bookkeeping. ``check_stream`` then reads every
-message stored in the stream and fills the report: lost, repeats (explained or not), order
-violations, and the time figures of ``tests.chaos.report``.
+database crash may have forgotten the router's bookkeeping, and the streams a poison event
+stopped. ``check_stream`` then reads every message stored in the stream and fills the report:
+lost, repeats (explained or not), order violations, and the time figures of
+``tests.chaos.report`` (those of delay and stall over the streams that were not stopped).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import nats
 from nats.js.api import DeliverPolicy
 
-from tests.chaos.report import Report, longest_stall
+from tests.chaos.report import Report, delay_figures, longest_stall
 
 __all__ = ["Ledger", "check_stream"]
 
@@ -35,6 +36,9 @@ class Ledger:
     crash_windows: list[tuple[float, float]] = field(default_factory=list)
     """(from, to) epoch seconds: the commit window before each database crash, to the end
     of its recovery."""
+    stopped: set[str] = field(default_factory=set)
+    """Streams with a poison event: the target's ordering stops them until an operator
+    releases them, so their events' delays are the operator's, not the relay's."""
 
     def explained(self, message_id: str, first_stored: float | None) -> bool:
         """A repeat is explained when its row was in flight at a disruption, or when its first
@@ -124,9 +128,17 @@ def _sum_up(reading: _Reading, read_at: float, started_at: float) -> None:
     report.duplicates_after_graceful_stop = len(reading.after_graceful)
     report.order_violations = len(report.violations)
     report.violations = report.violations[:20]
-    commits = {i: committed for i, (_, _, committed) in commits_by_id.items()}
+    # The stopped streams' events wait for the operator by design: figured apart.
+    stopped = reading.ledger.stopped
+    commits = {i: at for i, (stream, _, at) in commits_by_id.items() if stream not in stopped}
+    waited = {i: at for i, (stream, _, at) in commits_by_id.items() if stream in stopped}
     first_stored = reading.first_stored
     report.set_delays(stored - commits[i] for i, stored in first_stored.items() if i in commits)
+    report.stopped_events = len(waited)
+    report.stopped_max_delay_seconds = delay_figures(
+        stored - waited[i] for i, stored in first_stored.items() if i in waited
+    ).max
+    # Their deliveries still count as the relay delivering, and end a stall.
     stall = longest_stall(commits, first_stored, end=read_at)
     report.longest_stall_seconds = round(stall.seconds, 3)
     if stall.seconds:

@@ -233,6 +233,24 @@ class Report:
     """The database's ``wakeup:`` setting."""
     ordering: str = "skip"
     """The broker's ``ordering:`` setting."""
+    poison: int = 0
+    """Events padded past the stream's ``max_msg_size``, each on a stream of its own: refused
+    for good until the run, as an operator, raises the limit and releases their keys."""
+    keys_stopped: int = 0
+    """The most stream keys ``router held`` listed at once on the target."""
+    stopped_as: list[str] = field(default_factory=list)
+    """The statuses of their heads, as listed: ``held`` or ``parked``."""
+    rows_behind: int = 0
+    """The most rows ``router held`` counted waiting behind those heads at once."""
+    releases: int = 0
+    """``router release`` runs that let a key go."""
+    hold_to_release_seconds: float = 0.0
+    """From the first head given up on (its ``since``) to the last release done."""
+    stopped_events: int = 0
+    """Committed events of the poisoned streams: they wait for the operator by design, so the
+    delay and stall figures leave them out."""
+    stopped_max_delay_seconds: float = 0.0
+    """The longest commit-to-publish delay among those events: mostly the operator's wait."""
     wake_first: str = ""
     """The wake-up mechanism the router's log names first."""
     wake_cuts: int = 0
@@ -268,9 +286,10 @@ class Report:
     @property
     def passed(self) -> bool:
         """0 lost, 0 order violations, every duplicate explained by a disruption (a graceful
-        stop explains none); with the inbox, one effect per committed event however often it
+        stop explains none); with poison, every poisoned key seen stopped; with the inbox, one effect per committed event however often it
         was delivered."""
         relay = self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
+        relay = relay and self.keys_stopped == self.poison
         consumer = not self.inbox or (
             self.duplicate_effects == 0 and self.effects == self.committed
         )
@@ -336,9 +355,10 @@ class Report:
             ("partitions (path to the broker silent)", self.partitions),
             ("database restarts", self.database_restarts),
             (f"wake-up (wakeup: {self.wakeup}), first used", self.wake_first or "-"),
-            ("ordering", self.ordering),
             ("  log sessions started / fallbacks", self._wake_changes()),
             ("  log connections cut (recovered)", self._wake_cuts()),
+            ("ordering", self.ordering),
+            *self._poison_rows(),
             ("producer retries (unknown commit)", self.producer_retries),
             ("workers started / ready", f"{self.workers_started} / {self.workers_ready}"),
             ("  never ready (killed first)", self._never_ready()),
@@ -366,6 +386,22 @@ class Report:
         if near:
             text += ": " + ", ".join(f"{what} at {at:.1f}" for at, what in near)
         return text
+
+    def _poison_rows(self) -> list[tuple[str, object]]:
+        if not self.poison:
+            return []
+        return [
+            ("  poison events (past max_msg_size)", self.poison),
+            ("  keys stopped at once (as)", f"{self.keys_stopped} ({', '.join(self.stopped_as)})"),
+            ("  rows waiting behind them", self.rows_behind),
+            ("  released (router release)", self.releases),
+            ("  first hold to last release (s)", f"{self.hold_to_release_seconds:.3f}"),
+            ("  their streams' events (max delay)", self._stopped_events()),
+        ]
+
+    def _stopped_events(self) -> str:
+        left_out = "left out of the delays and stall above"
+        return f"{self.stopped_events} ({self.stopped_max_delay_seconds:.3f} s), {left_out}"
 
     def _wake_changes(self) -> str:
         return f"{self.wake_log_starts} / {self.wake_fallbacks}"

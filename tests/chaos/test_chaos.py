@@ -13,6 +13,9 @@ from tests.chaos.report import Report
 from tests.private_postgres import PrivatePostgres
 from tests.services import require_programs
 
+# Poison events per run: each stops a key of its own (200 streams) until the run releases it.
+POISON = 5
+
 
 @pytest.mark.parametrize("database", ["postgresql", "mysql"])
 async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
@@ -28,17 +31,36 @@ async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
     # A few graceful stops cost the run no time (it is paced by the producers); on PostgreSQL
     # only, so the MariaDB run stays what it was. The two runs keep streams in order the two
     # ways that stop a key (#41): hold on PostgreSQL, park on MariaDB; the log runs below use
-    # the default, skip. Nothing is refused for good here, so no key is stopped: the runs show
-    # that the claims and marks of those modes lose nothing and keep order under the run's
-    # disruptions.
+    # the default, skip. POISON events, each on a stream of its own in the run's first half,
+    # are too large for the stream, so their keys do stop, through the disruptions, until the
+    # run raises the limit and releases them as an operator would: each must then arrive,
+    # ahead of the rest of its stream, with nothing lost or out of order.
     graceful = 3 if database == "postgresql" else 0
     ordering = "hold" if database == "postgresql" else "park"
     report = await run_chaos(
-        "small", tmp_path, database, graceful_stops=graceful, postgres=postgres, ordering=ordering
+        "small",
+        tmp_path,
+        database,
+        graceful_stops=graceful,
+        postgres=postgres,
+        ordering=ordering,
+        poison=POISON,
     )
     assert report.ordering == ordering
     (tmp_path / f"chaos-small-{database}.json").write_text(json.dumps(report.to_json(), indent=2))
     print(report.table())
+    # Every poisoned key was seen stopped the mode's way, no other key was, and each was let go.
+    assert report.poison == POISON
+    assert report.keys_stopped == POISON, report.table()
+    assert report.stopped_as == ["held" if ordering == "hold" else "parked"]
+    assert report.releases == POISON
+    assert report.hold_to_release_seconds > 0
+    assert report.stopped_events >= POISON
+    # And they stayed stopped through disruptions: the broker restart (at 0.35 of the run,
+    # between the first poison event, near 0.05, and the last, near 0.45) and worker kills.
+    waited_through = disruptions_while_stopped(report)
+    assert "broker stop" in waited_through, report.disruptions
+    assert "worker kill" in waited_through, report.disruptions
     assert_small_run_passed(report, graceful)
 
 
@@ -89,6 +111,13 @@ def assert_small_run_passed(report: Report, graceful: int) -> None:
     assert_delays_are_bounded(report)
 
 
+def disruptions_while_stopped(report: Report) -> set[str]:
+    """What the run did between its first key stopped and its keys released."""
+    [start] = [at for at, what in report.disruptions if what == "first key stopped"]
+    [end] = [at for at, what in report.disruptions if what.endswith("keys released")]
+    return {what for at, what in report.disruptions if start < at < end}
+
+
 # Upper bounds on the small run's delays, from the recorded runs on the shared 2-vCPU machine
 # (bench/results/chaos-small-graceful.json, chaos-harsh.json, chaos-full.json): p99 0.37-0.85 s,
 # max 1.73-1.99 s, longest stall 0.97-1.56 s, through worker SIGKILLs, a NATS restart and
@@ -101,7 +130,10 @@ STALL_LIMIT = 10.0
 
 
 def assert_delays_are_bounded(report: Report) -> None:
-    """Commit to publish stays within the bounds above, and no stall outlasts STALL_LIMIT."""
+    """Commit to publish stays within the bounds above, and no stall outlasts STALL_LIMIT.
+
+    With poison, the report's delay and stall figures leave out every event of a poisoned
+    stream (``report.stopped_events``): those wait for the run's operator by design."""
     assert report.p99_delay_seconds <= P99_DELAY_LIMIT, report.table()
     assert report.max_delay_seconds <= MAX_DELAY_LIMIT, report.table()
     assert report.longest_stall_seconds <= STALL_LIMIT, (
