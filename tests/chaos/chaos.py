@@ -9,6 +9,7 @@ Run as a user would run the tool::
     python -m tests.chaos.chaos --database mysql    # on MariaDB
     python -m tests.chaos.chaos --wakeup log        # woken by the database's log, which is cut
     python -m tests.chaos.chaos --ordering hold --poison 5  # 5 keys stopped, then released
+    python -m tests.chaos.chaos --atomic            # transactions of 3 events, as one unit
 
 What happens:
 
@@ -42,6 +43,10 @@ What happens:
   Once ``router held`` lists them all, the run raises the limit and runs ``router release``
   for each key, as an operator would (``tests.chaos.poison``): every poison event must then
   arrive, ahead of the rest of its stream;
+- with ``--atomic``, the broker has ``atomic: true`` and each producer transaction commits
+  three events, each on a stream of its own: every stored copy of a member must be in an
+  atomic batch that holds exactly its transaction, at contiguous stream sequences (no
+  consumer ever sees a transaction in part), whatever the disruption;
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back and checked against the
@@ -53,8 +58,8 @@ delivery of a later one), and time: p50/p99/max commit-to-publish delay, the lon
 (nothing delivered while something waited) and when, and each worker's start-to-ready time
 from the router's log (``tests.chaos.report``); with poison, the keys seen stopped, the
 releases, and the seconds from the first hold to the last release (the stopped streams'
-events are left out of the delay and stall figures: they wait for the operator by design).
-The stream's duplicate window is kept very short so that duplicates show up here instead of
+events are left out of the delay and stall figures: they wait for the operator by design);
+with atomic, the transactions of several events and those seen in part. The stream's duplicate window is kept very short so that duplicates show up here instead of
 being absorbed by JetStream's ``Nats-Msg-Id`` check.
 """
 
@@ -107,6 +112,8 @@ LOG_CUTS = (0.2, 0.5)
 # How long a cut waits for the followers to be connected (one may be reconnecting).
 LOG_CUT_WAIT = 10.0
 WAKEUPS = ("auto", "log", "notify", "poll")
+# With atomic, the events one producer transaction commits, each on a stream of its own.
+UNIT = 3
 
 
 class Tick(Event, type="chaos.tick"):
@@ -164,7 +171,10 @@ class Chaos:
         wakeup: str = "auto",
         ordering: str = "skip",
         poison: int = 0,
+        atomic: bool = False,
     ) -> None:
+        if poison and atomic:
+            raise ValueError("poison events go one per transaction: not with atomic")
         if poison and ordering == "skip":
             raise ValueError("poison stops keys only with ordering hold or park")
         if poison > streams:
@@ -190,6 +200,7 @@ class Chaos:
         self.ordering = ordering
         self.report.ordering = ordering
         self.poison = self.report.poison = poison
+        self.atomic = self.report.atomic = atomic
         self._log_cuts: list[tuple[float, int]] = []  # (time.time(), connections cut)
         self.db: ChaosDatabase = chaos_database(database, folder, postgres, log=wakeup == "log")
         self.nats_url = f"nats://127.0.0.1:{free_port()}"
@@ -264,6 +275,7 @@ class Chaos:
                     "url": router_nats,
                     "destination": SUBJECT + ".{event_type}",
                     "ordering": self.ordering,
+                    "atomic": self.atomic,
                     "connect_timeout": 2,
                     "publish_timeout": 5,
                     "stream": {
@@ -351,6 +363,7 @@ class Chaos:
                 subjects=[SUBJECT + ".>"],
                 duplicate_window=0.1,
                 max_msg_size=MAX_MSG_SIZE if self.poison else None,
+                allow_atomic=self.atomic or None,
             )
         finally:
             await client.close()
@@ -398,12 +411,14 @@ class Chaos:
         while done < count:
             poisoned = done in poison
             clean = [s for s in streams if s not in self.ledger.stopped]
-            stream = self.random.choice(clean if poisoned else streams)
-            n = counters[stream] + 1
+            # With atomic, a transaction of UNIT events, each on a stream of its own.
+            size = min(UNIT, count - done, len(streams)) if self.atomic else 1
+            chosen = self.random.sample(clean if poisoned else streams, size)
+            ticks = [(stream, counters[stream] + 1) for stream in chosen]
             try:
                 if conn is None:
                     conn = await self.db.producer()
-                committed = await self._commit(outbox, conn, stream, n, poisoned)
+                committed = await self._commit(outbox, conn, ticks, poisoned)
             except Exception:  # the database is restarting: reconnect and retry this event
                 if conn is not None:
                     await conn.abort()
@@ -411,33 +426,45 @@ class Chaos:
                 await asyncio.sleep(0.2)
                 continue
             if committed:
-                counters[stream] = n
-                done += 1
-            next_at += interval
+                counters.update(ticks)
+                done += len(ticks)
+            next_at += interval * len(ticks)
             await asyncio.sleep(max(0.0, next_at - loop.time()))
         if conn is not None:
             await conn.close()
 
     async def _commit(
-        self, outbox: Outbox, conn: Producer, stream: str, n: int, poisoned: bool = False
+        self,
+        outbox: Outbox,
+        conn: Producer,
+        ticks: list[tuple[str, int]],
+        poisoned: bool = False,
     ) -> bool:
-        """Commit one event (a poison one if ``poisoned``); when the outcome is unknown, look
-        it up before going on."""
-        message_id = ""
-        event = Poison(stream=stream, n=n, pad="x" * PAD) if poisoned else Tick(stream=stream, n=n)
+        """Commit one transaction of ``ticks`` (stream, n) (one poison event if
+        ``poisoned``); when the outcome is unknown, look it up before going on."""
+        ids: list[str] = []
+        events = [
+            Poison(stream=stream, n=n, pad="x" * PAD) if poisoned else Tick(stream=stream, n=n)
+            for stream, n in ticks
+        ]
         try:
             async with conn.transaction() as tx:
-                [message_id] = await outbox.stage(tx, event, stream_key=stream)
+                ids = await outbox.stage(tx, *events, stream_keys=[s for s, _ in ticks])
         except Exception as exc:
-            if not message_id:
+            if not ids:
                 raise
             # The COMMIT was sent but its answer lost: did it happen?
             self.report.producer_retries += 1
-            if not await self._exists(message_id):
+            if not await self._exists(ids[0]):
                 raise exc from None
-        self.ledger.commits[message_id] = (stream, n, time.time())
+        now = time.time()
+        members = frozenset(ids)
+        for message_id, (stream, n) in zip(ids, ticks, strict=True):
+            self.ledger.commits[message_id] = (stream, n, now)
+            if self.atomic:
+                self.ledger.units[message_id] = members
         if poisoned:
-            self.ledger.stopped.add(stream)
+            self.ledger.stopped.update(s for s, _ in ticks)
         return True
 
     async def _exists(self, message_id: str) -> bool:
@@ -680,7 +707,8 @@ async def run_chaos(
     with ``wakeup="log"`` it must have wal_level = logical), ``wakeup=`` the database's
     ``wakeup:`` setting (``WAKEUPS``; default auto, whatever the server allows), ``ordering=``
     the broker's ``ordering:`` (default skip), ``poison=`` how many events the stream refuses
-    until the run releases their keys (``tests.chaos.poison``; hold or park only)."""
+    until the run releases their keys (``tests.chaos.poison``; hold or park only), ``atomic=``
+    the broker's ``atomic:``, with transactions of ``UNIT`` events."""
     settings = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return await Chaos(size, folder=folder, database=database, **settings).run()
 
@@ -713,6 +741,12 @@ def main() -> None:
         default=0,
         help="this many events refused for good (over max_msg_size) until the run raises the "
         "limit and releases their keys (with --ordering hold or park)",
+    )
+    parser.add_argument(
+        "--atomic",
+        action="store_true",
+        help=f"atomic: true on the broker, and each producer transaction {UNIT} events on "
+        "streams of their own: no transaction may reach the stream in part",
     )
     parser.add_argument("--events", type=int)
     parser.add_argument("--streams", type=int)
@@ -761,6 +795,7 @@ def main() -> None:
             wakeup=args.wakeup,
             ordering=args.ordering,
             poison=args.poison,
+            atomic=args.atomic or None,
         )
     )
     if report.passed:

@@ -22,7 +22,7 @@ from nats.js.api import DeliverPolicy
 
 from tests.chaos.report import Report, delay_figures, longest_stall
 
-__all__ = ["Ledger", "check_stream"]
+__all__ = ["Ledger", "check_stream", "units_in_part"]
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Ledger:
     stopped: set[str] = field(default_factory=set)
     """Streams with a poison event: the target's ordering stops them until an operator
     releases them, so their events' delays are the operator's, not the relay's."""
+    units: dict[str, frozenset[str]] = field(default_factory=dict)
+    """With ``atomic``: each committed id, with every id its transaction committed."""
 
     def explained(self, message_id: str, first_stored: float | None) -> bool:
         """A repeat is explained when its row was in flight at a disruption, or when its first
@@ -60,9 +62,25 @@ class _Reading:
     first_stored: dict[str, float] = field(default_factory=dict)
     highest: dict[str, int] = field(default_factory=dict)
     after_graceful: set[str] = field(default_factory=set)
+    batches: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    """Atomic batches as stored: (stream sequence, message id) by ``Nats-Batch-Id``."""
+    unbatched: list[str] = field(default_factory=list)
+    """Ids of several-event transactions stored outside any batch."""
 
-    def record(self, message_id: str, stored: datetime | None, data: bytes) -> None:
-        """Count a repeat, or note a first copy: when it was stored, and its stream's order."""
+    def record(
+        self,
+        message_id: str,
+        stored: datetime | None,
+        data: bytes,
+        sequence: int = 0,
+        batch: str | None = None,
+    ) -> None:
+        """Count a repeat, or note a first copy: when it was stored, and its stream's order;
+        every copy's batch (``Nats-Batch-Id``) and stream sequence."""
+        if batch is not None:
+            self.batches.setdefault(batch, []).append((sequence, message_id))
+        elif len(self.ledger.units.get(message_id, ())) > 1:
+            self.unbatched.append(message_id)
         if message_id in self.seen:
             self.report.duplicated += 1
             if not self.ledger.explained(message_id, self.first_stored.get(message_id)):
@@ -102,6 +120,8 @@ async def check_stream(
                 msg.headers["Nats-Msg-Id"],
                 stored if isinstance(stored, datetime) else None,
                 msg.data,
+                msg.metadata.sequence.stream,
+                msg.headers.get("Nats-Batch-Id"),
             )
             if count >= total:
                 done.set()
@@ -117,9 +137,34 @@ async def check_stream(
     _sum_up(reading, read_at, started_at)
 
 
+def units_in_part(
+    units: dict[str, frozenset[str]],
+    batches: dict[str, list[tuple[int, str]]],
+    unbatched: list[str],
+) -> list[str]:
+    """The transactions (each named by its first id) some copy of which a consumer could see
+    without the rest: a batch that holds another set of ids than one whole transaction, or
+    whose sequences are not contiguous, and a member of a transaction of several stored
+    outside any batch."""
+    found: dict[str, None] = {}
+    for members in batches.values():
+        members.sort()
+        ids = frozenset(message_id for _, message_id in members)
+        whole = units.get(members[0][1]) == ids and len(ids) == len(members)
+        contiguous = members[-1][0] - members[0][0] == len(members) - 1
+        if not (whole and contiguous):
+            found.update(dict.fromkeys(min(units.get(i, {i})) for i in ids))
+    found.update(dict.fromkeys(min(units[i]) for i in unbatched))
+    return list(found)
+
+
 def _sum_up(reading: _Reading, read_at: float, started_at: float) -> None:
     """The counts, and the time figures from commit and first-stored times."""
     report, commits_by_id = reading.report, reading.ledger.commits
+    units = reading.ledger.units
+    report.units = len({members for members in units.values() if len(members) > 1})
+    in_part = units_in_part(units, reading.batches, reading.unbatched)
+    report.units_in_part, report.units_in_part_ids = len(in_part), in_part[:20]
     lost = [i for i in commits_by_id if i not in reading.seen]
     report.delivered = len(reading.seen & set(commits_by_id))
     report.lost, report.lost_ids = len(lost), lost[:20]

@@ -251,6 +251,14 @@ class Report:
     delay and stall figures leave them out."""
     stopped_max_delay_seconds: float = 0.0
     """The longest commit-to-publish delay among those events: mostly the operator's wait."""
+    atomic: bool = False
+    """The broker's ``atomic:`` setting: each producer transaction commits several events."""
+    units: int = 0
+    """Transactions of several events committed (with ``atomic``)."""
+    units_in_part: int = 0
+    """Of those, the ones a consumer could see in part: some copy of a member stored without
+    the rest of its transaction at contiguous sequences in one batch (``units_in_part``)."""
+    units_in_part_ids: list[str] = field(default_factory=list)
     wake_first: str = ""
     """The wake-up mechanism the router's log names first."""
     wake_cuts: int = 0
@@ -286,10 +294,11 @@ class Report:
     @property
     def passed(self) -> bool:
         """0 lost, 0 order violations, every duplicate explained by a disruption (a graceful
-        stop explains none); with poison, every poisoned key seen stopped; with the inbox, one effect per committed event however often it
-        was delivered."""
+        stop explains none); with poison, every poisoned key seen stopped; with atomic, no
+        transaction seen in part; with the inbox, one effect per committed event however often
+        it was delivered."""
         relay = self.lost == 0 and self.order_violations == 0 and self.duplicates_not_in_flight == 0
-        relay = relay and self.keys_stopped == self.poison
+        relay = relay and self.keys_stopped == self.poison and self.units_in_part == 0
         consumer = not self.inbox or (
             self.duplicate_effects == 0 and self.effects == self.committed
         )
@@ -359,6 +368,7 @@ class Report:
             ("  log connections cut (recovered)", self._wake_cuts()),
             ("ordering", self.ordering),
             *self._poison_rows(),
+            *self._unit_rows(),
             ("producer retries (unknown commit)", self.producer_retries),
             ("workers started / ready", f"{self.workers_started} / {self.workers_ready}"),
             ("  never ready (killed first)", self._never_ready()),
@@ -386,6 +396,14 @@ class Report:
         if near:
             text += ": " + ", ".join(f"{what} at {at:.1f}" for at, what in near)
         return text
+
+    def _unit_rows(self) -> list[tuple[str, object]]:
+        if not self.atomic:
+            return []
+        return [
+            ("atomic: transactions of several events", self.units),
+            ("  of them seen in part by a consumer", self.units_in_part),
+        ]
 
     def _poison_rows(self) -> list[tuple[str, object]]:
         if not self.poison:

@@ -93,6 +93,20 @@ async def test_small_chaos_run_on_the_log_wake_up_survives_cut_log_connections(
     assert report.wake_fallbacks >= report.wake_connections_cut
 
 
+async def test_small_chaos_run_with_atomic_units_never_stores_a_transaction_in_part(
+    tmp_path: Path, private_postgres: PrivatePostgres
+) -> None:
+    # atomic: true on the NATS target (the embedded nats-server, with atomic batches), each
+    # producer transaction three events on three streams: every disruption of the small run,
+    # and no copy of any member may reach the stream without the rest of its transaction.
+    report = await run_chaos("small", tmp_path, postgres=private_postgres, atomic=True)
+    (tmp_path / "chaos-small-atomic.json").write_text(json.dumps(report.to_json(), indent=2))
+    print(report.table())
+    assert_small_run_passed(report, graceful=0)
+    assert report.units >= report.committed // 3 - 8  # a producer's last may be shorter
+    assert report.units_in_part == 0, report.units_in_part_ids
+
+
 def assert_small_run_passed(report: Report, graceful: int) -> None:
     """What every small run must show: each disruption happened, and 0 lost, 0 out of
     order, every duplicate explained."""

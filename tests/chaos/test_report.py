@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from tests.chaos.ledger import units_in_part
 from tests.chaos.report import (
     Report,
     Stall,
@@ -159,3 +160,21 @@ def test_the_table_and_json_carry_the_time_figures() -> None:
     assert document["duplicates_per_kill"] == 1.5
     assert document["p50_delay_seconds"] == 0.2
     assert json.loads(json.dumps(document))["graceful_stops"] == 2
+
+
+def test_a_transaction_is_seen_in_part_unless_each_copy_is_one_whole_contiguous_batch() -> None:
+    one, two = frozenset({"a", "b", "c"}), frozenset({"d", "e"})
+    units = dict.fromkeys(one, one) | dict.fromkeys(two, two)
+    whole = {"x": [(3, "b"), (2, "a"), (4, "c")], "y": [(5, "d"), (6, "e")]}
+    assert units_in_part(units, whole, []) == []
+    # Stored again, whole, in a batch of its own later: still never seen in part.
+    assert units_in_part(units, {**whole, "z": [(9, "d"), (10, "e")]}, []) == []
+    # A batch short of a member, one with a gap in its sequences, a member outside any batch.
+    assert units_in_part(units, {"x": [(2, "a"), (3, "b")]}, []) == ["a"]
+    assert units_in_part(units, {"x": [(2, "a"), (3, "b"), (5, "c")]}, []) == ["a"]
+    assert units_in_part(units, whole, ["e"]) == ["d"]
+    # Two transactions in one batch: both seen in part of something else.
+    assert sorted(units_in_part(units, {"x": [(1, "a"), (2, "b"), (3, "c"), (4, "d")]}, [])) == [
+        "a",
+        "d",
+    ]
