@@ -8,6 +8,8 @@ the duplicates at-least-once delivery allows, which the inbox must absorb.
 ``DelayingProxy.hold()`` stops forwarding in both directions while connections stay open (a gray
 partition); ``stop()`` then drops what was held with the connections, as a host that dies
 takes what it had not sent yet with it (the failover test's replication link).
+``DelayingProxy.mute()`` drops what the server sends back from then on, while the client's
+requests still reach it: answers lost on the way (a PubAck never seen for a message stored).
 
 ``GrayProxy`` cuts one host off: its connections stay open and pass nothing (a gray
 partition), while other hosts' connections through the same proxy go on.
@@ -88,6 +90,7 @@ class DelayingProxy(_Proxy):
         self.delay = delay
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._muted = False
 
     def hold(self) -> None:
         """Keep what either side sends, unsent, until ``release()`` (or ``stop()`` drops it)."""
@@ -96,6 +99,10 @@ class DelayingProxy(_Proxy):
     def release(self) -> None:
         """Send what was held, and go on forwarding."""
         self._flowing.set()
+
+    def mute(self) -> None:
+        """Drop what the server sends from now on; the client's bytes still go through."""
+        self._muted = True
 
     async def _pipe(
         self,
@@ -115,6 +122,8 @@ class DelayingProxy(_Proxy):
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await self._flowing.wait()
+                if to_client and self._muted:
+                    continue
                 writer.write(data)
                 await writer.drain()
 
