@@ -112,19 +112,24 @@ async def produce(
     total: int,
     rate: float,
     committed: dict[str, float],
+    size: int = 1,
 ) -> None:
-    """One of the producers: every ``producers``-th event, on its own connection, on schedule."""
+    """One of the producers: every ``producers``-th of ``total`` transactions of ``size``
+    events (one stream key each), on its own connection, on schedule for ``rate`` events/s;
+    notes when each event's transaction committed."""
     conn = await asyncpg.connect(url)
     loop = asyncio.get_running_loop()
     start = loop.time()
     try:
-        for i in range(index, total, producers):
-            delay = start + i / rate - loop.time()
+        for t in range(index, total, producers):
+            delay = start + t * size / rate - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             async with conn.transaction():
-                [message_id] = await outbox.stage(conn, order(i), stream_key=f"order-{i}")
-            committed[message_id] = time.time()
+                ids = await outbox.stage(
+                    conn, *(order(t * size + i) for i in range(size)), stream_key=f"order-{t}"
+                )
+            committed.update(dict.fromkeys(ids, time.time()))
     finally:
         await conn.close()
 

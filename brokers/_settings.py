@@ -30,6 +30,7 @@ from envelopes import (
     PARTNER_FIELDS,
     ConfigError,
     Exposure,
+    HeaderName,
     Profile,
     WireMessage,
     render,
@@ -411,9 +412,12 @@ class BrokerSettings(BaseModel):
         return dict(wire.headers)
 
     def unit_headers(self) -> dict[str, bool]:
-        """The headers the adapter adds to each member of an atomic unit (``atomic``), by
-        name: True where every member has it. None on most kinds."""
-        return {}
+        """With ``atomic``: the headers each message of a transaction carries besides the
+        rendered ones, by name, True where every message has it: the transaction's bounds
+        (the relay's), and on some kinds the adapter's own."""
+        if not self.atomic:
+            return {}
+        return {HeaderName.TRANSACTION_ID: True, HeaderName.TRANSACTION_SIZE: True}
 
     def location(self) -> dict[str, Any]:
         """Where this broker's messages go besides each destination, by name: what a

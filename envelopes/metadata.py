@@ -50,6 +50,12 @@ class HeaderName:
     """The message ids this message's stream skipped on its target since the last message
     delivered on it (rows abandoned: refused for good, or out of attempts), oldest first,
     comma-separated; only on a message that follows such a gap."""
+    TRANSACTION_ID = "transaction-id"
+    """On a target with ``atomic``: the message id of the first event of this message's
+    transaction for the target, the same on every member (a broker's own unit may hold
+    several transactions)."""
+    TRANSACTION_SIZE = "transaction-size"
+    """On a target with ``atomic``: how many messages that transaction holds for the target."""
 
 
 @dataclass(frozen=True, slots=True)

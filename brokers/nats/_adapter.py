@@ -258,43 +258,74 @@ class NatsBroker:
     async def publish_atomic(
         self, units: Sequence[Sequence[OutgoingMessage]]
     ) -> list[list[PublishResult]]:
-        """Publish each unit as one atomic batch, the units in order with answers in flight;
-        one verdict per unit (``brokers._protocol.AtomicBroker``)."""
+        """Publish the units with one verdict each (``brokers._protocol.AtomicBroker``).
+
+        Consecutive units go together in one JetStream batch of up to ``MAX_BATCH``
+        messages: an R1 file-backed stream syncs its store at each batch's commit, a few
+        milliseconds, so a batch per unit would cap a target at a few hundred units a second.
+        A batch of several units stores all of them or none, so none is seen in part; when it
+        is refused (a member refused, or one of its units stored before: error 10201), each
+        of its units is sent again in a batch of its own, for its own verdict."""
         await self.connect()
+        verdicts: list[list[PublishResult] | None] = [
+            unit_too_large(unit, MAX_BATCH, "JetStream batch") for unit in units
+        ]
+        pending = [i for i, verdict in enumerate(verdicts) if verdict is None and units[i]]
+        again = await self._batches(units, _packs(units, pending), verdicts)
+        if again:
+            await self._batches(units, [[i] for i in again], verdicts)
+        return [verdict or [] for verdict in verdicts]
+
+    async def _batches(
+        self,
+        units: Sequence[Sequence[OutgoingMessage]],
+        packs: list[list[int]],
+        verdicts: list[list[PublishResult] | None],
+    ) -> list[int]:
+        """Send each pack of units (indexes into ``units``) as one batch, answers in flight,
+        and fill ``verdicts``; the units of packs of several that were refused, to send again
+        one by one."""
         client, acks = self._client, self._acks
         answers = AckWindow()
         frames: list[bytes] = []
-        verdicts: list[list[PublishResult] | None] = []
-        sent: list[tuple[int, int, str]] = []  # per unit sent: its answers' start, its index, id
-        for index, unit in enumerate(units):
-            refused = unit_too_large(unit, MAX_BATCH, "JetStream batch")
-            if refused is not None:
-                verdicts.append(refused)
+        sent: list[tuple[int, list[int], str]] = []  # per batch: its answers' start, units, id
+        for pack in packs:
+            while pack:
+                start, batch = len(answers.results), uuid.uuid4().hex
+                members = [message for i in pack for message in units[i]]
+                try:
+                    frames.extend(self._batch_frames(members, batch, answers))
+                except _MemberRefused as exc:
+                    while len(answers.results) > start:
+                        acks.withdraw(answers)
+                    owner, position = _owner(units, pack, exc.position)
+                    ids = [m.wire.message_id for m in units[owner]]
+                    verdicts[owner] = member_refused(ids, position, exc.reason, retryable=False)
+                    pack = [i for i in pack if i != owner]
+                    continue
+                sent.append((start, pack, batch))
+                break
+        if not frames:
+            return []
+        try:
+            await self._send(client, frames)
+        except BrokerUnavailable:
+            acks.forget(answers)
+            raise
+        results = await self._collect(answers)
+        again: list[int] = []
+        for start, pack, batch in sent:
+            members = [message for i in pack for message in units[i]]
+            outcome = self._unit_outcome(members, results[start : start + len(members)], batch)
+            whole = all(r.ok for r in outcome) and not is_batch_stored(outcome[0])
+            if len(pack) > 1 and not whole and not any(r.unreachable for r in outcome):
+                again.extend(pack)
                 continue
-            start, batch = len(answers.results), uuid.uuid4().hex
-            try:
-                frames.extend(self._batch_frames(unit, batch, answers))
-            except _MemberRefused as exc:
-                while len(answers.results) > start:
-                    acks.withdraw(answers)
-                ids = [m.wire.message_id for m in unit]
-                verdicts.append(member_refused(ids, exc.position, exc.reason, retryable=False))
-                continue
-            verdicts.append(None)
-            sent.append((start, index, batch))
-        if frames:
-            try:
-                await self._send(client, frames)
-            except BrokerUnavailable:
-                acks.forget(answers)
-                raise
-            results = await self._collect(answers)
-            for start, index, batch in sent:
-                unit = units[index]
-                verdicts[index] = self._unit_outcome(
-                    unit, results[start : start + len(unit)], batch
-                )
-        return [v for v in verdicts if v is not None]
+            at = 0
+            for i in pack:
+                verdicts[i] = outcome[at : at + len(units[i])]
+                at += len(units[i])
+        return again
 
     def _batch_frames(
         self, unit: Sequence[OutgoingMessage], batch: str, answers: AckWindow
@@ -484,3 +515,28 @@ class NatsBroker:
                 f"({why}): allow it on the stream (allow_atomic, nats-server 2.12 or later)"
             )
         return False
+
+
+def _packs(units: Sequence[Sequence[OutgoingMessage]], indexes: list[int]) -> list[list[int]]:
+    """Consecutive units, as many as fit one batch (``MAX_BATCH`` messages) each."""
+    packs: list[list[int]] = []
+    size = MAX_BATCH
+    for i in indexes:
+        if size + len(units[i]) > MAX_BATCH:
+            packs.append([])
+            size = 0
+        packs[-1].append(i)
+        size += len(units[i])
+    return packs
+
+
+def _owner(
+    units: Sequence[Sequence[OutgoingMessage]], pack: list[int], position: int
+) -> tuple[int, int]:
+    """The unit of ``pack`` holding its batch's member at ``position``, and the member's place
+    in that unit."""
+    for i in pack:
+        if position < len(units[i]):
+            return i, position
+        position -= len(units[i])
+    raise IndexError(position)

@@ -134,11 +134,11 @@ class NatsSettings(BrokerSettings):
         return {**wire.headers, MSG_ID_HEADER: wire.message_id}
 
     def unit_headers(self) -> dict[str, bool]:
-        """With ``atomic``: the batch's headers on each member (the id and the member's place
-        in it always; the commit on the last member only)."""
+        """With ``atomic``: the transaction's, and the batch's on each message (its id and
+        the message's place in it always; the commit on the last message only)."""
         if not self.atomic:
             return {}
-        return {BATCH_ID: True, BATCH_SEQUENCE: True, BATCH_COMMIT: False}
+        return {**super().unit_headers(), BATCH_ID: True, BATCH_SEQUENCE: True, BATCH_COMMIT: False}
 
     def location(self) -> dict[str, Any]:
         """The JetStream stream that captures the subject."""

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from brokers import BrokerSettings, OutgoingMessage, PublishResult
 from brokers import waves as _waves
-from envelopes import DowncastError, EnvelopeError, WireMessage
+from envelopes import DowncastError, EnvelopeError, HeaderName, WireMessage
 from router.config import RetrySettings
 from router.relay.link import BrokerLink
 from router.relay.metrics import Metrics, observe_all
@@ -213,8 +213,9 @@ class Delivery:
     def _render_unit(
         self, unit: list[ClaimedRow], streams: RunStreams, marks: Marks
     ) -> list[OutgoingMessage] | None:
-        """The unit's messages, each member with the gap before it; None when a member cannot
-        be rendered (the unit's verdict is then in ``marks``)."""
+        """The unit's messages, each member with the gap before it and the transaction's
+        headers (``HeaderName.TRANSACTION_ID``, ``TRANSACTION_SIZE``); None when a member
+        cannot be rendered (the unit's verdict is then in ``marks``)."""
         messages = []
         for position, row in enumerate(unit, 1):
             row.skipped = streams.skipped(row.stream_key, row.seq, row.skipped)
@@ -230,6 +231,9 @@ class Delivery:
                 verdict = PublishResult.failed(error, retryable=retryable)
                 self._judge_unit(unit, [verdict] * len(unit), marks, streams)
                 return None
+            # The transaction's bounds, for its consumers, whatever the broker's unit holds.
+            wire.headers[HeaderName.TRANSACTION_ID] = unit[0].message_id
+            wire.headers[HeaderName.TRANSACTION_SIZE] = str(len(unit))
             messages.append(OutgoingMessage(row.destination, wire))
         return messages
 

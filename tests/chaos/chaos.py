@@ -45,8 +45,9 @@ What happens:
   arrive, ahead of the rest of its stream;
 - with ``--atomic``, the broker has ``atomic: true`` and each producer transaction commits
   three events, each on a stream of its own: every stored copy of a member must be in an
-  atomic batch that holds exactly its transaction, at contiguous stream sequences (no
-  consumer ever sees a transaction in part), whatever the disruption;
+  atomic batch with the whole of its transaction, at contiguous stream sequences (a batch
+  may hold several whole transactions; no consumer ever sees one in part), whatever the
+  disruption;
 - at every disruption the ids then in flight (rows leased by the killed worker, or all rows
   in flight when the broker or database went away) are noted;
 - afterwards every message stored in the stream is read back and checked against the

@@ -143,17 +143,22 @@ def units_in_part(
     unbatched: list[str],
 ) -> list[str]:
     """The transactions (each named by its first id) some copy of which a consumer could see
-    without the rest: a batch that holds another set of ids than one whole transaction, or
-    whose sequences are not contiguous, and a member of a transaction of several stored
-    outside any batch."""
+    without the rest: in a batch (one or more whole transactions), a transaction not whole,
+    or not at contiguous sequences; and a member of a transaction of several stored outside
+    any batch."""
     found: dict[str, None] = {}
     for members in batches.values():
-        members.sort()
-        ids = frozenset(message_id for _, message_id in members)
-        whole = units.get(members[0][1]) == ids and len(ids) == len(members)
-        contiguous = members[-1][0] - members[0][0] == len(members) - 1
-        if not (whole and contiguous):
-            found.update(dict.fromkeys(min(units.get(i, {i})) for i in ids))
+        by_unit: dict[frozenset[str], list[tuple[int, str]]] = {}
+        for sequence, message_id in members:
+            by_unit.setdefault(units.get(message_id, frozenset({message_id})), []).append(
+                (sequence, message_id)
+            )
+        for unit, stored in by_unit.items():
+            stored.sort()
+            whole = unit == {message_id for _, message_id in stored} and len(unit) == len(stored)
+            contiguous = stored[-1][0] - stored[0][0] == len(stored) - 1
+            if not (whole and contiguous):
+                found[min(unit)] = None
     found.update(dict.fromkeys(min(units[i]) for i in unbatched))
     return list(found)
 

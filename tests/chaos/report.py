@@ -257,7 +257,8 @@ class Report:
     """Transactions of several events committed (with ``atomic``)."""
     units_in_part: int = 0
     """Of those, the ones a consumer could see in part: some copy of a member stored without
-    the rest of its transaction at contiguous sequences in one batch (``units_in_part``)."""
+    the rest of its transaction at contiguous sequences in one batch, which may hold other
+    whole transactions (``units_in_part``)."""
     units_in_part_ids: list[str] = field(default_factory=list)
     wake_first: str = ""
     """The wake-up mechanism the router's log names first."""

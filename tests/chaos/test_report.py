@@ -173,8 +173,8 @@ def test_a_transaction_is_seen_in_part_unless_each_copy_is_one_whole_contiguous_
     assert units_in_part(units, {"x": [(2, "a"), (3, "b")]}, []) == ["a"]
     assert units_in_part(units, {"x": [(2, "a"), (3, "b"), (5, "c")]}, []) == ["a"]
     assert units_in_part(units, whole, ["e"]) == ["d"]
-    # Two transactions in one batch: both seen in part of something else.
-    assert sorted(units_in_part(units, {"x": [(1, "a"), (2, "b"), (3, "c"), (4, "d")]}, [])) == [
-        "a",
-        "d",
-    ]
+    # Two whole transactions in one batch, each at contiguous sequences: never seen in part;
+    # interleaved, both are.
+    assert units_in_part(units, {"x": [(1, "a"), (2, "b"), (3, "c"), (4, "d"), (5, "e")]}, []) == []
+    interleaved = {"x": [(1, "a"), (2, "d"), (3, "b"), (4, "c"), (5, "e")]}
+    assert sorted(units_in_part(units, interleaved, [])) == ["a", "d"]

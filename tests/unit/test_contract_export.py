@@ -113,8 +113,12 @@ def test_an_atomic_partner_is_told_its_units_and_their_batch_headers() -> None:
     assert "Atomic" not in billing["description"]
     messages = document["components"]["messages"]
     headers = messages["ledger.priced.v1"]["headers"]
-    assert {"Nats-Batch-Id", "Nats-Batch-Sequence"} <= set(headers["required"])
+    required = {"transaction-id", "transaction-size", "Nats-Batch-Id", "Nats-Batch-Sequence"}
+    assert required <= set(headers["required"])
     assert "Nats-Batch-Commit" in headers["properties"]
     assert "Nats-Batch-Commit" not in headers["required"]  # the last member's only
-    assert "one transaction" in headers["properties"]["Nats-Batch-Id"]["description"]
-    assert "Nats-Batch-Id" not in messages["billing.priced.v1"]["headers"]["properties"]
+    transaction = headers["properties"]["transaction-id"]["description"]
+    assert "the first event of the transaction" in transaction
+    assert "whole transactions" in headers["properties"]["Nats-Batch-Id"]["description"]
+    billing = messages["billing.priced.v1"]["headers"]["properties"]
+    assert not {"transaction-id", "Nats-Batch-Id"} & set(billing)

@@ -100,10 +100,13 @@ _HEADER_DESCRIPTIONS = {
     "come unless an operator requeues them.",
     # Added by the adapters (BrokerSettings.native_headers).
     "Nats-Msg-Id": "The event's message id again: the key of JetStream's duplicate window.",
-    # Added to each member of an atomic unit (BrokerSettings.unit_headers; atomic: true).
-    "Nats-Batch-Id": "The atomic batch this message was stored in: the events one transaction "
-    "committed for this partner, stored together at contiguous stream sequences, all or none. "
-    "New for each attempt to send the unit.",
+    # On every message of a target with atomic: true (BrokerSettings.unit_headers).
+    HeaderName.TRANSACTION_ID: "The message id of the first event of the transaction this "
+    "message was committed in, the same on each of them: the events one transaction committed "
+    "for this partner arrive together, all or none.",
+    HeaderName.TRANSACTION_SIZE: "How many messages that transaction holds for this partner.",
+    "Nats-Batch-Id": "The atomic batch this message was stored in: one or more whole "
+    "transactions (see transaction-id), at contiguous stream sequences, all or none.",
     "Nats-Batch-Sequence": "This message's place in its batch, from 1.",
     "Nats-Batch-Commit": "On the batch's last message only: 1.",
     "correlation_id": "The staged correlation id again, under the name some Kafka client "

