@@ -1,7 +1,10 @@
-"""``router serve`` killed with SIGKILL after JetStream stored an atomic unit and before the
-router saw the answer: the next router sends the unit again, JetStream recognises it (error
-10201: its members' ``Nats-Msg-Id``s are in the stream's duplicate window), and the rows are
-marked published. The stream holds the unit once."""
+"""``router serve`` killed with SIGKILL after the broker stored an atomic unit and before the
+router saw the answer (the answers are lost on the way: ``DelayingProxy.mute``).
+
+On JetStream the next router sends the unit again, JetStream recognises it (error 10201: its
+members' ``Nats-Msg-Id``s are in the stream's duplicate window), and the rows are marked
+published: the stream holds the unit once. Redis has no duplicate window: the unit is stored a
+second time, whole, right after the first (docs/guarantees.md, "Atomic transactions")."""
 
 from __future__ import annotations
 
@@ -9,17 +12,20 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import nats
+import redis.asyncio as aioredis
 import yaml
 
 from brokers.nats import EmbeddedNats
 from router import Outbox, load_config
 from tests.chaos.proxy import DelayingProxy
+from tests.contract.harnesses import REDIS_URL
 from tests.e2e.helpers import Serving
 from tests.integration.events import OrderPlaced
 from tests.services import free_port
@@ -27,15 +33,17 @@ from tests.services import free_port
 STREAM, SUBJECT = "KILLED", "killed"
 
 
-def write_config(folder: Path, database: str, nats_url: str) -> None:
-    broker = {
+def nats_broker(url: str) -> dict[str, Any]:
+    return {
         "type": "nats",
-        "internal": True,
-        "atomic": True,
-        "url": nats_url,
+        "url": url,
         "destination": SUBJECT + ".{event_type}",
         "stream": {"name": STREAM, "subjects": [SUBJECT + ".>"]},
     }
+
+
+def write_config(folder: Path, database: str, broker: dict[str, Any]) -> None:
+    broker = {**broker, "internal": True, "atomic": True}
     config = {
         "databases": {"main": database},
         "brokers": {"events": broker},
@@ -95,6 +103,24 @@ async def published(database: str, ids: list[str], timeout: float = 20) -> bool:
     return False
 
 
+async def killed_after_storing(
+    folder: Path, database: str, proxy: DelayingProxy
+) -> tuple[list[str], Serving]:
+    """Serve through ``proxy``; once a first event is published, mute the broker's answers,
+    stage a unit of three, and SIGKILL serve once the broker holds the unit (``stored``,
+    waited for by the caller's check below: 4 messages). The unit's ids, and the dead serve."""
+    serving = Serving(folder, None, new_session=True)
+    warm = await stage(folder, ["w"])  # connected, its stream made, through the proxy
+    assert await published(database, warm), serving.log.read_text()
+    proxy.mute()  # from now on the broker's answers are lost on the way
+    unit = await stage(folder, ["a", "b", "c"])
+    await asyncio.sleep(1.0)  # the unit goes out; its answer never comes back
+    os.killpg(serving.process.pid, signal.SIGKILL)
+    serving.stop()
+    assert {s for i, s in (await statuses(database)).items() if i in unit} == {"pending"}
+    return unit, serving
+
+
 async def test_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_restart(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -105,18 +131,10 @@ async def test_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_re
     await proxy.start()
     serving: Serving | None = None
     try:
-        write_config(tmp_path, pg_url, f"nats://127.0.0.1:{proxy.port}")
-        serving = Serving(tmp_path, None, new_session=True)
-        warm = await stage(tmp_path, ["w"])  # connected, its stream made, through the proxy
-        assert await published(pg_url, warm)
-        proxy.mute()  # from now on JetStream's answers are lost on the way
-        unit = await stage(tmp_path, ["a", "b", "c"])
-        before = await stored(nats_url, 4)  # the unit is stored: its commit was answered
-        os.killpg(serving.process.pid, signal.SIGKILL)
-        serving.stop()
-        assert {s for i, s in (await statuses(pg_url)).items() if i in unit} == {"pending"}
-
-        write_config(tmp_path, pg_url, nats_url)  # the path to NATS is whole again
+        write_config(tmp_path, pg_url, nats_broker(f"nats://127.0.0.1:{proxy.port}"))
+        unit, serving = await killed_after_storing(tmp_path, pg_url, proxy)
+        before = await stored(nats_url, 4)
+        write_config(tmp_path, pg_url, nats_broker(nats_url))  # the path is whole again
         serving = Serving(tmp_path, None, new_session=True)
         assert await published(pg_url, unit), serving.log.read_text()
         after = await stored(nats_url, 4)
@@ -134,3 +152,42 @@ async def test_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_re
     assert "batch.failures" not in serving.log.read_text()
     # Marked published on JetStream's word that the batch was stored before (10201).
     assert all('"batch_stored":true' in receipts[i] for i in unit), receipts
+
+
+async def test_on_redis_a_unit_stored_before_serve_was_killed_is_stored_again_whole(
+    pg_url: str, tmp_path: Path
+) -> None:
+    destination = f"killed{uuid.uuid4().hex[:8]}"
+    broker = {"type": "redis", "destination": destination + ".{event_type}"}
+    proxy = DelayingProxy("127.0.0.1", 6379, 0.0)
+    await proxy.start()
+    serving: Serving | None = None
+    key = destination + ".order_placed"
+    try:
+        write_config(tmp_path, pg_url, broker | {"url": f"redis://127.0.0.1:{proxy.port}/0"})
+        unit, serving = await killed_after_storing(tmp_path, pg_url, proxy)
+        before = await entries(key)
+        write_config(tmp_path, pg_url, broker | {"url": REDIS_URL})
+        serving = Serving(tmp_path, None, new_session=True)
+        assert await published(pg_url, unit), serving.log.read_text()
+        after = await entries(key)
+    finally:
+        if serving is not None:
+            serving.stop()
+        await proxy.stop()
+        client = aioredis.Redis.from_url(REDIS_URL)
+        await client.delete(key)
+        await client.aclose()
+
+    assert before[1:] == unit  # stored whole before the kill (after the first event)
+    assert after[1:] == unit + unit  # and once more, whole, by the next router
+
+
+async def entries(key: str) -> list[str]:
+    """The message ids in a Redis stream, in order."""
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        found = await client.xrange(key) or []
+    finally:
+        await client.aclose()
+    return [str(fields["message-id"]) for _, fields in found if fields]
