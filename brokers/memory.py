@@ -38,6 +38,7 @@ class MemorySettings(BrokerSettings):
         "and delivers them nowhere. Never a broker to deploy."
     )
     no_atomic_unit: ClassVar[str | None] = None  # MemoryBroker.publish_atomic
+    max_unit: ClassVar[int | None] = 1000  # MemoryBroker.max_unit
 
 
 class MemoryBroker:

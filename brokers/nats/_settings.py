@@ -87,6 +87,7 @@ class NatsSettings(BrokerSettings):
     title: ClassVar[str | None] = "NATS JetStream"
     asyncapi_protocol: ClassVar[str | None] = "nats"
     no_atomic_unit: ClassVar[str | None] = None  # JetStream atomic batches (ADR-50)
+    max_unit: ClassVar[int | None] = 1000  # a JetStream batch's most (nats _adapter.MAX_BATCH)
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )

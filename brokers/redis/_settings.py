@@ -29,6 +29,7 @@ class RedisSettings(BrokerSettings):
     title: ClassVar[str | None] = "Redis Streams"
     asyncapi_protocol: ClassVar[str | None] = "redis"
     no_atomic_unit: ClassVar[str | None] = None  # MULTI/EXEC on one node
+    max_unit: ClassVar[int | None] = 1000  # redis _adapter.MAX_UNIT
 
     url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."

@@ -29,6 +29,7 @@ class ServiceBusSettings(BrokerSettings):
     asyncapi_protocol: ClassVar[str | None] = "amqp1"
     asyncapi_protocol_version: ClassVar[str | None] = "1.0"
     no_atomic_unit: ClassVar[str | None] = None  # one batch per entity
+    max_unit: ClassVar[int | None] = 4500  # a Service Bus batch's most (_adapter.MAX_UNIT)
 
     connection_string: SecretStr = Field(
         description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."
