@@ -252,7 +252,13 @@ class BrokerSettings(BaseModel):
         "atomic unit: all stored or none, together (NATS JetStream: one atomic batch per "
         "stream, nats-server 2.12+; Azure Service Bus: one batch per entity; Redis: MULTI/EXEC "
         "on one node). Never across targets. Kafka and RabbitMQ have no such unit and refuse "
-        "it. Databases: PostgreSQL.",
+        "it. A unit is what one database transaction staged: on PostgreSQL its xid; on "
+        "MySQL/MariaDB and SQLite the transaction of the SQLAlchemy Session or Connection "
+        "(sync or async), of Django's outermost atomic block, or of outbox.transaction(); a "
+        "raw sqlite3 connection shows no transaction, so there each stage() call is a unit. "
+        "stage() refuses, in the caller's transaction, rows that would make a unit larger "
+        "than the broker's atomic write (JetStream and Redis 1,000 messages, Service Bus "
+        "4,500).",
     )
     slo_seconds: float = Field(
         1.0,
@@ -355,6 +361,10 @@ class BrokerSettings(BaseModel):
     # What ``atomic: true`` makes of a transaction's rows on this kind, for the partner
     # contract; None where it is refused.
     atomic_unit: ClassVar[str | None] = None
+    # The most messages this kind's atomic write holds (None where it has none): stage()
+    # refuses a transaction that would stage more for an atomic target. Its adapter keeps the
+    # same figure (``max_unit``) without this import: stage() must not load a broker's SDK.
+    max_unit: ClassVar[int | None] = None
 
     @model_validator(mode="after")
     def _filter_only_external(self) -> BrokerSettings:

@@ -39,6 +39,7 @@ class MemorySettings(BrokerSettings):
     )
     no_atomic_unit: ClassVar[str | None] = None
     atomic_unit: ClassVar[str | None] = "one unit of the in-memory broker"
+    max_unit: ClassVar[int | None] = 1000  # MemoryBroker.max_unit
 
 
 class MemoryBroker:

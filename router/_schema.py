@@ -24,6 +24,7 @@ __all__ = [
     "IX_OUTBOX_DUE",
     "IX_OUTBOX_PUBLISHED",
     "IX_OUTBOX_STREAM",
+    "IX_OUTBOX_UNIT",
     "OUTBOX",
     "OUTBOX_DONE",
     "OUTBOX_QUEUE",
@@ -88,6 +89,9 @@ IX_OUTBOX_STREAM: Final = "ix_router_outbox_stream"
 
 IX_OUTBOX_DUE: Final = "ix_router_outbox_due"
 """The index of rows by target and due time (``available_at``), for the next retry."""
+
+IX_OUTBOX_UNIT: Final = "ix_router_outbox_unit"
+"""The index of rows by target and transaction (``xid``), for an atomic target's units."""
 
 IX_OUTBOX_PUBLISHED: Final = "ix_router_outbox_published"
 """The retention index of published rows by ``published_at`` (led by status on MySQL)."""

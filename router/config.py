@@ -400,24 +400,6 @@ class RouterConfig(BaseModel):
                 raise ValueError(f"databases.{db_name}.brokers: unknown broker(s) {unknown}")
         return self
 
-    @model_validator(mode="after")
-    def _atomic_needs_transactions(self) -> RouterConfig:
-        # An atomic target publishes each application transaction's rows as one unit, so the
-        # relay must know which rows one transaction staged: PostgreSQL records it (the xid
-        # column); the other databases do not yet.
-        for db_name, db in self.databases.items():
-            if db.kind == "postgresql":
-                continue
-            atomic = sorted(n for n, b in self.brokers_of(db_name).items() if b.atomic)
-            if atomic:
-                raise ValueError(
-                    f"databases.{db_name}: broker(s) {atomic} have atomic: true, which needs "
-                    f"each row's transaction; the relay knows it on PostgreSQL only, not on "
-                    f"{db.kind}: leave atomic off, or list only other brokers under "
-                    f"databases.{db_name}.brokers"
-                )
-        return self
-
     @property
     def base_dir(self) -> Path:
         """The folder of the config file; relative paths in the config start here."""

@@ -92,9 +92,11 @@ class NatsSettings(BrokerSettings):
     asyncapi_protocol: ClassVar[str | None] = "nats"
     no_atomic_unit: ClassVar[str | None] = None
     atomic_unit: ClassVar[str | None] = (
-        "one JetStream atomic batch on one stream: the messages share Nats-Batch-Id, at "
-        "contiguous stream sequences"
+        "JetStream atomic batches on one stream: each transaction's messages in one batch "
+        "(Nats-Batch-Id, which may hold other whole transactions), at contiguous stream "
+        "sequences"
     )
+    max_unit: ClassVar[int | None] = 1000  # a JetStream batch's most (nats _adapter.MAX_BATCH)
     url: SecretStr = Field(
         SecretStr("nats://127.0.0.1:4222"), description="Server URL(s), comma-separated."
     )

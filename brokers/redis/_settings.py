@@ -33,6 +33,7 @@ class RedisSettings(BrokerSettings):
         "one MULTI/EXEC transaction on one Redis node: the entries follow one another in "
         "each stream"
     )
+    max_unit: ClassVar[int | None] = 1000  # redis _adapter.MAX_UNIT
 
     url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"), description="The Redis URL, credentials included."

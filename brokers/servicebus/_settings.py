@@ -30,6 +30,7 @@ class ServiceBusSettings(BrokerSettings):
     asyncapi_protocol_version: ClassVar[str | None] = "1.0"
     no_atomic_unit: ClassVar[str | None] = None
     atomic_unit: ClassVar[str | None] = "one Service Bus batch to one queue or topic"
+    max_unit: ClassVar[int | None] = 4500  # a Service Bus batch's most (_adapter.MAX_UNIT)
 
     connection_string: SecretStr = Field(
         description="Endpoint=sb://<namespace>/;SharedAccessKeyName=...;SharedAccessKey=..."

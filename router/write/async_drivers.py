@@ -17,8 +17,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from envelopes import StagingError
+from router.write.drivers import sqlalchemy_unit
 from router.write.postgres import numbered
 from router.write.statements import Copy, Statement, clause
+from router.write.units import Unit
 
 __all__ = ["AsyncDriver", "async_driver", "insert"]
 
@@ -35,6 +37,11 @@ class AsyncDriver(Protocol):
     async def scalar(self, sql: str) -> object:
         """The first value of a read-only query without parameters, in the caller's
         transaction."""
+
+    async def unit(self) -> Unit | None:
+        """The caller's transaction as ``router.write.units`` tracks it (a SQLAlchemy
+        connection's root transaction); None for asyncpg, whose transaction PostgreSQL
+        knows."""
 
 
 async def async_driver(connection: Any) -> AsyncDriver:
@@ -90,6 +97,9 @@ class AsyncpgDriver:
         """The first value of ``sql``'s first row."""
         return await self.connection.fetchval(sql)
 
+    async def unit(self) -> None:
+        """None: PostgreSQL knows the transaction (``router.write.units.unit_count``)."""
+
 
 class SqlAlchemyAsyncDriver:
     """A SQLAlchemy ``AsyncConnection`` (an ``AsyncSession``'s, in its transaction)."""
@@ -122,3 +132,10 @@ class SqlAlchemyAsyncDriver:
     async def scalar(self, sql: str) -> object:
         """The first value of ``sql``'s first row."""
         return (await self.connection.exec_driver_sql(sql)).scalar()
+
+    async def unit(self) -> Unit:
+        """The unit of the connection's root transaction (``sqlalchemy_unit``), begun first
+        if the connection has not begun it yet."""
+        if not self.connection.in_transaction():
+            await self.connection.begin()
+        return sqlalchemy_unit(self.connection.sync_connection)

@@ -9,7 +9,10 @@
 - Raw DB-API connections of psycopg 3, psycopg2 and sqlite3.
 
 Each also answers one read-only query (``scalar``), for the check before the first
-INSERT (``router.write.checks.needs_schema_probe``).
+INSERT (``router.write.checks.needs_schema_probe``), and names the application transaction
+it stages in (``unit``), for targets with ``atomic: true`` (``router.write.units``): a
+SQLAlchemy connection by its root transaction; a raw sqlite3 connection cannot tell one
+transaction from the next, so each ``stage()`` call on it is a unit of its own.
 
 ``sync_driver`` refuses, before anything is written, a connection that would commit each
 statement on its own (autocommit outside a transaction), and async connections, which
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 
 from envelopes import StagingError
 from router.write.statements import Copy, Statement, clause
+from router.write.units import Unit, transaction_unit
 
 __all__ = [
     "AUTOCOMMIT",
@@ -36,6 +40,7 @@ __all__ = [
     "in_pipeline",
     "psycopg_execute",
     "pyformat",
+    "sqlalchemy_unit",
     "sync_driver",
 ]
 
@@ -59,6 +64,10 @@ class SyncDriver(Protocol):
     def scalar(self, sql: str) -> object:
         """The first value of a read-only query without parameters, in the caller's
         transaction."""
+
+    def unit(self) -> Unit | None:
+        """The caller's transaction as ``router.write.units`` tracks it; None where the
+        driver cannot tell transactions apart and the database can (raw PostgreSQL)."""
 
 
 AUTOCOMMIT = (
@@ -173,6 +182,17 @@ class SqlAlchemyDriver:
         """The first value of ``sql``'s first row."""
         return self.connection.exec_driver_sql(sql).scalar()
 
+    def unit(self) -> Unit:
+        """The unit of the connection's root transaction."""
+        return sqlalchemy_unit(self.connection)
+
+
+def sqlalchemy_unit(connection: Any) -> Unit:
+    """The unit of a SQLAlchemy sync ``Connection``'s root transaction (savepoints are part
+    of it), begun here if the connection has not begun it yet (as its first statement
+    would: a connection in AUTOCOMMIT was refused before)."""
+    return transaction_unit(connection.get_transaction() or connection.begin())
+
 
 def psycopg_execute(connection: Any, statement: Statement | Copy) -> int:
     """Run ``statement`` on a server-binding cursor of a psycopg 3 connection, whatever
@@ -237,6 +257,9 @@ class PsycopgDriver:
         with _cursor_class()(self.connection, row_factory=tuple_row) as cursor:
             return cursor.execute(sql).fetchone()[0]
 
+    def unit(self) -> None:
+        """None: PostgreSQL knows the transaction (``router.write.units.unit_count``)."""
+
 
 def in_pipeline(connection: Any) -> bool:
     """Whether a psycopg 3 connection is in pipeline mode (``with connection.pipeline():``).
@@ -289,6 +312,9 @@ class Psycopg2Driver:
             cursor.execute(sql)
             return cursor.fetchone()[0]
 
+    def unit(self) -> None:
+        """None: PostgreSQL knows the transaction (``router.write.units.unit_count``)."""
+
 
 class Sqlite3Driver:
     """A sqlite3 connection: it opens a transaction before an INSERT unless it autocommits."""
@@ -321,3 +347,9 @@ class Sqlite3Driver:
         """The first value of ``sql``'s first row."""
         row: tuple[object, ...] = self.connection.execute(sql).fetchone()
         return row[0]
+
+    def unit(self) -> Unit:
+        """A unit of its own for each ``stage()`` call: a sqlite3 connection shows no
+        transaction this one could be told apart from the next by (``in_transaction`` is
+        a flag; its commit and rollback leave no trace)."""
+        return Unit()

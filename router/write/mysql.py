@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from envelopes import StagingError
 from router._schema import OUTBOX, STREAMS
@@ -42,20 +43,45 @@ STREAM_SLOTS = 1024
 MYSQL_MAX_STREAM_KEY = 512
 """The longest stream key MySQL keeps (``router_outbox`` indexes it)."""
 
-_COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
-_INSERT = f"INSERT INTO {OUTBOX} ({_COLUMNS}) VALUES {{values}}"
-_ROW = "(%s, %s, %s, %s, %s, %s)"
-_SELECTED = "SELECT %s, %s, %s, %s, %s, %s"
-# Several rows under one lock: a derived table numbered in the caller's order, and ORDER BY
-# (which INSERT ... SELECT follows when it gives rows their seq) to keep that order.
-_NUMBERED = "SELECT {n} AS n, %s AS m, %s AS t, %s AS d, %s AS e, %s AS s, %s AS v"
-_LOCKED_ONE = (
-    f"INSERT INTO {OUTBOX} ({_COLUMNS}) {_SELECTED} FROM {STREAMS} WHERE stream_key = %s FOR UPDATE"
-)
-_LOCKED_MANY = (
-    f"INSERT INTO {OUTBOX} ({_COLUMNS}) SELECT r.m, r.t, r.d, r.e, r.s, r.v "
-    f"FROM {STREAMS} AS l JOIN ({{rows}}) AS r WHERE l.stream_key = %s ORDER BY r.n FOR UPDATE"
-)
+
+@dataclass(frozen=True, slots=True)
+class _Texts:
+    """The statement texts of rows with their six columns, or seven with ``xid``."""
+
+    insert: str
+    row: str
+    locked_one: str
+    locked_many: str
+    numbered: str
+    xid: bool
+
+    @classmethod
+    def of(cls, *, xid: bool) -> _Texts:
+        """The texts with the ``xid`` column, or without."""
+        columns = "message_id, target, destination, event_type, stream_key, envelope"
+        numbered = "SELECT {n} AS n, %s AS m, %s AS t, %s AS d, %s AS e, %s AS s, %s AS v"
+        picked = "r.m, r.t, r.d, r.e, r.s, r.v"
+        if xid:
+            columns, numbered, picked = columns + ", xid", numbered + ", %s AS x", picked + ", r.x"
+        marks = ", ".join(["%s"] * (7 if xid else 6))
+        return cls(
+            insert=f"INSERT INTO {OUTBOX} ({columns}) VALUES {{values}}",
+            row=f"({marks})",
+            locked_one=f"INSERT INTO {OUTBOX} ({columns}) SELECT {marks} FROM {STREAMS} "
+            "WHERE stream_key = %s FOR UPDATE",
+            # Several rows under one lock: a derived table numbered in the caller's order, and
+            # ORDER BY (which INSERT ... SELECT follows when it gives rows their seq) to keep
+            # that order.
+            locked_many=f"INSERT INTO {OUTBOX} ({columns}) SELECT {picked} FROM {STREAMS} AS l "
+            "JOIN ({rows}) AS r WHERE l.stream_key = %s ORDER BY r.n FOR UPDATE",
+            numbered=numbered,
+            xid=xid,
+        )
+
+
+# The rows of atomic targets carry their transaction's token (``Row.xid``); a call without
+# one keeps the six columns it always had.
+_PLAIN, _WITH_XID = _Texts.of(xid=False), _Texts.of(xid=True)
 _LOCK_SLOTS = (
     f"INSERT INTO {STREAMS} (stream_key) VALUES {{values}} "
     "ON DUPLICATE KEY UPDATE stream_key = stream_key"
@@ -82,32 +108,43 @@ def mysql_statements(rows: Sequence[Row]) -> list[Statement]:
             )
     chunks = _chunks(rows)
     slots = sorted({slot_of(key) for key in keys})
+    texts = _WITH_XID if any(r.xid is not None for r in rows) else _PLAIN
     if len(slots) == 1 and len(chunks) == 1:
-        return [_locked(rows, slots[0])]
+        return [_locked(rows, slots[0], texts)]
     statements = []
     if slots:
         values = ", ".join(["(%s)"] * len(slots))
         statements.append(Statement(_LOCK_SLOTS.format(values=values), tuple(slots)))
     for chunk in chunks:
-        values = ", ".join([_ROW] * len(chunk))
-        statements.append(Statement(_INSERT.format(values=values), _params(chunk)))
+        values = ", ".join([texts.row] * len(chunk))
+        statements.append(Statement(texts.insert.format(values=values), _params(chunk, texts)))
     return statements
 
 
-def _locked(rows: Sequence[Row], slot: str) -> Statement:
+def _locked(rows: Sequence[Row], slot: str, texts: _Texts) -> Statement:
     """One statement that locks ``slot`` and inserts ``rows`` after it."""
     repair = Statement(_LOCK_SLOTS.format(values="(%s)"), (slot,))
+    params = (*_params(rows, texts), slot)
     if len(rows) == 1:
-        return Statement(_LOCKED_ONE, (*_params(rows), slot), repair=repair)
-    numbered = " UNION ALL ".join(_NUMBERED.format(n=n) for n in range(len(rows)))
-    return Statement(_LOCKED_MANY.format(rows=numbered), (*_params(rows), slot), repair=repair)
+        return Statement(texts.locked_one, params, repair=repair)
+    numbered = " UNION ALL ".join(texts.numbered.format(n=n) for n in range(len(rows)))
+    return Statement(texts.locked_many.format(rows=numbered), params, repair=repair)
 
 
-def _params(rows: Sequence[Row]) -> tuple[str | None, ...]:
+def _params(rows: Sequence[Row], texts: _Texts) -> tuple[str | int | None, ...]:
+    width = 7 if texts.xid else 6
     return tuple(
         value
         for r in rows
-        for value in (r.message_id, r.target, r.destination, r.event_type, r.stream_key, r.envelope)
+        for value in (
+            r.message_id,
+            r.target,
+            r.destination,
+            r.event_type,
+            r.stream_key,
+            r.envelope,
+            r.xid,
+        )[:width]
     )
 
 

@@ -39,6 +39,7 @@ from router.write.checks import (
 )
 from router.write.events import Event
 from router.write.statements import Row
+from router.write.units import Unit, atomic_targets, unit_count
 from router.write.writer import Writer, message_ids
 
 __all__ = ["Outbox", "Transaction"]
@@ -90,11 +91,23 @@ class Outbox(Writer):
         self._expect(name, database.kind, driver.dialect)
         if needs_schema_probe(driver.dialect, database):
             check_schema_probe(await driver.scalar(SCHEMA_PROBE), database, name)
+        unit: Unit | None = None
+        targets = atomic_targets(rows, self._stager.atomic_limits(name))
+        if targets:
+            unit = await driver.unit()
+            staged = (
+                unit.staged
+                if unit is not None
+                else {t: await driver.scalar(unit_count(t)) for t in targets}
+            )
+            adding = self._join_unit(name, driver.dialect, rows, unit, staged)
         statements = self._stager.statements(driver.dialect, rows, notify=database.notifies)
         try:
             await insert(driver, statements)
         except Exception as exc:
             _reraise(exc, name, driver.dialect)
+        if unit is not None:
+            unit.staged.update(adding)
         if isinstance(connection, AsyncSession):
             self._announce_after_commit(connection, name, rows)
 

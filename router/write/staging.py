@@ -65,6 +65,19 @@ class Stager:
         self._sqlite = SqliteStatements()
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
         self._cloudevents: dict[str, frozenset[str]] = {}
+        self._atomic: dict[str, dict[str, int]] = {}
+
+    def atomic_limits(self, database: str) -> dict[str, int]:
+        """The targets of ``database`` with ``atomic: true``, each with the most rows one
+        transaction may stage for it (its broker's atomic write, ``max_unit``)."""
+        found = self._atomic.get(database)
+        if found is None:
+            found = self._atomic[database] = {
+                name: broker.max_unit
+                for name, broker in self.config.brokers_of(database).items()
+                if broker.atomic and broker.max_unit is not None
+            }
+        return found
 
     def _cloudevents_targets(self, database: str) -> frozenset[str]:
         """Brokers that carry extensions as CloudEvents attributes (known once per database)."""

@@ -26,6 +26,9 @@ class Row:
     event_type: str
     stream_key: str | None
     envelope: str
+    xid: int | None = None
+    """MySQL/MariaDB and SQLite, a row of an atomic target: its transaction's token
+    (``router.write.units``); None elsewhere (PostgreSQL records the transaction itself)."""
 
 
 @dataclass(frozen=True, slots=True)

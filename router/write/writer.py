@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from envelopes import StageOptions, StagingError
@@ -24,6 +25,7 @@ from router.write.drivers import sync_driver
 from router.write.events import Event, current_correlation_id
 from router.write.staging import Row, Stager
 from router.write.statements import Statement
+from router.write.units import Unit, atomic_targets, join_unit, unit_count
 
 __all__ = ["Writer", "message_ids"]
 
@@ -84,6 +86,16 @@ class Writer:
         self._expect(name, settings.kind, driver.dialect)
         if needs_schema_probe(driver.dialect, settings):
             check_schema_probe(driver.scalar(SCHEMA_PROBE), settings, name)
+        unit: Unit | None = None
+        targets = atomic_targets(rows, self._stager.atomic_limits(name))
+        if targets:
+            unit = driver.unit()
+            staged = (
+                unit.staged
+                if unit is not None
+                else {t: driver.scalar(unit_count(t)) for t in targets}
+            )
+            adding = self._join_unit(name, driver.dialect, rows, unit, staged)
         statements = self._stager.statements(
             driver.dialect,
             rows,
@@ -102,7 +114,29 @@ class Writer:
             if refused is None:
                 raise
             raise refused from None
+        if unit is not None:
+            unit.staged.update(adding)
         return message_ids(rows)
+
+    def _join_unit(
+        self,
+        database: str,
+        dialect: str,
+        rows: Sequence[Row],
+        unit: Unit | None,
+        staged: Mapping[str, object],
+    ) -> Counter[str]:
+        """``router.write.units.join_unit`` for a call with rows of atomic targets:
+        ``StagingError`` if one's unit would grow past its broker's atomic write; else the
+        rows' tokens where the database needs them, and the rows added per target."""
+        counts = {target: _count(count) for target, count in staged.items()}
+        return join_unit(
+            rows,
+            self._stager.atomic_limits(database),
+            unit,
+            counts,
+            tokens=dialect != "postgresql",
+        )
 
     def targets_of(self, database: str, events: Sequence[Event]) -> set[str]:
         """The targets rows of these events go to."""
@@ -158,6 +192,12 @@ class Writer:
                 f"database {name!r} is {configured} in the config, "
                 f"but stage() got a {actual} connection"
             )
+
+
+def _count(value: object) -> int:
+    """A count the client kept, or one PostgreSQL gave (``count(*)``: an int on every driver)."""
+    assert isinstance(value, int)
+    return value
 
 
 def message_ids(rows: Sequence[Row]) -> list[str]:

@@ -1,5 +1,5 @@
-"""How the relay makes and keeps units on an ``atomic`` target, on PostgreSQL, with the
-in-memory broker (its ``publish_atomic`` stores a unit whole or not at all and records it):
+"""How the relay makes and keeps units on an ``atomic`` target, on PostgreSQL, SQLite and
+MariaDB, with the in-memory broker (its ``publish_atomic`` stores a unit whole or not at all and records it):
 a claim that cuts a transaction completes it, a unit waits behind another transaction's failed
 row of its stream, and a held unit goes only once every member is released."""
 
@@ -9,33 +9,26 @@ import asyncio
 import time
 from collections.abc import Callable
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
-
-import asyncpg
-import pytest
 
 from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, PublishResult
 from router import Outbox, Runner
 from router.config import RouterConfig
 from router.ops.held import release
-from tests.conftest import PgDatabases, make_config
+from tests.conftest import Database, make_config
 from tests.integration.events import OrderPlaced
 
 Handler = Callable[[OutgoingMessage], PublishResult | None]
 
 
-@pytest.fixture
-async def url(pg_databases: PgDatabases) -> str:
-    return await pg_databases.new()
-
-
-def config_of(url: str, tmp_path: Path, **outbox: Any) -> RouterConfig:
+def config_of(database: Database, **outbox: Any) -> RouterConfig:
     brokers = {
         "events": {"type": "memory", "internal": True, "atomic": True, **outbox.pop("broker", {})}
     }
     retry = {"base_delay": 0.2, "max_delay": 0.2, "jitter": 0}
-    return make_config({"main": url}, brokers, tmp_path, outbox={"retry": retry, **outbox})
+    return make_config(
+        {"main": database.url}, brokers, database.base_dir, outbox={"retry": retry, **outbox}
+    )
 
 
 async def stage(config: RouterConfig, keys: list[str], name: str) -> list[str]:
@@ -64,13 +57,8 @@ def units(broker: MemoryBroker) -> list[list[str]]:
     return [[m.wire.message_id for m in unit] for unit in broker.units]
 
 
-async def statuses(url: str) -> dict[str, tuple[str, int]]:
-    conn = await asyncpg.connect(url)
-    try:
-        records = await conn.fetch("SELECT message_id::text, status, attempts FROM router_outbox")
-    finally:
-        await conn.close()
-    return {r[0]: (r[1], r[2]) for r in records}
+async def statuses(database: Database) -> dict[str, tuple[str, int]]:
+    return {r["message_id"]: (r["status"], r["attempts"]) for r in await database.rows()}
 
 
 async def until(condition: Callable[[], Any], timeout: float = 10) -> None:
@@ -81,10 +69,10 @@ async def until(condition: Callable[[], Any], timeout: float = 10) -> None:
 
 
 async def test_a_claim_that_cuts_a_transaction_claims_on_and_sends_it_whole(
-    url: str, tmp_path: Path
+    database: Database,
 ) -> None:
     # Batches of two: the first claim takes two of the first transaction's four rows.
-    config = config_of(url, tmp_path, batch_size=2)
+    config = config_of(database, batch_size=2)
     first = await stage(config, ["a", "b", "c", "d"], "t1")
     second = await stage(config, ["e"], "t2")
     runner, broker = serve(config)
@@ -97,11 +85,11 @@ async def test_a_claim_that_cuts_a_transaction_claims_on_and_sends_it_whole(
 
 
 async def test_a_unit_waits_behind_another_transactions_failed_row_of_its_stream(
-    url: str, tmp_path: Path
+    database: Database,
 ) -> None:
     """t1's row on ``a`` fails once (retryable); t2 staged rows on ``b`` and ``a``: neither goes,
     not even ``b``'s, until t1's row is stored; then t2 goes whole, after it."""
-    config = config_of(url, tmp_path)
+    config = config_of(database)
     [late] = await stage(config, ["a"], "t1")
     second = await stage(config, ["b", "a"], "t2")
     failures = [late]
@@ -121,16 +109,16 @@ async def test_a_unit_waits_behind_another_transactions_failed_row_of_its_stream
     assert units(broker) == [[late], second]
     tried = [m.wire.message_id for m in broker.attempts]
     assert tried == [late, late, *second]  # t2's rows were never sent before t1's retry
-    assert {status for status, _ in (await statuses(url)).values()} == {"published"}
+    assert {status for status, _ in (await statuses(database)).values()} == {"published"}
 
 
 async def test_a_held_unit_goes_only_once_every_member_is_released(
-    url: str, tmp_path: Path
+    database: Database,
 ) -> None:
     """``ordering: hold``: t1 (rows on ``a`` and ``b``) is refused for good: both rows are held.
     Releasing ``a`` alone sends nothing (``b`` still holds the unit); releasing ``b`` too sends
     the unit whole, once the broker takes it."""
-    config = config_of(url, tmp_path, broker={"ordering": "hold"})
+    config = config_of(database, broker={"ordering": "hold"})
     first = await stage(config, ["a", "b"], "t1")
     refusing = True
 
@@ -142,14 +130,17 @@ async def test_a_held_unit_goes_only_once_every_member_is_released(
     try:
 
         async def held() -> bool:
-            return {s for s, _ in (await statuses(url)).values()} == {"held"}
+            return {s for s, _ in (await statuses(database)).values()} == {"held"}
 
         await until(held)
         refusing = False
         await release(config, "events", "a", reason="test", actor="test")
         await asyncio.sleep(1.0)  # time for a claim and a publish, were either to happen
         assert broker.units == []
-        assert (await statuses(url))[first[0]] == ("pending", 0)  # released afresh, untried since
+        assert (await statuses(database))[first[0]] == (
+            "pending",
+            0,
+        )  # released afresh, untried since
         await release(config, "events", "b", reason="test", actor="test")
         await broker.wait_for(2)
     finally:

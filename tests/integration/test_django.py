@@ -104,7 +104,7 @@ class Project:
         return [int(row["id"]) for row in found]
 
 
-def write_config(database: Database) -> None:
+def write_config(database: Database, brokers: dict[str, Any] = MEMORY_BROKERS) -> None:
     """``config.yaml`` with this database as ``main`` and another of its kind as ``archive``,
     so the Django alias must be matched to ``main`` by where it points."""
     archive = (
@@ -115,7 +115,7 @@ def write_config(database: Database) -> None:
     config = {
         "service": "shop",
         "databases": {"archive": archive, "main": database.url},
-        "brokers": MEMORY_BROKERS,
+        "brokers": brokers,
         "http": {"enabled": False},
     }
     (database.base_dir / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
@@ -168,6 +168,24 @@ async def test_an_order_and_its_event_commit_together(project: Project) -> None:
     envelope = rows[0]["envelope"]
     assert envelope["payload"] == {"order_id": str(order), "total": "9.50", "note": None}
     assert envelope["correlation_id"] == "req-1"
+
+
+async def test_each_outermost_atomic_block_is_one_unit(project: Project) -> None:
+    """With ``atomic: true``: a decorated view's two calls are two units; one block with a
+    savepoint rolled back between its two orders is one."""
+    database = project.database
+    atomic = {**MEMORY_BROKERS, "events": {**MEMORY_BROKERS["events"], "atomic": True}}
+    write_config(database, atomic)
+    done = project.run("migrate", "units")["units"]
+    xid = {"postgresql": "xid::text", "mysql": "CAST(xid AS CHAR)"}.get(database.kind, "xid")
+    found = await database.fetch(
+        f"SELECT message_id, {xid} AS xid FROM router_outbox WHERE target = 'events'"
+    )
+    unit = {str(r["message_id"]): r["xid"] for r in found}
+    assert len(unit) == 4 and None not in unit.values()
+    [first], [second], both = done["first"], done["second"], done["both"]
+    assert len({unit[first], unit[second], unit[both[0]]}) == 3
+    assert unit[both[0]] == unit[both[1]]
 
 
 async def test_an_exception_in_the_block_leaves_neither(project: Project) -> None:

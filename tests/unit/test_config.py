@@ -290,16 +290,10 @@ def test_atomic_is_taken_on_a_broker_with_an_atomic_write(kind: str) -> None:
 
 
 @pytest.mark.parametrize("url", ["sqlite:///x.db", "mysql://root@db/shop"])
-def test_atomic_is_refused_on_a_database_that_does_not_record_transactions(url: str) -> None:
+def test_atomic_is_taken_on_every_database(url: str) -> None:
+    """MySQL/MariaDB and SQLite record each row's transaction too (migration 0019)."""
     text = (ATOMIC % ("redis", "")).replace("postgresql://app@db/shop", url)
-    kind = "sqlite" if url.startswith("sqlite") else "mysql"
-    assert (
-        "databases.main: broker(s) ['partner'] have atomic: true, which needs each row's "
-        f"transaction; the relay knows it on PostgreSQL only, not on {kind}"
-    ) in problems(text)
-    # Listing only the other brokers for that database is enough.
-    text = text.replace(f'main: "{url}"', f'main: {{url: "{url}", brokers: [events]}}')
-    assert not parse_config(text, env={}).brokers_of("main").get("partner")
+    assert parse_config(text, env={}).brokers_of("main")["partner"].atomic
 
 
 def test_two_internal_brokers_are_refused() -> None:

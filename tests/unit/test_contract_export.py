@@ -109,7 +109,7 @@ def test_an_atomic_partner_is_told_its_units_and_their_batch_headers() -> None:
         "Atomic: the events one transaction commits for this partner arrive as one unit"
         in (ledger["description"])
     )
-    assert "Nats-Batch-Id, at contiguous stream sequences" in ledger["description"]
+    assert "each transaction's messages in one batch (Nats-Batch-Id" in ledger["description"]
     assert "Atomic" not in billing["description"]
     messages = document["components"]["messages"]
     headers = messages["ledger.priced.v1"]["headers"]

@@ -5,15 +5,21 @@
 ``router.write.drivers.sync_driver`` imports it by name for a connection of Django's, so
 neither Django nor this package is loaded for an application that stages on another.
 Imports no Django: it works on the connection it is given.
+
+A target with ``atomic: true`` publishes the rows of one transaction (the outermost
+``transaction.atomic()`` block) as one unit; ``DjangoDriver.unit`` says which.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from envelopes import StagingError
 from router.write.drivers import AUTOCOMMIT, dbapi_execute, in_pipeline, psycopg_execute
 from router.write.statements import Copy, Statement
+from router.write.units import Unit, transaction_unit
 
 __all__ = ["DjangoDriver"]
 
@@ -68,6 +74,22 @@ class DjangoDriver:
             cursor.execute(sql)
             return cursor.fetchone()[0]
 
+    def unit(self) -> Unit:
+        """The unit of the connection's outermost atomic block.
+
+        Not the block's ``Atomic`` object: a view decorated with ``transaction.atomic``
+        enters the same one on every request. The key is a no-op commit hook registered in
+        the transaction, which lives exactly as long as it: its commit runs the hooks and
+        drops them, its rollback drops them. Registered outside every savepoint (no savepoint
+        ids), so a savepoint rolled back keeps it, as the transaction goes on."""
+        connection = self.connection
+        hook = _hooks.get(connection)
+        if hook is None or not any(entry[1] is hook for entry in connection.run_on_commit):
+            hook = _hooks[connection] = _noop()
+            connection.on_commit(hook)
+            connection.run_on_commit[-1][0].clear()  # its savepoint ids: none
+        return transaction_unit(hook)
+
     def _psycopg(self) -> Any:
         """The psycopg 3 connection under Django's PostgreSQL one, or None."""
         if self.dialect != "postgresql":
@@ -75,3 +97,17 @@ class DjangoDriver:
         self.connection.ensure_connection()
         raw = self.connection.connection
         return raw if type(raw).__module__.partition(".")[0] == "psycopg" else None
+
+
+# Per Django connection (one per alias and thread), the commit hook that stands for its open
+# transaction (``DjangoDriver.unit``).
+_hooks: weakref.WeakKeyDictionary[Any, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def _noop() -> Callable[[], None]:
+    """A new function object that does nothing: a transaction's key."""
+
+    def hook() -> None:
+        return None
+
+    return hook

@@ -48,7 +48,7 @@ them, whatever their due time."""
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
 # tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
-SCHEMA_REVISION = "0018"
+SCHEMA_REVISION = "0019"
 
 
 def schema_problem(database: str, revision: str | None) -> SchemaError | None:
@@ -262,8 +262,8 @@ class OutboxStore(Protocol):
 
         ``units`` (a target with ``atomic``): each row comes with its unit, and the claim
         takes more rows past ``limit`` to complete the units it cut; a unit it still could
-        not complete has its rows ``whole=False``. PostgreSQL only (the config refuses
-        ``atomic`` elsewhere); the other stores raise ``ConfigError``.
+        not complete has its rows ``whole=False`` (``router.relay.store.units``, one loop
+        for every store).
         """
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:

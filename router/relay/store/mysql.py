@@ -33,7 +33,7 @@ import asyncmy
 from asyncmy.cursors import Cursor
 from asyncmy.errors import MySQLError
 
-from envelopes import ConfigError, DatabaseError
+from envelopes import DatabaseError
 from router.relay.pumps import Overlapping
 from router.relay.store import mysql_sql as sql
 from router.relay.store.base import (
@@ -49,6 +49,7 @@ from router.relay.store.base import (
     schema_problem,
 )
 from router.relay.store.outage import Outage
+from router.relay.store.units import complete_units
 
 __all__ = ["MysqlStore", "unsupported_server"]
 
@@ -122,9 +123,8 @@ class MysqlStore:
         *,
         units: bool = False,
     ) -> Claim:
-        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
-        if units:  # the config refuses atomic targets on this database (RouterConfig)
-            raise ConfigError(f"{self.name}: atomic targets need a PostgreSQL database")
+        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order;
+        ``units``: see ``OutboxStore.claim`` (``router.relay.store.units``)."""
         token = new_token()
         candidates = await self._candidates(target, limit)
         if not candidates:  # an idle target costs this one statement
@@ -138,23 +138,54 @@ class MysqlStore:
             candidates = await self._candidates(target, limit, cursor)
             if not candidates:
                 return Claim(token, [])
-            seqs = [seq for seq, _ in candidates]
-            await cursor.execute(sql.LOCK_ROWS.format(seqs=sql.in_list(len(seqs))), [target, *seqs])
-            records = _in_stream_order(candidates, await cursor.fetchall())
-            if records:
-                leased = [r[0] for r in records]
+            held_back: set[str] = set()
+            rows = await self._lock_rows(cursor, target, candidates, held_back)
+            if units and rows:
+                await self._units(cursor, target, rows, held_back)
+            if rows:
+                leased = [r.seq for r in rows]
                 await cursor.execute(
                     sql.LEASE.format(seqs=sql.in_list(len(leased))),
                     [worker, token, round(lease_seconds * 1_000_000), *leased],
                 )
-            rows = [
-                ClaimedRow(r[0], r[1], r[2], r[3], r[4] + 1, r[5], _epoch(r[6])) for r in records
-            ]
             keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
             if gaps and keys:
                 await cursor.execute(sql.gaps_of(len(keys)), [target, *keys])
                 name_gaps(rows, await cursor.fetchall())
         return Claim(token, rows)
+
+    async def _lock_rows(
+        self,
+        cursor: Cursor,
+        target: str,
+        candidates: Sequence[tuple[int, str | None]],
+        held_back: set[str],
+    ) -> list[ClaimedRow]:
+        """Lock the candidates a claim may take (``_in_stream_order``; ``held_back``: the
+        streams it passed over, now and in earlier steps of the claim), in outbox order."""
+        seqs = [seq for seq, _ in candidates]
+        await cursor.execute(sql.LOCK_ROWS.format(seqs=sql.in_list(len(seqs))), [target, *seqs])
+        records = _in_stream_order(candidates, await cursor.fetchall(), held_back)
+        return [ClaimedRow(r[0], r[1], r[2], r[3], r[4] + 1, r[5], _epoch(r[6])) for r in records]
+
+    async def _units(
+        self, cursor: Cursor, target: str, rows: list[ClaimedRow], held_back: set[str]
+    ) -> None:
+        """An atomic target's claim made whole before its lease (``complete_units``): its
+        own rows, still pending, hold no later row of their streams back."""
+
+        async def count(seqs: Sequence[int]) -> list[Any]:
+            await cursor.execute(sql.UNITS.format(seqs=sql.in_list(len(seqs))), list(seqs))
+            return list(await cursor.fetchall())
+
+        async def claim_on(after: int, limit: int) -> list[ClaimedRow]:
+            await cursor.execute(sql.CANDIDATES_AFTER, [target, after, target, limit] * 3 + [limit])
+            candidates = list(await cursor.fetchall())
+            if not candidates:
+                return []
+            return await self._lock_rows(cursor, target, candidates, held_back)
+
+        await complete_units(rows, count, claim_on)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
         """An UPDATE per kind of outcome, each fenced by the claim's token.
@@ -551,12 +582,12 @@ def _binlog_package_missing() -> str | None:
 
 
 def _in_stream_order(
-    candidates: Sequence[tuple[int, str | None]], locked: Sequence[Any]
+    candidates: Sequence[tuple[int, str | None]], locked: Sequence[Any], held_back: set[str]
 ) -> list[Any]:
     """The locked rows a claim may lease: once a candidate of a stream was skipped (another
-    transaction holds it) or is no longer due, the stream's later candidates wait too."""
+    transaction holds it) or is no longer due, the stream's later candidates wait too
+    (``held_back``, which this adds those streams to)."""
     by_seq = {record[0]: record for record in locked}
-    held_back: set[str] = set()
     leased = []
     for seq, key in candidates:
         record = by_seq.get(seq)

@@ -16,8 +16,11 @@ statements in one transaction here, run by ``router.relay.store.mysql.MysqlStore
    claim that committed a moment ago.
 3. ``LOCK_ROWS``: the candidates again by primary key, ``FOR UPDATE SKIP LOCKED``, each still
    open and due: any number of processors never hold the same row, nor wait on each other.
-4. ``LEASE``: the lease, fenced by the claim's token.
-5. ``gaps_of``, only when step 1 found the target has gaps and some leased row has a stream
+4. On a target with ``atomic``: ``UNITS``, each row's unit, and while the claim holds part of
+   one, ``CANDIDATES_AFTER`` and ``LOCK_ROWS`` again past its last row
+   (``router.relay.store.units``).
+5. ``LEASE``: the lease, fenced by the claim's token.
+6. ``gaps_of``, only when step 1 found the target has gaps and some leased row has a stream
    key: the gaps before those rows (docs/guarantees.md). A target without gaps pays no
    statement more.
 
@@ -41,6 +44,7 @@ from router._schema import (
     IX_OUTBOX_DUE,
     IX_OUTBOX_PUBLISHED,
     IX_OUTBOX_STREAM,
+    IX_OUTBOX_UNIT,
     OUTBOX,
     TARGETS,
 )
@@ -48,6 +52,7 @@ from router.relay.store.base import OPEN_STATUSES_SQL as _OPEN
 
 __all__ = [
     "CANDIDATES",
+    "CANDIDATES_AFTER",
     "CHECK_SCHEMA",
     "ENSURE_TARGET",
     "EXTEND",
@@ -67,6 +72,7 @@ __all__ = [
     "RECORD_GAPS",
     "RELEASE",
     "SESSION",
+    "UNITS",
     "WATCH",
     "close_gaps",
     "gaps_of",
@@ -129,12 +135,12 @@ _IN_ORDER = f"""\
                AND {_NONE_SET_ASIDE})"""
 
 
-def _due(status: str, due_column: str, indexes: str) -> str:
+def _due(status: str, due_column: str, indexes: str, after: str) -> str:
     # One status at a time, each in ix_router_outbox_claim's order (target, status, seq): with
     # no partial index, this is how a claim skips the published history instead of walking it.
     return f"""
     (SELECT o.seq, o.stream_key FROM {OUTBOX} o {indexes}
-     WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6)
+     WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6){after}
 {_IN_ORDER}
      ORDER BY o.seq LIMIT %s)"""
 
@@ -144,15 +150,39 @@ _CLAIM_ORDER = f"FORCE INDEX ({IX_OUTBOX_CLAIM})"
 # once, however many wait): whichever the statistics make cheaper.
 _FAILED = f"USE INDEX ({IX_OUTBOX_CLAIM}, {IX_OUTBOX_DUE})"
 
-# The first `limit` due rows of each open status, then the first `limit` of those: the rows
-# the PostgreSQL claim would pick. Parameters: (target, target, limit) three times, then limit.
-CANDIDATES = f"""
-SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at", _CLAIM_ORDER)}
-    UNION ALL {_due("failed", "available_at", _FAILED)}
-    UNION ALL {_due("processing", "locked_until", _CLAIM_ORDER)}
+
+def _candidates(after: str = "") -> str:
+    return f"""
+SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at", _CLAIM_ORDER, after)}
+    UNION ALL {_due("failed", "available_at", _FAILED, after)}
+    UNION ALL {_due("processing", "locked_until", _CLAIM_ORDER, after)}
 ) AS c
 ORDER BY c.seq
 LIMIT %s
+"""
+
+
+# The first `limit` due rows of each open status, then the first `limit` of those: the rows
+# the PostgreSQL claim would pick. Parameters: (target, target, limit) three times, then limit.
+CANDIDATES = _candidates()
+
+# The same after a seq: the rows an atomic target's claim takes on to complete the units it
+# cut (``router.relay.store.units``), before it leases any, so that its own rows, still
+# pending, hold no stream back. Parameters: (target, seq, target, limit) three times, then
+# limit.
+CANDIDATES_AFTER = _candidates(" AND o.seq > %s")
+
+# Each claimed row's unit (its transaction's token, NULL for a row staged without one) and
+# how many rows of the unit the target has open or set aside, in flight under another claim
+# too (then the unit is not whole here): one dive into ix_router_outbox_unit (target, xid)
+# per row; a unit's rows are few. Parameters: the seqs.
+UNITS = f"""
+SELECT m.seq, m.xid,
+    (SELECT COUNT(*) FROM {OUTBOX} u FORCE INDEX ({IX_OUTBOX_UNIT})
+     WHERE u.target = m.target AND u.xid = m.xid
+       AND u.status IN ({_OPEN}, 'held', 'parked'))
+FROM {OUTBOX} m FORCE INDEX (PRIMARY)
+WHERE m.seq IN ({{seqs}})
 """
 
 

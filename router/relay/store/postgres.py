@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
@@ -48,6 +47,7 @@ from router.relay.store.postgres_errors import DB_ERRORS
 from router.relay.store.postgres_upkeep import Upkeep
 from router.relay.store.postgres_wake import WakeLocks
 from router.relay.store.postgres_wal import Follower, LogLost, log_problem
+from router.relay.store.units import complete_units
 
 __all__ = ["CHANNEL", "PostgresStore"]
 
@@ -130,10 +130,6 @@ SELECT m.seq, m.xid::text::bigint,
 FROM {OUTBOX_QUEUE} m
 WHERE m.target = $1 AND m.seq = ANY($2::bigint[]) AND m.status IN ('pending', 'failed')
 """
-# How often a claim of an atomic target claims on to complete the units it cut, at most, and
-# the fewest rows each time.
-_UNIT_EXTENSIONS = 4
-_UNIT_EXTENSION_ROWS = 16
 
 
 def _rows(records: Sequence[Any]) -> list[ClaimedRow]:
@@ -253,37 +249,19 @@ class PostgresStore:
     async def _units(
         self, conn: Any, target: str, rows: list[ClaimedRow], worker: str, hold: float
     ) -> None:
-        """An atomic target's claim made whole, in the claim's transaction: each row gets its
-        unit (its transaction's id), and while the claim holds only part of a unit, it claims
-        on past its last row, as a claim in its run would (streams in order, held and parked
-        rows never taken), a few times at most. A unit still partly claimed then (a member
-        waits behind its stream, or is held or parked) has its rows ``whole=False``: delivery
-        sends none of them, and they are claimed again once the member can go. ``rows`` is
-        extended in place, in outbox order."""
-        unit_of: dict[int, int] = {}
-        open_rows: dict[int, int] = {}
-        new = rows[:]
-        for extension in range(_UNIT_EXTENSIONS + 1):
-            for seq, xid, count in await conn.fetch(UNITS, target, [r.seq for r in new]):
-                unit_of[seq] = xid
-                open_rows[xid] = count
-            claimed = Counter(unit_of.get(r.seq) for r in rows)
-            missing = sum(max(0, n - claimed[xid]) for xid, n in open_rows.items())
-            if not missing or extension == _UNIT_EXTENSIONS:
-                break
-            # Past the claim's last row: the missing rows, and room for the rows of other
-            # transactions staged among them.
-            after = rows[-1].seq
-            limit = max(2 * missing, _UNIT_EXTENSION_ROWS)
-            new = _rows(
+        """An atomic target's claim made whole, in the claim's transaction
+        (``router.relay.store.units``): each row's unit is its transaction's id, and the
+        claim claims on as a claim in its run would. ``rows`` is extended in place."""
+
+        async def count(seqs: Sequence[int]) -> list[Any]:
+            return list(await conn.fetch(UNITS, target, list(seqs)))
+
+        async def claim_on(after: int, limit: int) -> list[ClaimedRow]:
+            return _rows(
                 await conn.fetch(CLAIM, target, limit, worker, hold, self._async_commit, after)
             )
-            if not new:
-                break
-            rows.extend(new)
-        for row in rows:
-            row.unit = unit_of.get(row.seq)
-            row.whole = row.unit is not None and open_rows[row.unit] == claimed[row.unit]
+
+        await complete_units(rows, count, claim_on)
 
     def _held_claim(self, run: _Run, token: int, rows: list[ClaimedRow]) -> Claim:
         run.batches[token] = len(rows)

@@ -15,10 +15,11 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 
-from envelopes import ConfigError, DatabaseError
+from envelopes import DatabaseError
 from router._db import SQLITE_BUSY_TIMEOUT, sqlite_time
 from router._schema import GAPS, OUTBOX, TARGETS
 from router.relay.pumps import Overlapping
@@ -36,6 +37,7 @@ from router.relay.store.base import (
     schema_problem,
 )
 from router.relay.store.outage import Outage
+from router.relay.store.units import complete_units
 
 __all__ = ["SqliteStore"]
 
@@ -46,22 +48,24 @@ __all__ = ["SqliteStore"]
 HOLDING_BACK = "('processing', 'failed', 'held', 'parked')"
 FOR_GOOD = "9999-12-31"
 
-# SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
-# the predecessor check below always sees every earlier claim.
-CLAIM = f"""
+
+def _claim(after: str = "", own: str = "") -> str:
+    # SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
+    # the predecessor check below always sees every earlier claim.
+    return f"""
 UPDATE {OUTBOX}
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
     attempts = attempts + 1, last_attempt_at = ?, first_attempt_at = coalesce(first_attempt_at, ?)
 WHERE NOT EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = ? AND t.paused)
   AND seq IN (
     SELECT o.seq FROM {OUTBOX} o
-    WHERE o.target = ?
+    WHERE o.target = ?{after}
       AND o.status IN ({OPEN_STATUSES_SQL})
       AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?
       AND (o.stream_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM {OUTBOX} p
             WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
-              AND p.status IN {HOLDING_BACK}
+              AND p.status IN {HOLDING_BACK}{own}
               AND CASE WHEN p.status = 'processing' THEN p.locked_until
                        WHEN p.status = 'failed' THEN p.available_at
                        ELSE '{FOR_GOOD}' END > ?))
@@ -71,6 +75,32 @@ WHERE NOT EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = ? AND t.paused)
 RETURNING seq, message_id, destination, envelope, attempts, stream_key, created_at,
     EXISTS (SELECT 1 FROM {GAPS} g WHERE g.target = ?)
 """
+
+
+CLAIM = _claim()
+# The same after a seq, for an atomic target's claim that completes the units it cut
+# (``router.relay.store.units``): its own rows, leased a moment ago (its token), hold no later
+# row of their streams back. Parameters: CLAIM's, with the seq after the second target and
+# the token before the second stamp.
+CLAIM_AFTER = _claim(" AND o.seq > ?", " AND NOT (p.status = 'processing' AND p.lease_token = ?)")
+
+
+# Each claimed row's unit (its transaction's token, NULL for a row staged without one) and
+# how many rows of the unit the target has open or set aside, in flight under another claim
+# too (then the unit is not whole here): ix_router_outbox_unit (target, xid), partial on
+# ``xid IS NOT NULL``, which the equality implies. Parameters: the seqs.
+def units_of(count: int) -> str:
+    """``UNITS`` for ``count`` seqs."""
+    return f"""
+SELECT m.seq, m.xid,
+    (SELECT count(*) FROM {OUTBOX} u
+     WHERE u.target = m.target AND u.xid = m.xid
+       AND u.status IN ({OPEN_STATUSES_SQL}, 'held', 'parked'))
+FROM {OUTBOX} m
+WHERE m.seq IN ({", ".join(["?"] * count)})
+"""
+
+
 # The last column: whether the target has any gap marker (docs/guarantees.md). Uncorrelated,
 # so SQLite runs it once per claim (one probe of router_gaps' primary key), not per row; only
 # when it says yes are the claimed streams' gaps read (GAPS), in the claim's transaction.
@@ -209,6 +239,13 @@ WHERE target = ? AND status IN ('failed', 'processing')
 """
 
 
+def _rows(records: Sequence[Any]) -> list[ClaimedRow]:
+    """The rows of a claim's records, in outbox order."""
+    rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
+    rows.sort(key=lambda r: r.seq)
+    return rows
+
+
 class SqliteStore:
     """One aiosqlite connection shared by a database's processors, one transaction at a time."""
 
@@ -234,27 +271,43 @@ class SqliteStore:
         *,
         units: bool = False,
     ) -> Claim:
-        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order."""
-        if units:  # the config refuses atomic targets on this database (RouterConfig)
-            raise ConfigError(f"{self.name}: atomic targets need a PostgreSQL database")
+        """Lease up to ``limit`` due rows of ``target``, oldest first, streams in order;
+        ``units``: see ``OutboxStore.claim`` (``router.relay.store.units``)."""
         token = new_token()
         now = datetime.now(UTC)
         until = sqlite_time(now + timedelta(seconds=lease_seconds))
         stamp = sqlite_time(now)
+        claimed = (worker, token, until, stamp, stamp, target, target)
         async with self._transaction() as db:
             await db.execute(PARK_BEHIND, (target, target, limit, target))
-            cursor = await db.execute(
-                CLAIM,
-                (worker, token, until, stamp, stamp, target, target, stamp, stamp, limit, target),
-            )
+            cursor = await db.execute(CLAIM, (*claimed, stamp, stamp, limit, target))
             records = list(await cursor.fetchall())
-            rows = [ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], _epoch(r[6])) for r in records]
+            rows = _rows(records)
+            if units and rows:
+                await self._units(db, rows, (*claimed, stamp, token, stamp))
             keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
             if keys and records[0][7]:  # the target has gaps: which are before these rows
                 cursor = await db.execute(gaps_of(len(keys)), (target, *keys))
                 name_gaps(rows, [(r[0], r[1], r[2]) for r in await cursor.fetchall()])
-        rows.sort(key=lambda r: r.seq)
         return Claim(token, rows)
+
+    async def _units(
+        self, db: aiosqlite.Connection, rows: list[ClaimedRow], claimed: tuple[object, ...]
+    ) -> None:
+        """An atomic target's claim made whole (``complete_units``): ``claimed`` is
+        ``CLAIM_AFTER``'s parameters before the seq (the first seven) and after it (the stamp,
+        the token, the stamp); the limit and the target follow."""
+        before, since, target = claimed[:7], claimed[7:], claimed[6]
+
+        async def count(seqs: Sequence[int]) -> list[Any]:
+            found = await db.execute(units_of(len(seqs)), tuple(seqs))
+            return list(await found.fetchall())
+
+        async def claim_on(after: int, limit: int) -> list[ClaimedRow]:
+            found = await db.execute(CLAIM_AFTER, (*before, after, *since, limit, target))
+            return _rows(list(await found.fetchall()))
+
+        await complete_units(rows, count, claim_on)
 
     async def mark(self, target: str, token: int, marks: Marks) -> None:
         """Write back a batch's outcomes in one transaction."""

@@ -78,6 +78,31 @@ def commit() -> dict[str, Any]:
     return {"order": order, "ids": ids}
 
 
+def units() -> dict[str, Any]:
+    """Orders in three transactions: two calls of a view decorated with
+    ``transaction.atomic`` (one ``Atomic`` object, entered afresh by each call), then one
+    block with an order before and after a savepoint that rolls back its own order."""
+    from django.db import transaction
+
+    block = transaction.atomic()  # as @transaction.atomic makes one for a view
+
+    def view() -> list[str]:
+        with block:
+            return _place()[1]
+
+    first, second = view(), view()
+    with transaction.atomic():
+        both = _place()[1]
+        try:
+            with transaction.atomic():  # a savepoint
+                _place()
+                raise RuntimeError("inner")
+        except RuntimeError:
+            pass
+        both += _place()[1]
+    return {"first": first, "second": second, "both": both}
+
+
 def rollback() -> dict[str, Any]:
     """An order and its event in a block that raises."""
     from django.db import transaction
@@ -248,6 +273,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "refused": refused,
     "commit": commit,
     "rollback": rollback,
+    "units": units,
     "outside": outside,
     "other": other,
     "init_db": init,
