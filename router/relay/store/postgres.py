@@ -117,18 +117,18 @@ SELECT extract(epoch FROM (SELECT min(available_at) FROM {OUTBOX_QUEUE}
 """
 
 
-# The units of an atomic target's claimed rows (``PostgresStore._units``): each row's
-# transaction, and how many rows of it the target has open or set aside (a unit is whole in
-# a claim only when it holds them all). ix_router_outbox_unit (migration 0018) serves the
-# count: its predicate, word for word. One count per row, not per unit: a unit's rows are
-# few, and a statement of one level is cheaper to plan than a DISTINCT and a join.
-UNITS = f"""
-SELECT m.seq, m.xid::text::bigint,
+# How many rows of each of an atomic target's units (their xids) the target has open or set
+# aside: a unit is whole in a claim only when it holds them all. One dive into
+# ix_router_outbox_unit (0018) per unit, with its predicate word for word; the claim gave each
+# row's xid (0020). A dive per unit, not ``xid = ANY(...)``: PostgreSQL took the array only as
+# a filter over the index's entries of the target, every queued row of it (29 ms for 170
+# units on a 6,000-row backlog, against 1 ms).
+UNIT_ROWS = f"""
+SELECT x.id,
        (SELECT count(*) FROM {OUTBOX_QUEUE} u
-        WHERE u.target = $1 AND u.xid = m.xid
+        WHERE u.target = $1 AND u.xid = x.id::text::xid8
           AND u.status IN ('pending', 'failed', 'held', 'parked'))
-FROM {OUTBOX_QUEUE} m
-WHERE m.target = $1 AND m.seq = ANY($2::bigint[]) AND m.status IN ('pending', 'failed')
+FROM unnest($2::bigint[]) AS x(id)
 """
 
 
@@ -138,7 +138,8 @@ def _rows(records: Sequence[Any]) -> list[ClaimedRow]:
     if not records or records[0][0] is None:
         return []
     rows = [
-        ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(r[7] or ())) for r in records
+        ClaimedRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(r[8] or ()), unit=r[7])
+        for r in records
     ]
     rows.sort(key=lambda r: r.seq)  # a CTE's order is not promised
     return rows
@@ -253,13 +254,19 @@ class PostgresStore:
         (``router.relay.store.units``): each row's unit is its transaction's id, and the
         claim claims on as a claim in its run would. ``rows`` is extended in place."""
 
-        async def count(seqs: Sequence[int]) -> list[Any]:
-            return list(await conn.fetch(UNITS, target, list(seqs)))
+        unit_of = {row.seq: row.unit for row in rows}  # the claim's xids (0020)
+
+        async def count(seqs: Sequence[int]) -> list[tuple[int, int | None, int]]:
+            units = sorted({u for seq in seqs if (u := unit_of[seq]) is not None})
+            totals = dict(list(await conn.fetch(UNIT_ROWS, target, units))) if units else {}
+            return [(seq, unit_of[seq], totals.get(unit_of[seq], 0)) for seq in seqs]
 
         async def claim_on(after: int, limit: int) -> list[ClaimedRow]:
-            return _rows(
+            more = _rows(
                 await conn.fetch(CLAIM, target, limit, worker, hold, self._async_commit, after)
             )
+            unit_of.update((row.seq, row.unit) for row in more)
+            return more
 
         await complete_units(rows, count, claim_on)
 

@@ -18,6 +18,10 @@ Since 0017 a stream's head that its target's ``ordering`` keeps (``held``, or ``
 the rest of its stream) holds back the later rows of its stream as a failed row does, for as
 long as it stays so; the mark writes those outcomes, and parks a parked head's followers; the
 claim parks the rows it finds staged behind a parked row since.
+
+Since 0020 the claim returns each row's transaction id (``xid``): the unit an atomic target
+publishes its rows in (``router.relay.store.units``), read with the row at no cost instead of
+looked up again by seq, which on the partitioned queue no index serves by seq alone.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ CREATE OR REPLACE FUNCTION {FN_CLAIM}(p_target text, p_limit integer, p_worker t
                                         p_after bigint)
 RETURNS TABLE (seq bigint, message_id text, destination text, envelope text,
                attempts integer, stream_key text, created_at double precision,
-               skipped text[])
+               xid bigint, skipped text[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
@@ -128,7 +132,8 @@ BEGIN
     -- Busy while finished queue slots are being emptied ({RING}.gate_until).
     IF EXISTS (SELECT 1 FROM {RING} r WHERE r.id AND r.gate_until > clock_timestamp()) THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
-                            NULL::text, NULL::double precision, NULL::text[];
+                            NULL::text, NULL::double precision, NULL::bigint,
+                            NULL::text[];
         RETURN;
     END IF;
 """
@@ -136,7 +141,8 @@ BEGIN
     -- Batches of one target take turns: busy (a NULL seq) while another is in flight.
     IF NOT pg_try_advisory_xact_lock({CLAIM_LOCK_NAMESPACE}, hashtext(p_target)) THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::integer,
-                            NULL::text, NULL::double precision, NULL::text[];
+                            NULL::text, NULL::double precision, NULL::bigint,
+                            NULL::text[];
         RETURN;
     END IF;
 """
@@ -207,7 +213,8 @@ BEGIN
     RETURN QUERY
     WITH picked AS (
         SELECT o.seq, o.message_id::text, o.destination, o.envelope::text, o.attempts + 1,
-               o.stream_key, extract(epoch FROM o.created_at)::double precision
+               o.stream_key, extract(epoch FROM o.created_at)::double precision,
+               o.xid::text::bigint
         FROM {OUTBOX_QUEUE} o
         WHERE o.target = p_target
 """
