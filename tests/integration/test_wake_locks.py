@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from router import Outbox, SyncOutbox
 from router._wakeup import CHANNEL, WAKE_LOCK_NAMESPACE
 from router.ops.outbox import set_paused
+from router.relay.store.postgres_wake import PENDING, WakeLocks
 from tests.conftest import make_config
 from tests.integration.events import OrderPlaced
 from tests.integration.wake_relay import ONE_TARGET, Relay
@@ -267,3 +268,68 @@ async def test_a_rate_limited_relay_with_rows_waiting_holds_no_wake_lock(
         assert await heard_within(listening, 0.3) == []
     finally:
         await relay.runner.shutdown()
+
+
+async def test_a_relay_idle_again_while_its_take_was_undone_takes_the_lock_anew(
+    pg_url: str,
+) -> None:
+    """The race a relay under load met about once in ten runs of test_wake_random: it goes
+    idle (a take starts), a commit wakes it while the take looks for rows (``busy`` gives
+    back what the take just got), it claims, finds nothing, and goes idle again while the
+    first take is still finishing. That take ends without the lock; the relay waited with no
+    lock held, so no stager notified it, until its poll an hour later. It must take the lock
+    anew, and hold it."""
+    conn = await asyncpg.connect(pg_url)
+    looking = asyncio.Event()
+    go_on = asyncio.Event()
+
+    class SlowLook:
+        """The LISTEN connection, its look for rows held until ``go_on``."""
+
+        async def execute(self, query: str, *args: object) -> object:
+            return await conn.execute(query, *args)
+
+        async def fetchval(self, query: str, *args: object) -> object:
+            if query == PENDING:  # the take's look for rows, right after it got the lock
+                looking.set()
+                await go_on.wait()
+            return await conn.fetchval(query, *args)
+
+    locks = WakeLocks("main")
+    woken: list[set[str] | None] = []
+    locks.attach(SlowLook(), woken.append)
+    try:
+        await locks.idle("events")
+        await asyncio.wait_for(looking.wait(), 5)
+        locks.busy("events")  # woken by a commit: the lock the take got goes back
+        await locks.idle("events")  # nothing to claim: idle again, the first take unfinished
+        go_on.set()
+        deadline = time.monotonic() + 5
+        while not await holds_wake_lock(pg_url, conn, "events"):
+            assert time.monotonic() < deadline, "the idle relay holds no wake lock"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # and keeps it: nothing left to undo it
+        assert await holds_wake_lock(pg_url, conn, "events")
+    finally:
+        locks.detach()
+        await conn.close()
+
+
+async def holds_wake_lock(url: str, relay: asyncpg.Connection, target: str) -> bool:
+    """Whether ``relay``'s session holds ``target``'s wake lock, as another session sees it."""
+    other = await asyncpg.connect(url)
+    try:
+        pid = relay.get_server_pid()
+        return bool(
+            await other.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                " AND classid = $1::oid AND objid = (hashtext($2)::bigint & 4294967295)::oid"
+                " AND objsubid = 2 AND pid = $3 AND granted)",
+                WAKE_LOCK_NAMESPACE,
+                target,
+                pid,
+            )
+        )
+    finally:
+        await other.close()

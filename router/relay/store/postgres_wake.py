@@ -92,7 +92,8 @@ class WakeLocks:
         self._conn: Any = None  # the LISTEN connection while it is up
         self._wake: Wake | None = None
         self._held: set[str] = set()
-        self._taking: set[str] = set()
+        self._wanted: set[str] = set()  # targets whose processor waits idle: lock them
+        self._queued: set[str] = set()  # a take spawned and not started yet
         self._looking: set[str] = set()  # woken to look once more: not busy for that
         self._waits_bounded: Any = None  # the connection whose lock_timeout is WAIT
         self._ops = asyncio.Lock()  # one statement at a time on the connection
@@ -102,29 +103,38 @@ class WakeLocks:
         """``conn`` listens now: idle processors take their locks on it; ``wake`` wakes the
         processors of some targets."""
         self._conn, self._wake = conn, wake
-        self._held, self._taking, self._looking = set(), set(), set()
+        self._reset()
 
     def detach(self) -> None:
         """The LISTEN connection is gone, and every lock with it."""
         self._conn = None
-        self._held, self._taking, self._looking = set(), set(), set()
+        self._reset()
+
+    def _reset(self) -> None:
+        """A new LISTEN connection, or none: no lock is held (``attach`` wakes everyone, and
+        each processor that finds nothing says it is idle again)."""
+        self._held, self._wanted, self._queued, self._looking = set(), set(), set(), set()
 
     async def idle(self, target: str) -> float | None:
         """``target``'s processor found nothing to claim and waits: take its wake lock, in
-        the background. Always None: the processor waits for a wake-up alone."""
-        if self._conn is not None and target not in self._held | self._taking:
-            self._taking.add(target)
+        the background. Always None: the processor waits for a wake-up alone.
+
+        A take already under way may end without the lock: the processor was busy meanwhile
+        (``busy`` gave back what the take had just got), and is idle again now. So a new
+        take is queued behind it (and behind that give-back) unless one is queued already;
+        each take checks, in its turn, that the lock is still wanted and not held."""
+        self._wanted.add(target)
+        if self._conn is not None and target not in self._held | self._queued:
+            self._queued.add(target)
             self._spawn(self._go_idle(self._conn, target))
         return None
 
     async def _go_idle(self, conn: Any, target: str) -> None:
-        try:
-            async with self._ops:
-                if conn is not self._conn:
-                    return
-                look = await self._take(conn, target)
-        finally:
-            self._taking.discard(target)
+        async with self._ops:
+            self._queued.discard(target)
+            if conn is not self._conn or target not in self._wanted or target in self._held:
+                return  # gone, woken meanwhile, or taken by an earlier take
+            look = await self._take(conn, target)
         if look and self._wake is not None:
             self._looking.add(target)
             self._wake({target})
@@ -160,6 +170,7 @@ class WakeLocks:
         if target in self._looking:  # the look once more, not new work: keep the lock
             self._looking.discard(target)
             return
+        self._wanted.discard(target)
         if target not in self._held:
             return
         self._held.discard(target)
