@@ -154,11 +154,20 @@ class AckInbox:
         window.remaining += 1
         return self._prefix + token
 
+    def unanswered(self, window: AckWindow) -> None:
+        """The next message of ``window`` goes without a reply subject (a member of an atomic
+        batch between its first and its commit): taken in as far as this window can tell."""
+        window.results.append(STAGED)
+        window.tokens.append("")
+
     def withdraw(self, window: AckWindow) -> None:
-        """The last message ``expect`` was called for is not sent after all."""
-        del self._waiting[window.tokens.pop()]
+        """The last message ``expect`` (or ``unanswered``) was called for is not sent after
+        all."""
+        token = window.tokens.pop()
         window.results.pop()
-        window.remaining -= 1
+        if token:
+            del self._waiting[token]
+            window.remaining -= 1
 
     def forget(self, window: AckWindow) -> None:
         """Stop waiting for the window's missing answers (timed out, or connection lost)."""

@@ -265,7 +265,7 @@ class NatsBroker:
         milliseconds, so a batch per unit would cap a target at a few hundred units a second.
         A batch of several units stores all of them or none, so none is seen in part; when it
         is refused (a member refused, or one of its units stored before: error 10201), each
-        of its units is sent again in a batch of its own, for its own verdict."""
+        of its units is sent again in a batch of its own, for its own verdict (``_batches``)."""
         await self.connect()
         verdicts: list[list[PublishResult] | None] = [
             unit_too_large(unit, MAX_BATCH, "JetStream batch") for unit in units
@@ -273,7 +273,7 @@ class NatsBroker:
         pending = [i for i, verdict in enumerate(verdicts) if verdict is None and units[i]]
         again = await self._batches(units, _packs(units, pending), verdicts)
         if again:
-            await self._batches(units, [[i] for i in again], verdicts)
+            await self._batches(units, [[i] for i in again], verdicts, every=True)
         return [verdict or [] for verdict in verdicts]
 
     async def _batches(
@@ -281,10 +281,15 @@ class NatsBroker:
         units: Sequence[Sequence[OutgoingMessage]],
         packs: list[list[int]],
         verdicts: list[list[PublishResult] | None],
+        every: bool = False,
     ) -> list[int]:
         """Send each pack of units (indexes into ``units``) as one batch, answers in flight,
-        and fill ``verdicts``; the units of packs of several that were refused, to send again
-        one by one."""
+        and fill ``verdicts``; the units to send again, one batch each and every member
+        answered (``every``): those of a batch that was refused. Only the first and the last
+        member of a batch are sent as requests, unless ``every``: an answer per member halves
+        what JetStream stores a second, and a member refused without one is named by no
+        answer (the commit says only that the batch is incomplete), so a refused batch is
+        sent again for the names."""
         client, acks = self._client, self._acks
         answers = AckWindow()
         frames: list[bytes] = []
@@ -294,7 +299,7 @@ class NatsBroker:
                 start, batch = len(answers.results), uuid.uuid4().hex
                 members = [message for i in pack for message in units[i]]
                 try:
-                    frames.extend(self._batch_frames(members, batch, answers))
+                    frames.extend(self._batch_frames(members, batch, answers, every))
                 except _MemberRefused as exc:
                     while len(answers.results) > start:
                         acks.withdraw(answers)
@@ -318,7 +323,8 @@ class NatsBroker:
             members = [message for i in pack for message in units[i]]
             outcome = self._unit_outcome(members, results[start : start + len(members)], batch)
             whole = all(r.ok for r in outcome) and not is_batch_stored(outcome[0])
-            if len(pack) > 1 and not whole and not any(r.unreachable for r in outcome):
+            named = every or (len(pack) == 1 and is_batch_stored(outcome[0]))
+            if not whole and not named and not any(r.unreachable for r in outcome):
                 again.extend(pack)
                 continue
             at = 0
@@ -328,10 +334,11 @@ class NatsBroker:
         return again
 
     def _batch_frames(
-        self, unit: Sequence[OutgoingMessage], batch: str, answers: AckWindow
+        self, unit: Sequence[OutgoingMessage], batch: str, answers: AckWindow, every: bool
     ) -> list[bytes]:
-        """The unit's frames, each member with its reply subject; ``_MemberRefused`` names
-        a member that cannot go as it is (a header name, its size)."""
+        """The batch's frames; ``_MemberRefused`` names a member that cannot go as it is (a
+        header name, its size). The first and the last (the commit) are sent as requests;
+        the others too with ``every``, each then answered on its own."""
         frames = []
         last = len(unit)
         max_payload = self._client.max_payload
@@ -341,7 +348,11 @@ class NatsBroker:
             headers[BATCH_SEQUENCE] = str(number)
             if number == last:
                 headers[BATCH_COMMIT] = "1"
-            reply = self._acks.expect(answers)
+            if every or number in (1, last):
+                reply = self._acks.expect(answers)
+            else:
+                reply = ""
+                self._acks.unanswered(answers)
             try:
                 body = message.wire.body
                 frames.append(_frames.frame(message.destination, reply, headers, body, max_payload))

@@ -55,9 +55,9 @@ def frame(
     size = len(head) + len(body)
     if size > max_payload:
         raise Refused(f"message too large: {size:,} bytes, the server takes {max_payload:,}")
-    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+    return b"HPUB %s %s%d %d\r\n%s%s\r\n" % (
         subject.encode(),
-        reply.encode(),
+        (reply + " ").encode() if reply else b"",
         len(head),
         size,
         head,
