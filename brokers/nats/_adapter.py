@@ -380,16 +380,12 @@ class NatsBroker:
                 retryable=False,
             )
             return [refusal] * len(unit)
-        stream, last = ack["stream"], ack["seq"]
-        first = last - len(unit) + 1
-        return [
-            PublishResult.acked(
-                orjson.dumps(
-                    {"stream": stream, "seq": first + i, "batch": batch, "count": len(unit)}
-                ).decode()
-            )
-            for i in range(len(unit))
-        ]
+        first = ack["seq"] - len(unit) + 1
+        # A receipt per member, formatted: a JSON encoder per member cost a seventh of the
+        # relay's CPU on a drain of transactions of three (the stream's name comes encoded).
+        head = '{"stream":' + orjson.dumps(ack["stream"]).decode() + ',"seq":'
+        tail = f',"batch":"{batch}","count":{len(unit)}}}'
+        return [PublishResult.acked(f"{head}{first + i}{tail}") for i in range(len(unit))]
 
     async def _send(self, client: Any, frames: list[bytes]) -> None:
         """Write frames in order; ``BrokerUnavailable`` (the connection closed) if that fails."""
