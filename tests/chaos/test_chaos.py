@@ -23,11 +23,7 @@ async def test_small_chaos_run_loses_nothing_and_keeps_every_stream_in_order(
 ) -> None:
     # The run brings its own NATS server and database server (the one it crashes): the
     # session's private PostgreSQL, asked for only here so a MariaDB run does not start it.
-    postgres: PrivatePostgres | None = None
-    if database == "postgresql":
-        postgres = request.getfixturevalue("private_postgres")
-    else:
-        require_programs("MariaDB", *MARIADB_PROGRAMS)
+    postgres = server_of(database, request, "private_postgres")
     # A few graceful stops cost the run no time (it is paced by the producers); on PostgreSQL
     # only, so the MariaDB run stays what it was. The two runs keep streams in order the two
     # ways that stop a key (#41): hold on PostgreSQL, park on MariaDB; the log runs below use
@@ -72,11 +68,7 @@ async def test_small_chaos_run_on_the_log_wake_up_survives_cut_log_connections(
     # mariadbd of the run's own with its binlog on), which the run cuts twice while the
     # producers commit, and the database crash cuts once more: the fallbacks (LISTEN, the
     # poll) must cover every gap, and nothing may be lost or overtaken.
-    postgres: PrivatePostgres | None = None
-    if database == "postgresql":
-        postgres = request.getfixturevalue("pg_logical")
-    else:
-        require_programs("MariaDB", *MARIADB_PROGRAMS)
+    postgres = server_of(database, request, "pg_logical")
     report = await run_chaos("small", tmp_path, database, postgres=postgres, wakeup="log")
     (tmp_path / f"chaos-small-{database}-log.json").write_text(
         json.dumps(report.to_json(), indent=2)
@@ -101,11 +93,7 @@ async def test_small_chaos_run_with_atomic_units_never_stores_a_transaction_in_p
     # producer transaction three events on three streams: every disruption of the small run,
     # and no copy of any member may reach the stream without the rest of its transaction.
     # PostgreSQL knows each row's transaction (xid); MariaDB has the stager's token (0019).
-    postgres: PrivatePostgres | None = None
-    if database == "postgresql":
-        postgres = request.getfixturevalue("private_postgres")
-    else:
-        require_programs("MariaDB", *MARIADB_PROGRAMS)
+    postgres = server_of(database, request, "private_postgres")
     report = await run_chaos("small", tmp_path, database, postgres=postgres, atomic=True)
     (tmp_path / f"chaos-small-atomic-{database}.json").write_text(
         json.dumps(report.to_json(), indent=2)
@@ -114,6 +102,18 @@ async def test_small_chaos_run_with_atomic_units_never_stores_a_transaction_in_p
     assert_small_run_passed(report, graceful=0)
     assert report.units >= report.committed // 3 - 8  # a producer's last may be shorter
     assert report.units_in_part == 0, report.units_in_part_ids
+
+
+def server_of(
+    database: str, request: pytest.FixtureRequest, fixture: str
+) -> PrivatePostgres | None:
+    """The run's PostgreSQL server (the session's ``fixture``, asked for only on PostgreSQL,
+    so a MariaDB run does not start it); on MariaDB none: the run starts its own mariadbd."""
+    if database == "postgresql":
+        server: PrivatePostgres = request.getfixturevalue(fixture)
+        return server
+    require_programs("MariaDB", *MARIADB_PROGRAMS)
+    return None
 
 
 def assert_small_run_passed(report: Report, graceful: int) -> None:
