@@ -86,6 +86,7 @@ _LOCK_SLOTS = (
     f"INSERT INTO {STREAMS} (stream_key) VALUES {{values}} "
     "ON DUPLICATE KEY UPDATE stream_key = stream_key"
 )
+_LOCK_ONE_SLOT = _LOCK_SLOTS.format(values="(%s)")
 # One statement per stage() call, split only past a few MB of envelopes: a statement must fit
 # the server's max_allowed_packet (4 MB on older servers, 16 MB on MariaDB, 64 MB on MySQL 8).
 _MAX_BYTES = 4 << 20
@@ -99,6 +100,15 @@ def slot_of(key: str) -> str:
 def mysql_statements(rows: Sequence[Row]) -> list[Statement]:
     """Lock the rows' stream keys and insert the rows, in order; ``StagingError`` before any
     statement runs if a stream key is longer than MySQL keeps."""
+    if len(rows) == 1 and rows[0].stream_key is not None:
+        # The common call, one event for one target on a stream: its statement straight
+        # away, without the sets and loops the general case needs (which cost it a quarter
+        # of stage()'s own client time on MariaDB, in a loop of commits).
+        row = rows[0]
+        key = row.stream_key
+        if len(key) <= MYSQL_MAX_STREAM_KEY:  # one row is one chunk, whatever its size
+            texts = _PLAIN if row.xid is None else _WITH_XID
+            return [_locked(rows, slot_of(key), texts)]
     keys = {r.stream_key for r in rows if r.stream_key is not None}
     for key in keys:
         if len(key) > MYSQL_MAX_STREAM_KEY:
@@ -123,7 +133,7 @@ def mysql_statements(rows: Sequence[Row]) -> list[Statement]:
 
 def _locked(rows: Sequence[Row], slot: str, texts: _Texts) -> Statement:
     """One statement that locks ``slot`` and inserts ``rows`` after it."""
-    repair = Statement(_LOCK_SLOTS.format(values="(%s)"), (slot,))
+    repair = Statement(_LOCK_ONE_SLOT, (slot,))
     params = (*_params(rows, texts), slot)
     if len(rows) == 1:
         return Statement(texts.locked_one, params, repair=repair)
