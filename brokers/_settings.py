@@ -250,9 +250,10 @@ class BrokerSettings(BaseModel):
         False,
         description="Publish the rows of one application transaction for this target as one "
         "atomic unit: all stored or none, together (NATS JetStream: one atomic batch per "
-        "stream, nats-server 2.12+; Azure Service Bus: one batch per entity; Redis: MULTI/EXEC "
-        "on one node). Never across targets. Kafka and RabbitMQ have no such unit and refuse "
-        "it. A unit is what one database transaction staged: on PostgreSQL its xid; on "
+        "stream, nats-server 2.12+; Azure Service Bus: one batch per entity; Redis: one Lua "
+        "script on one node, which stores a unit sent again once, or MULTI/EXEC for a user "
+        "without scripting). Never across targets. Kafka and RabbitMQ have no such unit and "
+        "refuse it. A unit is what one database transaction staged: on PostgreSQL its xid; on "
         "MySQL/MariaDB and SQLite the transaction of the SQLAlchemy Session or Connection "
         "(sync or async), of Django's outermost atomic block, or of outbox.transaction(); a "
         "raw sqlite3 connection shows no transaction, so there each stage() call is a unit. "

@@ -17,32 +17,37 @@ pipeline: one round trip and one pooled connection for up to ``max_in_flight`` X
 Redis runs in order. A message that fails holds back the later messages of its stream. (One
 connection per XADD in flight ran the client's pool dry under load.)
 
-``publish_atomic`` writes each unit as one transaction: ``MULTI``, the unit's XADDs, ``EXEC``.
-Several units go in one pipeline (one round trip, up to ``max_in_flight`` XADDs; a larger unit
-goes alone), in order on one connection; each member's receipt is its entry id, as ``publish``
-gives. They go as plain commands, not through redis-py's transaction pipeline, which holds one
-transaction per round trip and, when ``EXEC`` discards it, raises the first queued error only,
-its member named in the text alone.
+``publish_atomic`` writes each unit with one Lua script (``brokers.redis._script``), several
+units a pipeline (``brokers.redis._units``); each member's receipt is its entry id, as
+``publish`` gives. Redis runs a script whole, no other client's command between its commands.
+The script first looks for the unit's marker key: a unit sent again after its answer was lost
+(a cut connection, a relay killed after Redis stored it) finds the marker its first storing
+set, and is acknowledged with the entry ids the marker holds, each receipt saying
+``duplicate``: **stored once**, as long as the marker lives (``duplicate_window_seconds``, 120 s
+by default; ``router check`` warns when that is shorter than a retry can take).
 
-A Redis transaction is all or nothing only for what Redis refuses when a command is queued (no
-permission for the key, out of memory): ``EXEC`` then discards it, nothing is stored, and the
-verdict names the refused member. **A unit can be stored in part**: an XADD that fails when
-``EXEC`` runs it (``WRONGTYPE``: its key holds a string or a hash; a stream whose ids are
-exhausted) fails alone, and Redis does not roll back the others. On a key of the wrong type
-every member bound for it fails alike; members bound for other keys are stored (an exhausted
-stream can even take the first members and refuse the rest, but only one whose ids someone set
-near the largest by hand). Such a unit still fails whole (not retryable), naming the refused
-member, and its error lists the members Redis stored with their entry ids. A consumer of those
-other streams sees part of the application's transaction, with nothing in the stream to say the
-rest is missing; if the key is fixed and the rows are requeued, it sees those members again
-(same ``message-id``) beside the rest. The same holds for a user allowed XADD but not
-``MULTI``: every XADD then runs on its own (``brokers.redis._replies`` reads each case from the
-replies).
+All or nothing, as far as Redis goes: the script checks every member's key with ``TYPE``
+before its first XADD, so a key of the wrong type (a string, a hash) refuses the unit with
+nothing stored, the verdict naming the member; a key the user may not write is refused before
+the script runs. **A unit can still be stored in part**: a script that fails half-way is not
+rolled back, and an XADD can fail after the checks (a stream whose ids are exhausted, which
+only a hand-set id near the largest makes). The unit then fails whole (not retryable), naming
+the refused member, and its error lists the members Redis stored with their entry ids; a
+consumer of those streams sees part of the application's transaction, and again (same
+``message-id``) if the rows are requeued.
 
-``max_unit`` is 1,000 messages: Redis sets no limit, but it holds a queued transaction in the
-connection's memory and runs ``EXEC`` without serving any other client, so a bound keeps one
-unit from stalling the server for everyone; 1,000 is also JetStream's batch, so a unit that
-fits one atomic broker fits the others.
+A user not allowed the script (it needs ``EVALSHA``, ``EVAL``, ``GET``, ``SET``, ``TYPE`` and
+the keys ``router:unit:*``), or a server without scripting, gets one warning, and each unit
+then goes as ``MULTI``, its XADDs, ``EXEC``, with no marker: a unit sent again after a lost
+answer is stored twice, and an XADD that fails when ``EXEC`` runs it (``WRONGTYPE``) fails alone,
+the others stored (a transaction does not roll back either). A user allowed XADD but neither
+the script nor ``MULTI`` has every XADD run on its own (``brokers.redis._replies`` reads each
+case from the replies).
+
+``max_unit`` is 1,000 messages: Redis sets no limit, but it holds a script's arguments (or a
+queued transaction) in the connection's memory and runs it without serving any other client,
+so a bound keeps one unit from stalling the server for everyone; 1,000 is also JetStream's
+batch, so a unit that fits one atomic broker fits the others.
 """
 
 from __future__ import annotations
@@ -50,20 +55,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.exceptions
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import Pipeline
-from redis.typing import EncodableT, FieldT
 
 from brokers._describe import describe, unreachable
 from brokers._lazy import MissingClient, install_hint
 from brokers._protocol import OutgoingMessage, PublishResult, unit_too_large
 from brokers.ordering import NOT_SENT, waves
-from brokers.redis._replies import UNAVAILABLE, classify, receipt, unit_outcome
+from brokers.redis._replies import UNAVAILABLE, classify, receipt
 from brokers.redis._settings import BODY_FIELD, FASTSTREAM_CORRELATION, RedisSettings
+from brokers.redis._units import Fields, UnitWriter, groups
 from envelopes import BrokerUnavailable, WireMessage
 
 __all__ = ["RedisBroker"]
@@ -72,8 +77,7 @@ log = logging.getLogger(__name__)
 
 _FASTSTREAM_FIELD = "__data__"  # where FastStream's stream subscribers look for the frame
 
-_Fields = dict[FieldT, EncodableT]  # what XADD takes
-_Frame = Callable[[WireMessage], Awaitable[_Fields]]
+_Frame = Callable[[WireMessage], Awaitable[Fields]]
 
 # Seconds a pooled connection may sit idle before it is PINGed on its next use.
 _HEALTH_CHECK_INTERVAL = 10
@@ -97,6 +101,9 @@ class RedisBroker:
         # Two batches may publish at once: one connect, which the other waits for.
         self._connecting = asyncio.Lock()
         self._frame = _faststream_frame(settings) if settings.format == "faststream" else None
+        self._units = UnitWriter(name, settings, self._fields, self._execute)
+        self.duplicate_window: float = settings.duplicate_window_seconds
+        """How long a unit sent again is recognised as stored (``router check``)."""
 
     async def connect(self) -> None:
         """Connect and PING, within connect_timeout."""
@@ -203,54 +210,36 @@ class RedisBroker:
     async def publish_atomic(
         self, units: Sequence[Sequence[OutgoingMessage]]
     ) -> list[list[PublishResult]]:
-        """Write each unit as one MULTI/EXEC transaction, several units a round trip, in
-        order; one verdict per unit (``brokers._protocol.AtomicBroker``; what Redis makes
-        of all or nothing: the module docstring)."""
+        """Write each unit once, by its script (MULTI/EXEC for a user without scripting),
+        several units a round trip, in order; one verdict per unit
+        (``brokers._protocol.AtomicBroker``; what Redis makes of all or nothing: the module
+        docstring)."""
         client = await self._connected()
         verdicts = [unit_too_large(u, self.max_unit, "Redis transaction (max_unit)") for u in units]
         pending = [i for i, verdict in enumerate(verdicts) if verdict is None and units[i]]
         answered = False
-        for group in _groups(units, pending, self.settings.max_in_flight):
+        for group in groups(units, pending, self.settings.max_in_flight):
             try:
-                await self._transactions(client, units, group, verdicts)
+                await self._units.write(client, units, group, verdicts)
             except BrokerUnavailable as exc:
                 await self.close()
-                if not answered:
+                if not answered and all(verdicts[i] is None for i in group):
                     raise
                 cut = PublishResult.cut_off(str(exc))
                 return [v or [cut] * len(u) for v, u in zip(verdicts, units, strict=True)]
             answered = True
         return [v or [] for v in verdicts]  # only an empty unit has no verdict here
 
-    async def _transactions(
-        self,
-        client: Redis,
-        units: Sequence[Sequence[OutgoingMessage]],
-        group: list[int],
-        verdicts: list[list[PublishResult] | None],
-    ) -> None:
-        """One pipeline of ``MULTI``, XADDs, ``EXEC`` per unit of ``group``; their verdicts."""
-        pipe = client.pipeline(transaction=False)
-        for i in group:
-            pipe.execute_command("MULTI")
-            for message in units[i]:
-                await self._xadd(pipe, message)
-            pipe.execute_command("EXEC")
-        replies = await self._execute(pipe)
-        start = 0
-        for i in group:
-            end = start + len(units[i]) + 2
-            verdicts[i] = unit_outcome(units[i], replies[start:end])
-            start = end
-
     async def _xadd(self, pipe: Pipeline, message: OutgoingMessage) -> None:
         """Queue the message's XADD on ``pipe``, its fields in the broker's format."""
-        wire = message.wire
-        if self._frame is None:
-            fields = _plain_fields(wire.body, self.settings.native_headers(wire))
-        else:
-            fields = await self._frame(wire)
+        fields = await self._fields(message.wire)
         pipe.xadd(message.destination, fields, maxlen=self.settings.maxlen, approximate=True)
+
+    async def _fields(self, wire: WireMessage) -> Fields:
+        """The entry's fields, in the broker's format."""
+        if self._frame is None:
+            return _plain_fields(wire.body, self.settings.native_headers(wire))
+        return await self._frame(wire)
 
     async def _execute(self, pipe: Pipeline) -> list[Any]:
         """Send the pipeline; every reply, error replies among them (``BrokerUnavailable``
@@ -264,27 +253,10 @@ class RedisBroker:
         return replies
 
 
-def _groups(
-    units: Sequence[Sequence[OutgoingMessage]], pending: list[int], step: int
-) -> Iterator[list[int]]:
-    """The units of ``pending`` in order, a group per pipeline of at most ``step`` XADDs
-    (a larger unit alone): a unit is never split."""
-    group: list[int] = []
-    size = 0
-    for i in pending:
-        if group and size + len(units[i]) > step:
-            yield group
-            group, size = [], 0
-        group.append(i)
-        size += len(units[i])
-    if group:
-        yield group
-
-
-def _plain_fields(body: bytes, headers: dict[str, str]) -> _Fields:
+def _plain_fields(body: bytes, headers: dict[str, str]) -> Fields:
     """The ``plain`` entry: ``body``, then each header (``native_headers`` left out any
     named ``body``)."""
-    fields: _Fields = {BODY_FIELD: body}
+    fields: Fields = {BODY_FIELD: body}
     fields.update(headers)
     return fields
 
@@ -296,7 +268,7 @@ def _faststream_frame(settings: RedisSettings) -> _Frame:
     except ImportError as exc:
         raise MissingClient(install_hint("redis", RedisSettings.extra, exc.name)) from exc
 
-    async def frame(wire: WireMessage) -> _Fields:
+    async def frame(wire: WireMessage) -> Fields:
         headers = settings.native_headers(wire)
         data = await BinaryMessageFormatV1.encode(
             message=wire.body,

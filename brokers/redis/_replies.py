@@ -1,5 +1,11 @@
 """What Redis's replies to the adapter's XADDs mean: one result per message, and for an atomic
-unit (``MULTI``, its XADDs, ``EXEC``) one verdict on the whole unit.
+unit (its script's answer, or ``MULTI``, its XADDs, ``EXEC``) one verdict on the whole unit.
+
+The script (``brokers.redis._script``) answers what it did: stored the unit, found it stored
+before (each member acknowledged with its entry id, the receipt saying ``duplicate``), found
+a key of the wrong type (nothing stored), or stored members until an XADD failed (the unit
+fails, its error naming the members Redis stored). An error reply to the script itself means
+it stored nothing: only its ``GET`` and ``TYPE`` can raise, and they come before any write.
 
 Redis judges a transaction's commands twice, and only the first judgement is all or nothing.
 A command refused when it is queued (its reply is an error instead of ``QUEUED``) makes
@@ -17,9 +23,25 @@ import orjson
 import redis.exceptions
 
 from brokers._describe import describe
-from brokers._protocol import OutgoingMessage, PublishResult, unit_verdict, whole_unit
+from brokers._protocol import (
+    OutgoingMessage,
+    PublishResult,
+    member_refused,
+    unit_verdict,
+    whole_unit,
+)
+from brokers.redis import _script
 
-__all__ = ["UNAVAILABLE", "classify", "receipt", "unit_outcome"]
+__all__ = [
+    "UNAVAILABLE",
+    "classify",
+    "keys_denied",
+    "receipt",
+    "script_outcome",
+    "scripting_refused",
+    "unit_outcome",
+    "unmarked",
+]
 
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
@@ -41,10 +63,13 @@ _ABORTED_BECAUSE = "because of: "
 _QUEUED = PublishResult.acked()  # a member queued: EXEC's reply judges it
 
 
-def receipt(stream: str, entry_id: bytes | str) -> str:
-    """XADD's answer, the entry id, with the stream it is in."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return orjson.dumps({"stream": stream, "id": text}).decode()
+def receipt(stream: str, entry_id: bytes | str, *, duplicate: bool = False) -> str:
+    """XADD's answer, the entry id, with the stream it is in; ``duplicate``: the unit was
+    stored before, by an earlier send whose answer was lost."""
+    found: dict[str, object] = {"stream": stream, "id": _text(entry_id)}
+    if duplicate:
+        found["duplicate"] = True
+    return orjson.dumps(found).decode()
 
 
 def classify(exc: Exception) -> PublishResult:
@@ -80,6 +105,68 @@ def unit_outcome(unit: Sequence[OutgoingMessage], replies: Sequence[Any]) -> lis
     ]
     verdict = unit_verdict(members, ids)
     return _stored_anyway(unit, executed, verdict, "a transaction does not roll back")
+
+
+def scripting_refused(exc: Exception) -> bool:
+    """Whether an error reply to the unit's script says the script cannot run here, which
+    stored nothing: not cached (``NOSCRIPT``), not allowed (``NOPERM``, to the command or a
+    key), or any other refusal for good (an unknown command, ``GET`` or ``TYPE`` refused
+    inside it). A unit so answered goes again by ``EVAL`` or ``MULTI``/``EXEC``."""
+    if isinstance(exc, redis.exceptions.NoScriptError | redis.exceptions.NoPermissionError):
+        return True
+    return isinstance(exc, redis.exceptions.ResponseError) and not classify(exc).retryable
+
+
+def keys_denied(exc: Exception) -> bool:
+    """Whether the script was refused for one of its keys (a member's stream or the
+    marker, Redis does not say which)."""
+    return isinstance(exc, redis.exceptions.NoPermissionError) and "key" in str(exc).lower()
+
+
+def script_outcome(unit: Sequence[OutgoingMessage], answer: Sequence[Any]) -> list[PublishResult]:
+    """The verdict on one unit from its script's answer (``brokers.redis._script``)."""
+    status, rest = answer[0], answer[1:]
+    ids = [m.wire.message_id for m in unit]
+    if status == _script.STORED_BEFORE:
+        marked = _text(rest[0]).split()
+        if len(marked) != len(unit):
+            error = f"its marker holds {len(marked)} entry ids for a unit of {len(unit)}"
+            return whole_unit(len(unit), PublishResult.failed(error, retryable=False))
+        return _acked(unit, marked, duplicate=True)
+    if status == _script.WRONG_TYPE:
+        member, kind = rest[0] - 1, _text(rest[1])
+        error = (
+            f"rejected by Redis: WRONGTYPE {unit[member].destination} holds a {kind}, not a stream"
+        )
+        return member_refused(ids, member, error, retryable=False)
+    if status == _script.STORED_IN_PART:
+        failure, stored = classify(_error(rest[1])), rest[2:]  # rest[0]: the failed member
+        members = [*_acked(unit, stored), failure]
+        members += [PublishResult.acked()] * (len(unit) - len(members))
+        verdict = unit_verdict(members, ids)
+        return _stored_anyway(unit, stored, verdict, "a script does not roll back")
+    if status == _script.STORED_UNMARKED:
+        return _acked(unit, rest[1:])
+    return _acked(unit, rest)
+
+
+def unmarked(answer: Sequence[Any]) -> str | None:
+    """Why the script stored the unit without its marker (``SET`` refused); else None."""
+    return f"SET refused: {_text(answer[1])}" if answer[0] == _script.STORED_UNMARKED else None
+
+
+def _acked(
+    unit: Sequence[OutgoingMessage], entry_ids: Sequence[Any], *, duplicate: bool = False
+) -> list[PublishResult]:
+    return [
+        PublishResult.acked(receipt(m.destination, entry_id, duplicate=duplicate))
+        for m, entry_id in zip(unit, entry_ids, strict=False)
+    ]
+
+
+def _error(text: bytes | str) -> redis.exceptions.ResponseError:
+    """An error a script caught (``redis.pcall``), as the client would have raised it."""
+    return redis.exceptions.ResponseError(_text(text))
 
 
 def _stored_anyway(

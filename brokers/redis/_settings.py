@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from brokers._lazy import install_hint, missing_modules
 from brokers._settings import BrokerSettings, redact_url
@@ -30,8 +30,8 @@ class RedisSettings(BrokerSettings):
     asyncapi_protocol: ClassVar[str | None] = "redis"
     no_atomic_unit: ClassVar[str | None] = None
     atomic_unit: ClassVar[str | None] = (
-        "one MULTI/EXEC transaction on one Redis node: the entries follow one another in "
-        "each stream"
+        "one Lua script (MULTI/EXEC for a user without scripting) on one Redis node: the "
+        "entries follow one another in each stream"
     )
     max_unit: ClassVar[int | None] = 1000  # redis _adapter.MAX_UNIT
 
@@ -47,6 +47,25 @@ class RedisSettings(BrokerSettings):
         description="plain: each entry has a 'body' field and one field per header, for any "
         "Redis client; faststream: FastStream's binary frame (internal broker only).",
     )
+
+    duplicate_window_seconds: float = Field(
+        120.0,
+        description="With atomic: true, seconds each unit's marker key (router:unit:*) is "
+        "kept: a unit sent again within it (its answer lost to a cut connection or a killed "
+        "relay) is recognised as stored, not stored twice. Keep it above the retry horizon "
+        "(router check warns).",
+    )
+
+    @field_validator("duplicate_window_seconds")
+    @classmethod
+    def _window_covers_a_retry(cls, seconds: float) -> float:
+        if seconds < 1:
+            raise ValueError(
+                f"{seconds:g} s is too short: a unit sent again after a lost answer comes "
+                "seconds later at the soonest (a lease, a publish's limit); give at least 1 "
+                "second, 120 by default"
+            )
+        return seconds
 
     @model_validator(mode="after")
     def _faststream_only_internal(self) -> RedisSettings:

@@ -224,7 +224,8 @@ def retry_horizon(config: RouterConfig, settings: BrokerSettings) -> float:
 
 
 async def _reach(name: str, settings: BrokerSettings) -> float | None:
-    """Connect and ping; the broker's duplicate window where it has one (JetStream)."""
+    """Connect and ping; the broker's duplicate window where it has one (JetStream, and
+    Redis: how long a unit's marker is kept)."""
     broker = create_broker(name, settings)
     try:
         await broker.connect()

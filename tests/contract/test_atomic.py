@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from nats.js.api import StorageType, StreamConfig
 
 from brokers.nats import EmbeddedNats
+from brokers.redis._script import MARKER_PREFIX
 from envelopes import message_id_of
 from router.ops.schema import outbox
 from router.serve.runner import Runner
@@ -34,9 +35,11 @@ from tests.services import free_port
 
 pytestmark = pytest.mark.parametrize("database", ["postgresql", "sqlite", "mysql"], indirect=True)
 
-# The Redis user the router publishes as may write the harness's keys (c<tag>.*) only: a
-# member bound elsewhere is refused when its transaction is queued, so Redis stores none of it.
-REDIS_KEYS = "c*"
+# The Redis user the router publishes as may write the harness's keys (c<tag>.*) and the
+# units' markers only, by script or in a transaction: a member bound elsewhere is refused
+# before anything of its unit is stored.
+REDIS_KEYS = ("c*", f"{MARKER_PREFIX}*")
+REDIS_COMMANDS = ("+xadd", "+multi", "+exec", "+evalsha", "+eval", "+get", "+set", "+type")
 REDIS_DENIED = "denied.orders"
 # JetStream refuses a member larger than this (the stream's max_msg_size).
 NATS_MAX_MESSAGE = 4096
@@ -66,7 +69,7 @@ async def atomic(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
             await jetstream.cleanup()
             await server.stop()
     elif kind == "redis":
-        with private_redis([("partner", "+xadd", "+multi", "+exec")], REDIS_KEYS) as port:
+        with private_redis([("partner", *REDIS_COMMANDS)], REDIS_KEYS) as port:
             reader = f"redis://127.0.0.1:{port}/0"
             redis = RedisHarness(f"redis://partner@127.0.0.1:{port}/0", reader)
             yield Atomic(redis, _bound_for(REDIS_DENIED))

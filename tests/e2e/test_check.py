@@ -17,6 +17,7 @@ from nats.js.errors import NotFoundError
 
 from brokers.nats import EmbeddedNats
 from tests.conftest import NATS_URL, NatsStreams
+from tests.contract.harnesses import REDIS_URL
 from tests.e2e.helpers import Serving, copy_default_config, router
 from tests.services import free_port
 
@@ -269,3 +270,27 @@ async def test_check_warns_when_an_atomic_streams_duplicate_window_is_short(
             assert (warning in line) is warned, line
     finally:
         await server.stop()
+
+
+async def test_check_warns_when_an_atomic_redis_targets_duplicate_window_is_short(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The same on Redis, whose window is how long each unit's marker is kept."""
+    for window, warned in ((10, True), (120, False)):
+        folder = tmp_path / str(window)
+        folder.mkdir()
+        broker = {
+            "type": "redis",
+            "url": REDIS_URL,
+            "internal": True,
+            "atomic": True,
+            "destination": "w.{event_type}",
+            "duplicate_window_seconds": window,
+        }
+        config = {"databases": {"main": pg_url}, "brokers": {"events": broker}}
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        result = await asyncio.to_thread(router, "check", cwd=folder)
+        assert result.returncode == 0, result.stdout + result.stderr
+        line = broker_line(result.stdout)
+        warning = f"WARNING: atomic, and the duplicate window is {window} s: a unit sent again"
+        assert (warning in line) is warned, line

@@ -1,5 +1,6 @@
 """Atomic units through the Redis adapter (``RedisBroker.publish_atomic``): each unit one
-MULTI/EXEC transaction, read back with XRANGE as a consumer would.
+script (``brokers.redis._script``), or one MULTI/EXEC transaction for a user without
+scripting, read back with XRANGE as a consumer would.
 
 Most tests run against the shared Redis through the contract suite's harness. Those that need
 a refusal Redis makes when a command is queued (a key the user may not write, no memory left)
@@ -9,6 +10,7 @@ the shared server is never reconfigured.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,16 +20,19 @@ import redis.asyncio as aioredis
 
 from brokers import AtomicBroker, OutgoingMessage, PublishResult, create_broker
 from brokers.redis import RedisSettings
+from brokers.redis._script import MARKER_PREFIX, SCRIPT_GRANTS, SHA
 from envelopes import BrokerUnavailable
 from tests.contract.harnesses import REDIS_URL, Arrived, RedisHarness
 from tests.contract.test_contract import message
 from tests.peers.redis import private_redis as start_private_redis
 
-# The private server's users: "partner" may XADD (in a transaction) to atomic.ok.* only;
-# "no-multi" may XADD there but not open a transaction.
+# The private server's users may write atomic.ok.* and the units' markers only: "partner"
+# by script or in a transaction; "no-scripts" in a transaction only; "no-multi" XADD alone.
 PARTNER_KEYS = "atomic.ok."
+SCRIPTING = ("+evalsha", "+eval", "+get", "+set", "+type")
 USERS = (
-    ("partner", "+xadd", "+multi", "+exec"),
+    ("partner", "+xadd", "+multi", "+exec", *SCRIPTING),
+    ("no-scripts", "+xadd", "+multi", "+exec"),
     ("no-multi", "+xadd"),
 )
 
@@ -35,7 +40,7 @@ USERS = (
 @pytest.fixture(scope="module")
 def private_redis() -> Iterator[int]:
     """A redis-server of this module's own, with the ACL users of ``USERS``; its port."""
-    with start_private_redis(USERS, f"{PARTNER_KEYS}*") as port:
+    with start_private_redis(USERS, [f"{PARTNER_KEYS}*", f"{MARKER_PREFIX}*"]) as port:
         yield port
 
 
@@ -140,29 +145,124 @@ async def test_a_unit_whose_key_has_the_wrong_type_stores_none_and_names_member_
     assert await xrange(REDIS_URL, orders) == [4]
 
 
-async def test_a_member_failing_in_exec_fails_its_unit_yet_redis_keeps_the_others(
+async def test_a_key_of_the_wrong_type_anywhere_in_a_unit_stores_none_of_it(
     redis_harness: RedisHarness,
 ) -> None:
-    # What Redis does, and the adapter says: EXEC does not roll back. Members 1 and 3 go to
-    # a stream and are stored; member 2 goes to a string key and fails.
+    # The script looks at every member's key before its first XADD: members 1 and 3 go to a
+    # stream, member 2 to a string key, and nothing of the unit is stored.
     settings = redis_harness.settings()
     wrong, orders = redis_harness.rejected_destination(), redis_harness.destination("orders")
     await redis_harness.prepare(wrong)
-    half = unit(settings, [orders, wrong, orders], 1, stream="a")
+    refused_unit = unit(settings, [orders, wrong, orders], 1, stream="a")
+    refused, apart = await publish_atomic(
+        settings, [refused_unit, unit(settings, [orders], 4, stream="b")]
+    )
+    assert len(set(refused)) == 1
+    assert not refused[0].ok and not refused[0].retryable
+    assert refused[0].error == (
+        f"atomic unit of 3 refused: member 2 ({refused_unit[1].wire.message_id}): rejected by "
+        f"Redis: WRONGTYPE {wrong} holds a string, not a stream"
+    )
+    assert apart[0].ok
+    assert await xrange(REDIS_URL, orders) == [4]
+
+
+async def test_an_xadd_failing_half_way_fails_its_unit_yet_redis_keeps_the_members_before(
+    redis_harness: RedisHarness,
+) -> None:
+    # What Redis does, and the adapter says: a script does not roll back. Member 2 goes to a
+    # stream whose ids are exhausted (its last entry's id is the largest there is): member 1
+    # is stored, member 2 fails, member 3 is never tried.
+    settings = redis_harness.settings()
+    full, orders = redis_harness.destination("full"), redis_harness.destination("orders")
+    admin = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await admin.xadd(full, {"n": "0"}, id=f"{2**64 - 1}-{2**64 - 1}")
+    finally:
+        await admin.aclose()
+    half = unit(settings, [orders, full, orders], 1, stream="a")
     refused, apart = await publish_atomic(settings, [half, unit(settings, [orders], 4, stream="b")])
     assert len(set(refused)) == 1
     assert not refused[0].ok and not refused[0].retryable
     error = refused[0].error or ""
     assert error.startswith(f"atomic unit of 3 refused: member 2 ({half[1].wire.message_id}): ")
-    assert "WRONGTYPE" in error
-    arrived = await redis_harness.arrived(orders, 3)
-    assert numbers(arrived) == [1, 3, 4]  # what a consumer of the stream sees
-    ids = [a.position["id"] for a in arrived if a.position]
+    assert "exhausted" in error
+    arrived = await redis_harness.arrived(orders, 2)
+    assert numbers(arrived) == [1, 4]  # what a consumer of the stream sees
+    stored = arrived[0].position["id"] if arrived[0].position else None
     assert error.endswith(
-        f"; yet Redis stored members 1 ({orders} {ids[0]}), 3 ({orders} {ids[1]}) "
-        "(a transaction does not roll back)"
+        f"; yet Redis stored member 1 ({orders} {stored}) (a script does not roll back)"
     )
     assert apart[0].ok
+
+
+async def test_a_unit_sent_again_is_stored_once_and_answered_with_the_same_entry_ids(
+    redis_harness: RedisHarness,
+) -> None:
+    """A relay that lost the answer sends the unit again (the same members, to the same
+    streams): the unit's marker says it is stored, and each member is acknowledged with the
+    entry id of its first storing, marked a duplicate."""
+    settings = redis_harness.settings()
+    orders, audit = redis_harness.destination("orders"), redis_harness.destination("audit")
+    sent = unit(settings, [orders, audit, orders], 1, stream="a")
+    (first,) = await publish_atomic(settings, [sent])
+    (again,) = await publish_atomic(settings, [sent])
+    assert all(r.ok for r in first + again)
+    receipts = [orjson.loads(r.receipt or "{}") for r in first]
+    assert [orjson.loads(r.receipt or "{}") for r in again] == [
+        {**r, "duplicate": True} for r in receipts
+    ]
+    assert await xrange(REDIS_URL, orders) == [1, 3]
+    assert await xrange(REDIS_URL, audit) == [2]
+    # Another unit of the same messages (one member fewer) is another unit: stored.
+    (other,) = await publish_atomic(settings, [sent[:2]])
+    assert [orjson.loads(r.receipt or "{}").get("duplicate") for r in other] == [None, None]
+    assert await xrange(REDIS_URL, orders) == [1, 3, 1]
+
+
+async def test_a_server_without_the_script_cached_gets_it_by_eval(
+    private_redis: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EVALSHA answered NOSCRIPT (a restarted server, SCRIPT FLUSH): the unit goes again with
+    the script's text, once, and no warning."""
+    settings = private_settings(private_redis, "partner")
+    stream = f"{PARTNER_KEYS}flushed"
+    admin = aioredis.Redis.from_url(f"redis://127.0.0.1:{private_redis}/0")
+    try:
+        await admin.script_flush()  # this module's own server
+        (stored,) = await publish_atomic(settings, [unit(settings, [stream] * 2, 1, stream="a")])
+        assert await admin.script_exists(SHA) == [True]
+    finally:
+        await admin.aclose()
+    assert all(r.ok for r in stored)
+    assert await xrange(f"redis://127.0.0.1:{private_redis}/0", stream) == [1, 2]
+    assert "redis.unit_script.unavailable" not in caplog.text
+
+
+async def test_a_user_without_scripting_writes_units_by_multi_exec_and_says_once(
+    private_redis: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The script refused (NOPERM to EVALSHA): the unit goes by MULTI/EXEC, stored and
+    acknowledged, and one warning says what to grant and what is lost without it."""
+    settings = private_settings(private_redis, "no-scripts")
+    stream = f"{PARTNER_KEYS}no-scripts"
+    sent = unit(settings, [stream] * 2, 1, stream="a")
+    caplog.set_level(logging.WARNING, logger="brokers.redis._adapter")
+    broker = create_broker("partner", settings)
+    assert isinstance(broker, AtomicBroker)
+    try:
+        (first,) = await broker.publish_atomic([sent])
+        (again,) = await broker.publish_atomic([unit(settings, [stream], 3, stream="b")])
+    finally:
+        await broker.close()
+    assert all(r.ok for r in first + again)
+    assert await xrange(f"redis://127.0.0.1:{private_redis}/0", stream) == [1, 2, 3]
+    [warning] = [r for r in caplog.records if r.getMessage() == "redis.unit_script.unavailable"]
+    assert warning.levelno == logging.WARNING
+    assert warning.__dict__["broker"] == "partner"
+    assert warning.__dict__["grant"] == SCRIPT_GRANTS
+    assert "'evalsha'" in warning.__dict__["reason"]
+    assert "stored twice" in warning.__dict__["consequence"]
 
 
 async def test_a_member_refused_when_queued_stores_none_of_its_unit_and_is_named(

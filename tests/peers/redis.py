@@ -18,10 +18,12 @@ from tests.services import free_port, in_ci, program, reachable
 
 
 @contextlib.contextmanager
-def private_redis(users: Sequence[tuple[str, ...]], keys: str) -> Iterator[int]:
+def private_redis(users: Sequence[tuple[str, ...]], keys: str | Sequence[str]) -> Iterator[int]:
     """A private redis-server whose users (each ``(name, *commands)``, with no password) may
-    touch the keys matching ``keys``, ping and set their client name, besides their commands;
-    its port. The default user may do anything (the tests read back with it)."""
+    touch the keys matching ``keys`` (a pattern or several), ping and set their client name,
+    besides their commands; its port. The default user may do anything (the tests read back
+    with it)."""
+    patterns = [keys] if isinstance(keys, str) else list(keys)
     binary = program("redis-server")
     if binary is None:
         message = "redis-server is not installed (apt-get install redis-server)"
@@ -33,7 +35,8 @@ def private_redis(users: Sequence[tuple[str, ...]], keys: str) -> Iterator[int]:
     arguments = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     arguments += ["--appendonly", "no", "--dir", folder]
     for name, *commands in users:
-        arguments += ["--user", name, "on", "nopass", f"~{keys}", "+ping", "+client"]
+        arguments += ["--user", name, "on", "nopass", *(f"~{k}" for k in patterns)]
+        arguments += ["+ping", "+client"]
         arguments += commands
     process = subprocess.Popen(arguments, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -289,6 +289,15 @@ def test_atomic_is_taken_on_a_broker_with_an_atomic_write(kind: str) -> None:
     assert config.brokers["partner"].atomic
 
 
+def test_a_redis_duplicate_window_under_a_second_is_refused_naming_the_key() -> None:
+    text = ATOMIC % ("redis", "duplicate_window_seconds: 0.5")
+    message = problems(text)
+    assert "brokers.partner.duplicate_window_seconds" in message
+    assert "0.5 s is too short: a unit sent again after a lost answer" in message
+    window = parse_config(ATOMIC % ("redis", ""), env={}).brokers["partner"]
+    assert window.model_dump()["duplicate_window_seconds"] == 120
+
+
 @pytest.mark.parametrize("url", ["sqlite:///x.db", "mysql://root@db/shop"])
 def test_atomic_is_taken_on_every_database(url: str) -> None:
     """MySQL/MariaDB and SQLite record each row's transaction too (migration 0019)."""
