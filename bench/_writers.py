@@ -38,6 +38,7 @@ __all__ = [
     "MODES",
     "Client",
     "HandRow",
+    "SyncClient",
     "create_tables",
     "hand_insert",
     "hand_row",
@@ -142,10 +143,41 @@ class Client:
         raise NotImplementedError
 
 
-class PsycopgClient(Client):
-    """Threads, one psycopg 3 connection each; ``SyncOutbox.stage(conn, ...)``."""
+class SyncClient(Client):
+    """A client of threads: K connections, one a thread."""
 
     def point(self, mode: str, writers: int, seconds: float) -> float:
+        transaction = self.transaction(mode)
+        connections, close = self.connect(writers)
+        try:
+            return _threads(connections, transaction, seconds)
+        finally:
+            close()
+
+    def run(self, mode: str, count: int, first: int) -> None:
+        """``count`` transactions of ``mode`` on one connection, one after another, orders
+        ``first`` on (what ``bench.stage_cpu`` counts the instructions of)."""
+        transaction = self.transaction(mode)
+        (conn,), close = self.connect(1)
+        try:
+            for n in range(first, first + count):
+                transaction(conn, n)
+        finally:
+            close()
+
+    def transaction(self, mode: str) -> Callable[[Any, int], None]:
+        """One transaction of ``mode`` on a connection, for order ``n``."""
+        raise NotImplementedError
+
+    def connect(self, count: int) -> tuple[list[Any], Callable[[], None]]:
+        """``count`` connections, and what closes them."""
+        raise NotImplementedError
+
+
+class PsycopgClient(SyncClient):
+    """Threads, one psycopg 3 connection each; ``SyncOutbox.stage(conn, ...)``."""
+
+    def transaction(self, mode: str) -> Callable[[Any, int], None]:
         outbox = SyncOutbox(self.config)
         order_sql, hand_sql = _pg(ORDER), _pg(HAND_NOTIFY if mode == "hand+notify" else HAND)
 
@@ -158,21 +190,23 @@ class PsycopgClient(Client):
                 else:
                     conn.execute(hand_sql, row, prepare=True)
 
-        connections = [psycopg.connect(self.url) for _ in range(writers)]
-        try:
-            return _threads(connections, transaction, seconds)
-        finally:
+        return transaction
+
+    def connect(self, count: int) -> tuple[list[Any], Callable[[], None]]:
+        connections = [psycopg.connect(self.url) for _ in range(count)]
+
+        def close() -> None:
             for conn in connections:
                 conn.close()
 
+        return connections, close
 
-class MysqlClient(Client):
+
+class MysqlClient(SyncClient):
     """Threads, SQLAlchemy + PyMySQL, a pool of K; ``SyncOutbox.stage(connection, ...)``."""
 
-    def point(self, mode: str, writers: int, seconds: float) -> float:
+    def transaction(self, mode: str) -> Callable[[Any, int], None]:
         outbox = SyncOutbox(self.config)
-        url = self.url.replace("mysql://", "mysql+pymysql://", 1)
-        engine = sqlalchemy.create_engine(url, pool_size=writers, max_overflow=0)
 
         def transaction(conn: sqlalchemy.Connection, n: int) -> None:
             with conn.begin():
@@ -183,13 +217,19 @@ class MysqlClient(Client):
                 else:
                     conn.exec_driver_sql(HAND, (str(row[0]), *row[1:]))
 
-        connections = [engine.connect() for _ in range(writers)]
-        try:
-            return _threads(connections, transaction, seconds)
-        finally:
+        return transaction
+
+    def connect(self, count: int) -> tuple[list[Any], Callable[[], None]]:
+        url = self.url.replace("mysql://", "mysql+pymysql://", 1)
+        engine = sqlalchemy.create_engine(url, pool_size=count, max_overflow=0)
+        connections = [engine.connect() for _ in range(count)]
+
+        def close() -> None:
             for conn in connections:
                 conn.close()
             engine.dispose()
+
+        return connections, close
 
 
 class AsyncpgClient(Client):
