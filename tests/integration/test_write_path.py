@@ -77,6 +77,30 @@ async def test_published_event_makes_one_row_per_target_with_the_same_id(
     assert envelope["type"] == "order_placed" and envelope["version"] == 2
 
 
+# Quotes, backslashes, the drivers' own placeholders, text beyond Latin-1 and beyond the BMP:
+# MySQL's statement carries the envelope as a hex literal, PostgreSQL's as a parameter.
+AWKWARD = 'o\'1 \\ "q" %s %(x)s {0} ; -- 注文 🚀 \u00e9'
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [["k"], [None], ["k", "k"], ["k", "j", None]],
+    ids=["one-row", "no-key", "one-key-many-rows", "many-keys"],
+)
+async def test_an_envelope_of_awkward_text_is_stored_as_it_was_built(
+    database: Database, keys: list[str | None]
+) -> None:
+    outbox = database.outbox()
+    events = [StockReserved(order_id=f"{AWKWARD}-{i}", quantity=i) for i in range(len(keys))]
+    async with outbox.transaction() as tx:
+        await tx.stage(*events, stream_keys=keys)
+    await outbox.close()
+
+    stored = await database.rows()
+    assert [r["envelope"]["payload"]["order_id"] for r in stored] == [e.order_id for e in events]
+    assert [r["stream_key"] for r in stored] == keys
+
+
 async def test_internal_only_event_makes_one_row(database: Database) -> None:
     outbox = database.outbox()
     async with outbox.transaction() as tx:

@@ -472,7 +472,9 @@ def test_mysql_locks_one_key_in_its_insert_and_many_keys_by_sorted_slots_first()
     lock, insert = mysql_statements([row("a"), row("b"), row(None), row("a")])
     assert lock.sql.startswith("INSERT INTO router_streams")
     assert lock.params == tuple(sorted({slot_of("a"), slot_of("b")}))
-    assert insert.sql.count("(%s, %s, %s, %s, %s, %s)") == 4 and insert.repair is None
+    # The envelope, ``{}``, goes in as a hex literal; the other columns as parameters.
+    assert insert.sql.count("(%s, %s, %s, %s, %s, CONVERT(X'7b7d' USING utf8mb4))") == 4
+    assert len(insert.params) == 4 * 5 and insert.repair is None
     [plain] = mysql_statements([row(None)])
     assert "router_streams" not in plain.sql
     assert all(0 <= int(slot_of(f"key-{i}")) < 1024 for i in range(1000))
