@@ -9,11 +9,17 @@ valgrind's callgrind, which counts every instruction the Python process executes
 (the hand outbox's prepared INSERT) and ``stage`` (``SyncOutbox.stage``). Each mode runs at
 two transaction counts; the difference over the difference of the counts is the cost of one
 transaction without the process's start. The counts do not move with the machine's load or
-its disk (two runs differ by well under 1%), so they show a cut of a few per cent in
-stage()'s own work that ``bench.write_concurrency``'s commits/s, within the disk's noise,
-cannot. With K writers on two cores the client's CPU is what bounds the commits a second
+its disk (two runs of each mode differed by up to 4%, the ratio by 1%), so they show a cut of
+a tenth in stage()'s own work that ``bench.write_concurrency``'s commits/s, within the disk's
+noise, cannot. With K writers on two cores the client's CPU is what bounds the commits a second
 (PyMySQL and the GIL: one core for all threads), so the ratio of the counts is about the
 ratio of commits/s from 4 writers on.
+
+One bias, against stage(): under valgrind a clock read or ``os.urandom`` is a system call of
+about 10,000 instructions (no vDSO), where it takes a few hundred outside. stage() reads the
+clock twice a call (its id's milliseconds, the envelope's time), the hand outbox draws 16
+random bytes once (uuid4): about 10,000 instructions of each transaction's difference are
+valgrind's.
 
 Needs ``valgrind`` (Debian: ``apt install valgrind``); slow (about a minute a run).
 """
