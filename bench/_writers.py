@@ -113,12 +113,17 @@ def hand_row(event: Event, target: str, key: str | None) -> HandRow:
     return (uuid.uuid4(), target, type(event).__event__.type, key, event.model_dump_json())
 
 
-def _rows(n: int, notify: bool) -> tuple[Any, ...]:
-    """The business row's and the hand outbox row's parameters for order ``n``."""
-    event = order(n)
+def _business(event: Any, n: int) -> tuple[Any, ...]:
+    """The business row's parameters for order ``n`` (``event``)."""
+    return (n, event.customer, event.total)
+
+
+def _hand(event: Event, n: int, notify: bool) -> tuple[Any, ...]:
+    """The hand outbox row's parameters for order ``n``: built only by the hand modes, so
+    that ``stage`` pays for its own row alone (the event is built once in every mode)."""
     key = f"order-{n}"
     row: tuple[Any, ...] = hand_row(event, TARGET, key)
-    return (n, event.customer, event.total), row + ((key,) if notify else ())
+    return row + ((key,) if notify else ())
 
 
 @dataclass
@@ -182,13 +187,13 @@ class PsycopgClient(SyncClient):
         order_sql, hand_sql = _pg(ORDER), _pg(HAND_NOTIFY if mode == "hand+notify" else HAND)
 
         def transaction(conn: psycopg.Connection[Any], n: int) -> None:
+            event = order(n)
             with conn.transaction():
-                business, row = _rows(n, mode == "hand+notify")
-                conn.execute(order_sql, business, prepare=True)
+                conn.execute(order_sql, _business(event, n), prepare=True)
                 if mode == "stage":
-                    outbox.stage(conn, order(n), database=self.kind, stream_key=row[3])
+                    outbox.stage(conn, event, database=self.kind, stream_key=f"order-{n}")
                 else:
-                    conn.execute(hand_sql, row, prepare=True)
+                    conn.execute(hand_sql, _hand(event, n, mode == "hand+notify"), prepare=True)
 
         return transaction
 
@@ -209,12 +214,13 @@ class MysqlClient(SyncClient):
         outbox = SyncOutbox(self.config)
 
         def transaction(conn: sqlalchemy.Connection, n: int) -> None:
+            event = order(n)
             with conn.begin():
-                business, row = _rows(n, notify=False)
-                conn.exec_driver_sql(ORDER, business)
+                conn.exec_driver_sql(ORDER, _business(event, n))
                 if mode == "stage":
-                    outbox.stage(conn, order(n), database=self.kind, stream_key=row[3])
+                    outbox.stage(conn, event, database=self.kind, stream_key=f"order-{n}")
                 else:
+                    row = _hand(event, n, notify=False)
                     conn.exec_driver_sql(HAND, (str(row[0]), *row[1:]))
 
         return transaction
@@ -246,13 +252,13 @@ class AsyncpgClient(Client):
         hand_sql = _numbered(HAND_NOTIFY if mode == "hand+notify" else HAND)
 
         async def transaction(conn: asyncpg.Connection, n: int) -> None:
+            event = order(n)
             async with conn.transaction():
-                business, row = _rows(n, mode == "hand+notify")
-                await conn.execute(order_sql, *business)
+                await conn.execute(order_sql, *_business(event, n))
                 if mode == "stage":
-                    await outbox.stage(conn, order(n), database=self.kind, stream_key=row[3])
+                    await outbox.stage(conn, event, database=self.kind, stream_key=f"order-{n}")
                 else:
-                    await conn.execute(hand_sql, *row)
+                    await conn.execute(hand_sql, *_hand(event, n, mode == "hand+notify"))
 
         async with asyncpg.create_pool(self.url, min_size=writers, max_size=writers) as pool:
             connections = [await pool.acquire() for _ in range(writers)]
