@@ -18,6 +18,10 @@ What it does (and all it does):
   all that arrived, and each one also waits in the address's queue for a receiver;
 - rejects transfers to addresses in ``reject`` with ``amqp:not-found`` and an info map (the
   SDK hangs until its timeout on a rejection without one);
+- emulates an entity's duplicate detection when ``duplicate_detection`` names it (entity ->
+  its ``duplicateDetectionHistoryTimeWindow`` in seconds): a message whose ``message_id`` was
+  stored on that entity within the window is accepted and dropped, each message of a batch on
+  its own, as Azure does;
 - serves receivers (``get_queue_receiver``): sends the waiting messages of the queue in
   arrival order, each as the SDK sent it, as far as the link's credit goes (and honours a
   drain). With ``RECEIVE_AND_DELETE`` a message is sent settled and leaves the queue; with
@@ -35,11 +39,11 @@ What it does (and all it does):
   receiver link need none of them.
 
 It proves the adapter drives the real SDK over a real AMQP 1.0 connection; it does not
-model Azure's server-side features: no duplicate detection or scheduling, no deferral or
-dead-lettering (refused with ``amqp:not-implemented``), no lock expiry or renewal (a session
-lock is announced for an hour; every lock holds until settled or its link closes), no
-delivery counts or sequence numbers, no exclusive session locks, no topic subscriptions, and
-no session-enabled entities (a plain receiver gets every message, whatever its session).
+model Azure's other server-side features: no scheduling, no deferral or dead-lettering
+(refused with ``amqp:not-implemented``), no lock expiry or renewal (a session lock is
+announced for an hour; every lock holds until settled or its link closes), no delivery
+counts or sequence numbers, no exclusive session locks, no topic subscriptions, and no
+session-enabled entities (a plain receiver gets every message, whatever its session).
 """
 
 from __future__ import annotations
@@ -128,6 +132,28 @@ class _Waiting:
     encoded: bytes
     session_id: str | None
     locked: bool = False  # out on a delivery until the receiver settles it
+
+
+class _History:
+    """When each message id was stored, per entity with duplicate detection on (touched on the
+    peer's thread only)."""
+
+    def __init__(self, windows: dict[str, float]) -> None:
+        self.windows = windows
+        self._stored: dict[str, dict[str, float]] = defaultdict(dict)
+
+    def repeated(self, address: str, message_id: str | None) -> bool:
+        """Whether ``message_id`` was stored on ``address`` within its window; when not, it is
+        remembered as stored now. Azure gives an id-less message one, so it never repeats."""
+        window = self.windows.get(address)
+        if window is None or message_id is None:
+            return False
+        now = time.monotonic()
+        stored = self._stored[address].get(message_id)
+        if stored is not None and now - stored < window:
+            return True
+        self._stored[address][message_id] = now
+        return False
 
 
 class _Queues:
@@ -339,6 +365,8 @@ class _Handler(MessagingHandler):
             delivery.settle()
             return
         for encoded, inner in _unpack(raw, message):
+            if self.peer.history.repeated(address, _text(inner.id)):
+                continue  # accepted with the rest of the transfer, and dropped
             self.peer.store(address, inner)
             self.queues.put(address, encoded, _session(inner))
         self.accept(delivery)
@@ -455,12 +483,21 @@ def _body(message: Message) -> bytes:
 
 
 class ServiceBusPeer:
-    """The peer, run on a background thread; ``messages(address)`` shows what arrived."""
+    """The peer, run on a background thread; ``messages(address)`` shows what arrived.
+    ``duplicate_detection``: the entities with duplicate detection on, each with its window in
+    seconds."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 5673) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 5673,
+        duplicate_detection: dict[str, float] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.reject: set[str] = set()
+        # Beside what was received, not in the handler: like Azure's, it outlives a restart.
+        self.history = _History(dict(duplicate_detection or {}))
         self.ready = threading.Event()
         self._received: dict[str, list[Received]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -543,17 +580,26 @@ class ServiceBusPeerProcess(ServiceBusPeer):
     enough (a load generator and a TCP proxy, say) to slow a peer that shares its interpreter,
     and with it the answer times the router's silence limit follows. What arrived is read
     back with the SDK's receiver (and kept: each call returns all that was read so far).
-    ``reject`` is not passed on."""
+    ``reject`` is not passed on; ``duplicate_detection`` is."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 5673) -> None:
-        super().__init__(host, port)
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 5673,
+        duplicate_detection: dict[str, float] | None = None,
+    ) -> None:
+        super().__init__(host, port, duplicate_detection)
         self.process: subprocess.Popen[str] | None = None
         self._read: dict[str, list[Received]] = defaultdict(list)
 
     def start(self) -> None:
         """Start the process; return once it listens."""
+        detection = [
+            f"--duplicate-detection={entity}={seconds}"
+            for entity, seconds in self.history.windows.items()
+        ]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.peers.servicebus", "--port", str(self.port)],
+            [sys.executable, "-m", "tests.peers.servicebus", "--port", str(self.port), *detection],
             cwd=Path(__file__).resolve().parents[2],
             stdout=subprocess.PIPE,
             text=True,
@@ -623,13 +669,29 @@ class _Call:
         self.function()
 
 
+def _window(text: str) -> tuple[str, float]:
+    """``ENTITY=SECONDS`` as (entity, seconds)."""
+    entity, _, seconds = text.rpartition("=")
+    if not entity:
+        raise argparse.ArgumentTypeError(f"expected ENTITY=SECONDS, got {text!r}")
+    return entity, float(seconds)
+
+
 def main() -> None:
     """Run the peer in the foreground."""
     parser = argparse.ArgumentParser(description="a Service Bus peer for tests")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5673)
+    parser.add_argument(
+        "--duplicate-detection",
+        action="append",
+        default=[],
+        type=_window,
+        metavar="ENTITY=SECONDS",
+        help="turn duplicate detection on for ENTITY, with that window (repeatable)",
+    )
     args = parser.parse_args()
-    peer = ServiceBusPeer(args.host, args.port)
+    peer = ServiceBusPeer(args.host, args.port, dict(args.duplicate_detection))
     peer.start()
     print(f"listening; {peer.connection_string}", flush=True)
     try:
