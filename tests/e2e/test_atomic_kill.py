@@ -4,7 +4,13 @@ router saw the answer (the answers are lost on the way: ``DelayingProxy.mute``).
 The next router sends the unit again, the broker recognises it, and the rows are marked
 published: the stream holds the unit once. JetStream by error 10201 (its members'
 ``Nats-Msg-Id``s are in the stream's duplicate window); Redis by the unit's marker, which the
-script that stored it set (docs/guarantees.md, "Atomic transactions")."""
+script that stored it set (docs/guarantees.md, "Atomic transactions").
+
+On Service Bus the next router sends the unit again with the same message ids, and the test
+peer, emulating an entity with duplicate detection on, accepts the batch and drops every
+member. That proves the adapter's side (the same ids, sent as one batch, marked published on
+the send's acceptance); that Azure's server drops them is Azure's documented behaviour, which
+this test does not exercise."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from tests.chaos.proxy import DelayingProxy
 from tests.contract.harnesses import REDIS_URL
 from tests.e2e.helpers import Serving
 from tests.integration.events import OrderPlaced
+from tests.peers.servicebus import CONNECTION_STRING, ServiceBusPeer
 from tests.services import free_port
 
 STREAM, SUBJECT = "KILLED", "killed"
@@ -209,3 +216,33 @@ async def entry_ids(key: str) -> list[str]:
     finally:
         await client.aclose()
     return [str(entry_id) for entry_id, _ in found]
+
+
+async def test_on_service_bus_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_restart(
+    pg_url: str, tmp_path: Path
+) -> None:
+    entity = "killed-order_placed"
+    peer = ServiceBusPeer(port=free_port(), duplicate_detection={entity: 120.0})
+    peer.start()
+    broker = {"type": "servicebus", "destination": "killed-{event_type}"}
+    proxy = DelayingProxy("127.0.0.1", peer.port, 0.0)
+    await proxy.start()
+    serving: Serving | None = None
+    try:
+        through_proxy = CONNECTION_STRING.format(port=proxy.port)
+        write_config(tmp_path, pg_url, broker | {"connection_string": through_proxy})
+        unit, serving = await killed_after_storing(tmp_path, pg_url, proxy)
+        before = [m.message_id for m in await asyncio.to_thread(peer.wait_for, entity, 4)]
+        write_config(tmp_path, pg_url, broker | {"connection_string": peer.connection_string})
+        serving = Serving(tmp_path, None, new_session=True)
+        assert await published(pg_url, unit), serving.log.read_text()
+        after = [m.message_id for m in peer.messages(entity)]
+    finally:
+        if serving is not None:
+            serving.stop()
+        await proxy.stop()
+        peer.stop()
+
+    assert before[1:] == unit  # stored whole before the kill (after the first event)
+    assert after == before  # the batch sent again was accepted, and its members dropped
+    assert "batch.failures" not in serving.log.read_text()
