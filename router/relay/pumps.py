@@ -181,7 +181,9 @@ class TransactionRuns(Generic[Claim, Marks]):
         unmarked: dict[int, Claim] = {}  # claimed, and neither being marked nor left to stop
         marking: asyncio.Task[None] | None = None
         following: asyncio.Task[tuple[Claim, float]] | None = None
-        full = len(claim) == limit
+        # At least the limit: an atomic target's claim takes the rest of a transaction it
+        # cut, so a full claim can hold more rows than asked for (``_full``).
+        full = _full(claim, limit)
         try:
             while claim.rows:
                 unmarked[claim.token] = claim
@@ -198,7 +200,7 @@ class TransactionRuns(Generic[Claim, Marks]):
                     break
                 claim, end = await following
                 following = None
-                full = len(claim) == more
+                full = _full(claim, more)
         finally:
             await settle(following, marking)
             if following is not None and not following.cancelled() and not following.exception():
@@ -230,6 +232,11 @@ class TransactionRuns(Generic[Claim, Marks]):
         if marking is not None:
             await asyncio.wait({marking})
         return await self.cycle.claim(limit, after=claim)
+
+
+def _full(claim: Sized, limit: int) -> bool:
+    """Whether a claim took all it was allowed, so more rows may be waiting."""
+    return len(claim) >= limit
 
 
 async def settle(*tasks: asyncio.Task[Any] | None) -> None:
