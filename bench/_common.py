@@ -104,16 +104,25 @@ async def fresh_stream(
     deleted afterwards."""
     tag = uuid.uuid4().hex[:8]
     stream = Stream(f"BENCH_{label.upper()}_{tag}", f"bench{tag}", storage)
+    # A connection each way: a caller may hold the stream for minutes with its event loop
+    # stopped (bench.write_concurrency's threads), and the server drops a client that
+    # answers no PING meanwhile.
     client = await nats.connect(NATS_URL)
     try:
         await client.jetstream().add_stream(
             StreamConfig(name=stream.name, subjects=[stream.subject + ".>"], storage=storage)
         )
+    finally:
+        await client.close()
+    try:
         yield stream
     finally:
-        with contextlib.suppress(NotFoundError):
-            await client.jetstream().delete_stream(stream.name)
-        await client.close()
+        client = await nats.connect(NATS_URL)
+        try:
+            with contextlib.suppress(NotFoundError):
+                await client.jetstream().delete_stream(stream.name)
+        finally:
+            await client.close()
 
 
 async def wait_for_count(
