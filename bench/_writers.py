@@ -147,6 +147,11 @@ class Client:
         """Commits/s of ``writers`` connections committing ``mode`` transactions."""
         raise NotImplementedError
 
+    def run(self, mode: str, count: int, first: int) -> None:
+        """``count`` transactions of ``mode`` on one connection, one after another, orders
+        ``first`` on (what ``bench.stage_cpu`` counts the instructions of)."""
+        raise NotImplementedError
+
 
 class SyncClient(Client):
     """A client of threads: K connections, one a thread."""
@@ -246,7 +251,21 @@ class AsyncpgClient(Client):
     def point(self, mode: str, writers: int, seconds: float) -> float:
         return uvloop.run(self._point(mode, writers, seconds))
 
-    async def _point(self, mode: str, writers: int, seconds: float) -> float:
+    def run(self, mode: str, count: int, first: int) -> None:
+        """``SyncClient.run`` on one asyncpg connection, on uvloop."""
+        uvloop.run(self._run(mode, count, first))
+
+    async def _run(self, mode: str, count: int, first: int) -> None:
+        transaction = self.transaction(mode)
+        conn = await asyncpg.connect(self.url)
+        try:
+            for n in range(first, first + count):
+                await transaction(conn, n)
+        finally:
+            await conn.close()
+
+    def transaction(self, mode: str) -> Callable[[asyncpg.Connection, int], Awaitable[None]]:
+        """One transaction of ``mode`` on a connection, for order ``n``."""
         outbox = Outbox(self.config)
         order_sql = _numbered(ORDER)
         hand_sql = _numbered(HAND_NOTIFY if mode == "hand+notify" else HAND)
@@ -260,6 +279,10 @@ class AsyncpgClient(Client):
                 else:
                     await conn.execute(hand_sql, *_hand(event, n, mode == "hand+notify"))
 
+        return transaction
+
+    async def _point(self, mode: str, writers: int, seconds: float) -> float:
+        transaction = self.transaction(mode)
         async with asyncpg.create_pool(self.url, min_size=writers, max_size=writers) as pool:
             connections = [await pool.acquire() for _ in range(writers)]
             try:
