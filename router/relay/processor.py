@@ -294,8 +294,12 @@ class Processor:
         )
         if self.bucket is not None:
             self.bucket.take(len(claim))
-        if claim.rows:
-            self.store.busy(self.target)  # found rows unwoken (a due retry): not idle now
+        # Rows to send: not idle now (found unwoken, a due retry, say). An atomic claim that
+        # holds only parts of units (a member held, parked or under another claim) sends
+        # nothing: that is no work, and giving the wake lock back for it made the look at each
+        # idle claim those rows again at once, hundreds of times a second on PostgreSQL.
+        if any(row.whole for row in claim.rows):
+            self.store.busy(self.target)
         return claim, sent + self.outbox.lease_seconds
 
     async def deliver_and_mark(self, claim: Claim, end: float) -> None:
