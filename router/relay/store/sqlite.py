@@ -246,6 +246,13 @@ def _rows(records: Sequence[Any]) -> list[ClaimedRow]:
     return rows
 
 
+class _NothingToSend(Exception):
+    """An atomic claim took only parts of units (a member held, parked, or behind its
+    stream): it is rolled back rather than committed and given back. Either would change the
+    database's files, which wakes every processor of it (``watch``), this one included: it
+    claimed those rows again about 20 times a second until the unit could go."""
+
+
 class SqliteStore:
     """One aiosqlite connection shared by a database's processors, one transaction at a time."""
 
@@ -278,17 +285,22 @@ class SqliteStore:
         until = sqlite_time(now + timedelta(seconds=lease_seconds))
         stamp = sqlite_time(now)
         claimed = (worker, token, until, stamp, stamp, target, target)
-        async with self._transaction() as db:
-            await db.execute(PARK_BEHIND, (target, target, limit, target))
-            cursor = await db.execute(CLAIM, (*claimed, stamp, stamp, limit, target))
-            records = list(await cursor.fetchall())
-            rows = _rows(records)
-            if units and rows:
-                await self._units(db, rows, (*claimed, stamp, token, stamp))
-            keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
-            if keys and records[0][7]:  # the target has gaps: which are before these rows
-                cursor = await db.execute(gaps_of(len(keys)), (target, *keys))
-                name_gaps(rows, [(r[0], r[1], r[2]) for r in await cursor.fetchall()])
+        try:
+            async with self._transaction() as db:
+                parked = await db.execute(PARK_BEHIND, (target, target, limit, target))
+                cursor = await db.execute(CLAIM, (*claimed, stamp, stamp, limit, target))
+                records = list(await cursor.fetchall())
+                rows = _rows(records)
+                if units and rows:
+                    await self._units(db, rows, (*claimed, stamp, token, stamp))
+                    if not parked.rowcount and not any(row.whole for row in rows):
+                        raise _NothingToSend
+                keys = sorted({r.stream_key for r in rows if r.stream_key is not None})
+                if keys and records[0][7]:  # the target has gaps: which are before these rows
+                    cursor = await db.execute(gaps_of(len(keys)), (target, *keys))
+                    name_gaps(rows, [(r[0], r[1], r[2]) for r in await cursor.fetchall()])
+        except _NothingToSend:
+            return Claim(token, [])
         return Claim(token, rows)
 
     async def _units(
