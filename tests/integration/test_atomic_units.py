@@ -139,9 +139,9 @@ async def test_a_held_unit_goes_only_once_every_member_is_released(
         assert broker.units == []
 
         async def untried() -> bool:
-            # Released afresh and untried since. A claim may hold it at the moment we look
-            # (the relay claims it at each wake-up, finds its unit incomplete and gives it
-            # back), but never counts an attempt for it.
+            # Released afresh and untried since. The release wakes the relay, whose claim
+            # may hold the row at the moment we look (it finds the unit incomplete and gives
+            # it back, or on SQLite rolls the claim back), but never counts an attempt.
             return (await statuses(database))[first[0]] == ("pending", 0)
 
         await until(untried)
