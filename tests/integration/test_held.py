@@ -7,15 +7,18 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+import sqlalchemy as sa
 
 from envelopes import ConfigError
 from router.config import RouterConfig
 from router.ops.audit import history
 from router.ops.groups import find_group, list_groups, requeue_group
 from router.ops.held import held_keys, release, release_group
+from router.ops.schema import outbox
 from router.relay.store import Claim, ClaimedRow, Marks, OutboxStore, open_store
 from tests.conftest import Database, make_config
 from tests.integration.events import OrderPlaced
@@ -126,6 +129,28 @@ async def test_a_held_head_holds_its_stream_until_released_and_is_tried_afresh(
     assert action.detail["stream_key"] == "k"
     assert action.detail["message_id"] == released.message_id
     assert action.detail["drop"] is False
+
+
+async def test_a_released_head_stamped_ahead_of_the_relays_clock_still_goes_first(
+    database: Database,
+) -> None:
+    """A release stamps its head with the operator's clock (the server's on MariaDB, at its
+    statement's start). A claim whose clock reads earlier, because the operator's host runs
+    ahead or because the claim's transaction began before the release committed (a run of
+    batches on PostgreSQL), used to find the head not yet due while nothing held its stream
+    back any more, and sent the rows behind it first. A pending row is due whatever its
+    time: the head goes first, its stream behind it."""
+    await stage(database, 1, 2, 3)
+    async with opened(database) as store:
+        kept = await keep_the_second(database, store, "held")
+        config = config_of(database)
+        await release(config, "events", "k", reason="partner fixed", actor="ops@h")
+        ahead = datetime.now(UTC) + timedelta(hours=1)
+        head = outbox.c.seq == kept["2"].seq
+        await database.execute(sa.update(outbox).where(head).values(available_at=ahead))
+        again = await claim(store)
+        assert [_order(row) for row in again.rows] == ["2", "3"]
+        await store.release("events", again.token, [row.seq for row in again.rows])
 
 
 async def test_a_parked_stream_takes_its_later_rows_with_it_and_comes_back_in_order(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from decimal import Decimal
 
 import asyncpg
@@ -207,6 +208,39 @@ async def test_a_run_claims_the_next_batch_in_its_transaction_and_commits_with_i
         ("B", "published", 1),
         *[("B", "pending", 0)] * 2,
     ]
+
+
+async def test_a_transaction_older_than_the_run_that_stages_behind_a_newer_one_comes_after_it(
+    url: str,
+) -> None:
+    """A staged row carries its transaction's start time. A transaction that began before a
+    run of batches and stages on a stream after one that began during the run (it waits for
+    that one's commit) has the earlier time but the later place. The run's next claim used to
+    find the newer row not yet due by the run's clock, and took the older one ahead of it;
+    now it takes both, in their stream's order."""
+    await staged(url, {"A": 2})
+    outbox = Outbox(make_config({"main": url}, BROKERS))
+    older = await asyncpg.connect(url)
+    store = PostgresStore("main", url)
+    try:
+        transaction = older.transaction()
+        await transaction.start()  # its time: before the run's
+        await asyncio.sleep(0.01)
+        first = await store.claim("events", 1, "w-1", 30)  # the run begins: A-0
+        await asyncio.sleep(0.01)
+        async with outbox.transaction() as tx:  # begins during the run, commits first
+            await tx.stage(OrderPlaced(order_id="newer", total=Decimal(1)), stream_key="k")
+        await outbox.stage(older, OrderPlaced(order_id="older", total=Decimal(2)), stream_key="k")
+        await transaction.commit()
+        second = await store.claim("events", 10, "w-1", 30, after=first)
+        orders = [json.loads(r.envelope)["payload"]["order_id"] for r in second.rows]
+        assert orders == ["A-1", "newer", "older"]
+        await store.mark("events", first.token, Marks(published=[r.seq for r in first.rows]))
+        await store.release("events", second.token, [r.seq for r in second.rows])
+    finally:
+        await store.close()
+        await older.close()
+        await outbox.close()
 
 
 async def test_a_run_that_fails_loses_every_batch_of_it(url: str) -> None:

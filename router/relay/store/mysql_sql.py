@@ -135,12 +135,14 @@ _IN_ORDER = f"""\
                AND {_NONE_SET_ASIDE})"""
 
 
-def _due(status: str, due_column: str, indexes: str, after: str) -> str:
+def _due(status: str, due_column: str | None, indexes: str, after: str) -> str:
     # One status at a time, each in ix_router_outbox_claim's order (target, status, seq): with
     # no partial index, this is how a claim skips the published history instead of walking it.
+    # ``due_column`` None: due whatever its time (pending rows, see _candidates).
+    due = "" if due_column is None else f" AND o.{due_column} <= UTC_TIMESTAMP(6)"
     return f"""
     (SELECT o.seq, o.stream_key FROM {OUTBOX} o {indexes}
-     WHERE o.target = %s AND o.status = '{status}' AND o.{due_column} <= UTC_TIMESTAMP(6){after}
+     WHERE o.target = %s AND o.status = '{status}'{due}{after}
 {_IN_ORDER}
      ORDER BY o.seq LIMIT %s)"""
 
@@ -151,9 +153,13 @@ _CLAIM_ORDER = f"FORCE INDEX ({IX_OUTBOX_CLAIM})"
 _FAILED = f"USE INDEX ({IX_OUTBOX_CLAIM}, {IX_OUTBOX_DUE})"
 
 
+# A pending row is due whatever its time, as on PostgreSQL (migration 0021): only a failed
+# row waits for one, and it holds its stream back meanwhile. A pending row stamped later than
+# this statement's clock (a requeue's UTC_TIMESTAMP(6), taken at its own statement's start)
+# held nothing back, so the rows behind it on its stream went first.
 def _candidates(after: str = "") -> str:
     return f"""
-SELECT c.seq, c.stream_key FROM ({_due("pending", "available_at", _CLAIM_ORDER, after)}
+SELECT c.seq, c.stream_key FROM ({_due("pending", None, _CLAIM_ORDER, after)}
     UNION ALL {_due("failed", "available_at", _FAILED, after)}
     UNION ALL {_due("processing", "locked_until", _CLAIM_ORDER, after)}
 ) AS c
@@ -225,8 +231,9 @@ SELECT seq, message_id, destination, envelope, attempts, stream_key, created_at
 FROM {OUTBOX} FORCE INDEX (PRIMARY)
 WHERE target = %s AND seq IN ({{seqs}})
   AND status IN ({_OPEN})
-  AND CASE WHEN status = 'processing' THEN locked_until ELSE available_at END
-      <= UTC_TIMESTAMP(6)
+  AND (status = 'pending'
+       OR CASE WHEN status = 'processing' THEN locked_until ELSE available_at END
+          <= UTC_TIMESTAMP(6))
 ORDER BY seq
 FOR UPDATE SKIP LOCKED
 """

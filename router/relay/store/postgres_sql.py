@@ -22,6 +22,9 @@ claim parks the rows it finds staged behind a parked row since.
 Since 0020 the claim returns each row's transaction id (``xid``): the unit an atomic target
 publishes its rows in (``router.relay.store.units``), read with the row at no cost instead of
 looked up again by seq, which on the partitioned queue no index serves by seq alone.
+
+Since 0021 a pending row is due whatever its ``available_at``: only a failed row waits for
+its time, and it holds its stream back while it waits.
 """
 
 from __future__ import annotations
@@ -240,10 +243,16 @@ BEGIN
     """\
           AND o.seq > p_after
 """
-    # Queued and due: pending, or failed once its retry delay has passed. Word for word the
-    # predicate of ix_router_outbox_claim (target, seq), which serves both this and min().
+    # Queued and due: pending, or failed once its retry delay has passed. The status list is
+    # word for word the predicate of ix_router_outbox_claim (target, seq), which serves both
+    # this and min(). A pending row is due whatever its time (0021): only a failed row waits
+    # for one, and it holds its stream back meanwhile. A pending row's time can read later
+    # than this transaction's now(): a staging transaction that began before this one and
+    # committed since, or a release stamped by a clock ahead of the server's. Such a row
+    # held nothing back, so the rows behind it on its stream went first.
     """\
-          AND o.status IN ('pending', 'failed') AND o.available_at <= now()
+          AND o.status IN ('pending', 'failed')
+          AND (o.status = 'pending' OR o.available_at <= now())
 """
     # Streams stay in order: a row waits while an earlier row of its stream waits to retry.
     # Only ix_router_outbox_stream (failed rows, and rows 'processing' under a lease before

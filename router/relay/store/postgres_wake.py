@@ -74,7 +74,8 @@ GIVE_BACK = f"SELECT pg_advisory_unlock({WAKE_LOCK_NAMESPACE}, hashtext($1))"
 # price of one probe of the claim index (ix_router_outbox_claim, status pending or failed).
 PENDING = (
     f"SELECT EXISTS (SELECT 1 FROM {OUTBOX_QUEUE} "
-    "WHERE target = $1 AND status IN ('pending', 'failed') AND available_at <= now())"
+    "WHERE target = $1 AND status IN ('pending', 'failed') "
+    "AND (status = 'pending' OR available_at <= now()))"
 )
 
 

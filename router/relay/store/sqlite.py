@@ -51,7 +51,10 @@ FOR_GOOD = "9999-12-31"
 
 def _claim(after: str = "", own: str = "") -> str:
     # SQLite has one writer at a time and the claim holds the write lock (BEGIN IMMEDIATE), so
-    # the predecessor check below always sees every earlier claim.
+    # the predecessor check below always sees every earlier claim. A pending row is due
+    # whatever its time, as on PostgreSQL (migration 0021): the claim's time is taken before
+    # it waits for the lock, so a row a release stamped meanwhile read as not yet due, held
+    # nothing back, and the rows behind it on its stream went first.
     return f"""
 UPDATE {OUTBOX}
 SET status = 'processing', locked_by = ?, lease_token = ?, locked_until = ?,
@@ -61,7 +64,8 @@ WHERE NOT EXISTS (SELECT 1 FROM {TARGETS} t WHERE t.target = ? AND t.paused)
     SELECT o.seq FROM {OUTBOX} o
     WHERE o.target = ?{after}
       AND o.status IN ({OPEN_STATUSES_SQL})
-      AND CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?
+      AND (o.status = 'pending'
+           OR CASE WHEN o.status = 'processing' THEN o.locked_until ELSE o.available_at END <= ?)
       AND (o.stream_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM {OUTBOX} p
             WHERE p.target = o.target AND p.stream_key = o.stream_key AND p.seq < o.seq
