@@ -13,7 +13,9 @@ call's statements, putting back what a statement found missing (``Statement.repa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from envelopes import StagingError
@@ -72,6 +74,21 @@ async def insert(driver: AsyncDriver, statements: Sequence[Statement | Copy]) ->
             await driver.execute(statement)
 
 
+@functools.lru_cache(maxsize=512)
+def _numbered_arguments(
+    sql: str,
+) -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
+    """``numbered(sql)``, with a function that takes a statement's parameters, in their
+    numbers' order, from its dict (an ``itemgetter``: no generator run per call)."""
+    text, names = numbered(sql)
+    if not names:
+        return text, lambda _params: ()
+    if len(names) == 1:
+        one = names[0]
+        return text, lambda params: (params[one],)
+    return text, operator.itemgetter(*names)
+
+
 class AsyncpgDriver:
     """A raw asyncpg connection, inside ``connection.transaction()``."""
 
@@ -88,8 +105,8 @@ class AsyncpgDriver:
     async def execute(self, statement: Statement) -> int:
         """Run one statement, its parameters numbered; the rows it wrote."""
         assert isinstance(statement.params, dict)  # PostgreSQL's are named
-        sql, names = numbered(statement.sql)
-        status = await self.connection.execute(sql, *(statement.params[n] for n in names))
+        sql, arguments = _numbered_arguments(statement.sql)
+        status = await self.connection.execute(sql, *arguments(statement.params))
         # The command tag: "INSERT 0 3", "SELECT 1".
         return int(status.rpartition(" ")[2] or -1)
 

@@ -202,4 +202,6 @@ def _count(value: object) -> int:
 
 def message_ids(rows: Sequence[Row]) -> list[str]:
     """The staged events' ids, in order (an event has a row per target)."""
+    if len(rows) == 1:  # one event for one target, the common call
+        return [rows[0].message_id]
     return list(dict.fromkeys(row.message_id for row in rows))
