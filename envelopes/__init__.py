@@ -33,6 +33,7 @@ from envelopes.models import (
 )
 from envelopes.render import (
     PROFILES,
+    EnvelopeTemplate,
     Profile,
     WireMessage,
     check_cloudevents_extensions,
@@ -55,6 +56,7 @@ __all__ = [
     "DowncastError",
     "EnvelopeError",
     "EnvelopeMetadata",
+    "EnvelopeTemplate",
     "Exposure",
     "ExternalEnvelope",
     "HeaderName",

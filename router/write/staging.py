@@ -26,6 +26,7 @@ from pydantic_core import PydanticSerializationError
 from brokers import EventRoute
 from envelopes import (
     EnvelopeError,
+    EnvelopeTemplate,
     StageOptions,
     StagingError,
     check_cloudevents_extensions,
@@ -66,6 +67,7 @@ class Stager:
         self._headers_carried: set[tuple[str, tuple[str, ...]]] = set()
         self._cloudevents: dict[str, frozenset[str]] = {}
         self._atomic: dict[str, dict[str, int]] = {}
+        self._plans: dict[tuple[str, type[Event]], _Plan] = {}
 
     def atomic_limits(self, database: str) -> dict[str, int]:
         """The targets of ``database`` with ``atomic: true``, each with the most rows one
@@ -112,6 +114,15 @@ class Stager:
         The keywords are ``Outbox.stage()``'s: one stream key for all events or one per event,
         and the metadata every envelope of the call carries.
         """
+        if (
+            not options
+            and stream_keys is None
+            and len(events) == 1
+            and (stream_key is None or type(stream_key) is str)
+        ):
+            planned = self._one(database, events[0], stream_key)
+            if planned is not None:
+                return planned
         keys: Sequence[str | None]
         if stream_keys is None and _only_text_ids(stream_key, options):
             # The common call: one stream key or none, and no metadata but the ids a context
@@ -156,14 +167,52 @@ class Stager:
             message_id = uuid7_text()
             envelope = self._envelope(event, spec, message_id, key, now, options)
             if len(envelope) > limit:
-                raise StagingError(
-                    f"event {spec.type!r} is {len(envelope):,} bytes as an envelope; "
-                    f"the limit (outbox.max_payload_bytes) is {limit:,}"
-                )
+                raise StagingError(_too_large(spec, envelope, limit))
             stored = envelope.decode()
             for r in routes:
                 rows.append(Row(message_id, r.target, r.destination, spec.type, key, stored))
         return rows
+
+    def _one(self, database: str, event: Event, stream_key: str | None) -> list[Row] | None:
+        """``build_rows`` for its most common call: one event, a stream key or none, and no
+        metadata. The same rows, from what was worked out for the event's class once (its
+        routes, its envelope's template): a fifth of the call's own work (#39). None for a
+        class without a template (``build_rows`` then goes the general way)."""
+        plan = self._plans.get((database, type(event)))
+        if plan is None:
+            plan = self._plan(database, event)
+        spec, routes, template = plan
+        if template is None:
+            return None
+        check_no_nul(stream_key, "stream_key")
+        message_id = uuid7_text()
+        envelope = template.make(message_id, datetime.now(UTC), stream_key, _payload(event, spec))
+        if len(envelope) > self.config.outbox.max_payload_bytes:
+            raise StagingError(_too_large(spec, envelope, self.config.outbox.max_payload_bytes))
+        stored = envelope.decode()
+        return [Row(message_id, t, d, spec.type, stream_key, stored) for t, d in routes]
+
+    def _plan(self, database: str, event: Event) -> _Plan:
+        """What ``_one`` keeps of an event class in a database (StagingError as build_rows
+        raises it for an event that cannot go)."""
+        if not isinstance(event, Event):
+            raise StagingError(f"stage() takes router.Event instances, got {type(event)!r}")
+        spec = type(event).__event__
+        routes = tuple((r.target, r.destination) for r in self.routes(database, type(event)))
+        template: EnvelopeTemplate | None
+        try:
+            template = EnvelopeTemplate(
+                event_type=spec.type,
+                version=spec.version,
+                source=self.config.service,
+                event_class=spec.class_path,
+            )
+        except EnvelopeError:
+            template = None
+        plan = (spec, routes, template)
+        if len(self._plans) < 1024:  # an application's event classes are few
+            self._plans[(database, type(event))] = plan
+        return plan
 
     def _check_headers(
         self, headers: Mapping[str, str], routes: list[Route], done: set[str]
@@ -248,13 +297,7 @@ class Stager:
         now: datetime,
         options: StageOptions,
     ) -> bytes:
-        try:
-            payload = event.model_dump_json().encode()
-        except (PydanticSerializationError, ValueError, TypeError) as exc:
-            raise StagingError(f"event {spec.type!r} cannot be serialised: {exc}") from None
-        problem = json_problem(event, "payload")
-        if problem is not None:
-            raise StagingError(f"event {spec.type!r} cannot be serialised: {problem}")
+        payload = _payload(event, spec)
         try:
             return make_internal_envelope(
                 message_id=message_id,
@@ -269,6 +312,30 @@ class Stager:
             )
         except EnvelopeError as exc:
             raise StagingError(str(exc)) from None
+
+
+_Plan = tuple[EventSpec, tuple[tuple[str, str], ...], EnvelopeTemplate | None]
+"""An event class in a database, for ``Stager._one``: its spec, its (target, destination)
+pairs, and its envelope's template."""
+
+
+def _payload(event: Event, spec: EventSpec) -> bytes:
+    """The event's JSON, as pydantic writes it; StagingError if JSON cannot hold it as it is."""
+    try:
+        payload = event.model_dump_json().encode()
+    except (PydanticSerializationError, ValueError, TypeError) as exc:
+        raise StagingError(f"event {spec.type!r} cannot be serialised: {exc}") from None
+    problem = json_problem(event, "payload")
+    if problem is not None:
+        raise StagingError(f"event {spec.type!r} cannot be serialised: {problem}")
+    return payload
+
+
+def _too_large(spec: EventSpec, envelope: bytes, limit: int) -> str:
+    return (
+        f"event {spec.type!r} is {len(envelope):,} bytes as an envelope; "
+        f"the limit (outbox.max_payload_bytes) is {limit:,}"
+    )
 
 
 # Checks types as mypy would: no coercion ("5" is not an int, b"x" not a string).
