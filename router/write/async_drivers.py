@@ -24,7 +24,7 @@ from router.write.postgres import numbered
 from router.write.statements import Copy, Statement, clause
 from router.write.units import Unit
 
-__all__ = ["AsyncDriver", "async_driver", "insert"]
+__all__ = ["AsyncDriver", "async_driver", "insert", "is_asyncpg", "numbered_arguments"]
 
 
 class AsyncDriver(Protocol):
@@ -48,7 +48,7 @@ class AsyncDriver(Protocol):
 
 async def async_driver(connection: Any) -> AsyncDriver:
     """The driver for ``connection``; ``StagingError`` if it cannot stage in a transaction."""
-    if type(connection).__module__.partition(".")[0] == "asyncpg":
+    if is_asyncpg(connection):
         return AsyncpgDriver(connection)
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -74,8 +74,21 @@ async def insert(driver: AsyncDriver, statements: Sequence[Statement | Copy]) ->
             await driver.execute(statement)
 
 
+def is_asyncpg(connection: Any) -> bool:
+    """Whether ``connection`` is asyncpg's own (a connection, or a pool's proxy of one):
+    once per class, not a string split per stage() call."""
+    kind = type(connection)
+    found = _ASYNCPG_CLASSES.get(kind)
+    if found is None:
+        found = _ASYNCPG_CLASSES[kind] = kind.__module__.partition(".")[0] == "asyncpg"
+    return found
+
+
+_ASYNCPG_CLASSES: dict[type, bool] = {}
+
+
 @functools.lru_cache(maxsize=512)
-def _numbered_arguments(
+def numbered_arguments(
     sql: str,
 ) -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
     """``numbered(sql)``, with a function that takes a statement's parameters, in their
@@ -105,7 +118,7 @@ class AsyncpgDriver:
     async def execute(self, statement: Statement) -> int:
         """Run one statement, its parameters numbered; the rows it wrote."""
         assert isinstance(statement.params, dict)  # PostgreSQL's are named
-        sql, arguments = _numbered_arguments(statement.sql)
+        sql, arguments = numbered_arguments(statement.sql)
         status = await self.connection.execute(sql, *arguments(statement.params))
         # The command tag: "INSERT 0 3", "SELECT 1".
         return int(status.rpartition(" ")[2] or -1)

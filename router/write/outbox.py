@@ -30,15 +30,16 @@ from envelopes import StageOptions, StagingError
 from router._db import create_engine
 from router._local import announce, listening
 from router.config import RouterConfig
-from router.write.async_drivers import async_driver, insert
+from router.write._tracing import current_traceparent
+from router.write.async_drivers import async_driver, insert, is_asyncpg, numbered_arguments
 from router.write.checks import (
     SCHEMA_PROBE,
     check_schema_probe,
     needs_schema_probe,
     table_refusal,
 )
-from router.write.events import Event
-from router.write.statements import Row
+from router.write.events import Event, current_correlation_id
+from router.write.statements import Row, Statement
 from router.write.units import Unit, atomic_targets, unit_count
 from router.write.writer import Writer, message_ids
 
@@ -80,9 +81,44 @@ class Outbox(Writer):
         if not events and not stream_keys:  # keys without events: build_rows says why
             return []
         name = self._database(database)
+        if len(events) == 1 and not options and stream_keys is None and is_asyncpg(connection):
+            staged = await self._stage_one_on_asyncpg(connection, name, events[0], stream_key)
+            if staged is not None:
+                return staged
         rows = self._rows(name, events, stream_key, stream_keys, options)
         await self._insert(connection, name, rows)
         return message_ids(rows)
+
+    async def _stage_one_on_asyncpg(
+        self, connection: Any, name: str, event: Event, stream_key: str | None
+    ) -> list[str] | None:
+        """``stage()``'s most common call, one event with a stream key or none and nothing
+        else, on a raw asyncpg connection: the rows and statement the general way makes, run
+        without its layers (the driver object, the unit bookkeeping, the statement loop),
+        whose small calls in a loop of commits cost as much again as the rest of the call
+        (#39). None when the call needs more than that (a first call's schema probe, an
+        atomic target, a correlation id or trace in the context, a connection outside a
+        transaction): the general way then does it, and raises what it raises."""
+        settings = self.config.databases[name]
+        if (
+            settings.kind != "postgresql"
+            or needs_schema_probe("postgresql", settings)
+            or self._stager.atomic_limits(name)
+            or current_correlation_id() is not None
+            or current_traceparent() is not None
+            or not connection.is_in_transaction()
+        ):
+            return None
+        rows = self._stager.build_rows(name, (event,), stream_key=stream_key)
+        [statement] = self._stager.statements("postgresql", rows, notify=settings.notifies)
+        assert isinstance(statement, Statement)
+        assert isinstance(statement.params, dict)  # PostgreSQL's are named
+        sql, arguments = numbered_arguments(statement.sql)
+        try:
+            await connection.execute(sql, *arguments(statement.params))
+        except Exception as exc:
+            _reraise(exc, name, "postgresql")
+        return [rows[0].message_id]
 
     async def _insert(self, connection: Any, name: str, rows: Sequence[Row]) -> None:
         """One INSERT of ``rows`` in the caller's transaction, refused outside of one."""

@@ -157,6 +157,49 @@ async def test_stage_with_a_raw_asyncpg_connection(pg_url: str) -> None:
     assert envelope["headers"] == {"tenant": "acme"}
 
 
+async def test_the_common_call_on_asyncpg_stores_what_the_general_way_stores(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One event with a stream key and nothing else goes a shorter way on a raw asyncpg
+    connection once the tables were found; with a correlation id in the context it goes the
+    general way. Each event's rows are the same but for the id, the time and that id."""
+    shorter = Outbox._stage_one_on_asyncpg
+    took: list[bool] = []
+
+    async def spy(self: Outbox, *args: Any) -> list[str] | None:
+        staged = await shorter(self, *args)
+        took.append(staged is not None)
+        return staged
+
+    monkeypatch.setattr(Outbox, "_stage_one_on_asyncpg", spy)
+    outbox = outbox_for(pg_url)
+    conn = await asyncpg.connect(pg_url)
+    event = OrderPlaced(order_id="o-9", total=Decimal(9))
+    try:
+        async with conn.transaction():  # the first call asks for the tables
+            await outbox.stage(conn, StockReserved(order_id="o-0", quantity=1))
+        async with conn.transaction():
+            [plain] = await outbox.stage(conn, event, stream_key="o-9")
+            with correlation("c-1"):
+                [general] = await outbox.stage(conn, event, stream_key="o-9")
+    finally:
+        await conn.close()
+    assert took == [False, True, False]  # the probe, the shorter way, the correlation id
+    stored = await rows(pg_url)
+    by_id: dict[str, list[tuple[Any, ...]]] = {}
+    for r in stored:
+        envelope = json.loads(r["envelope"])
+        assert envelope.pop("id") == str(r["message_id"])
+        envelope.pop("time")
+        shape = (r["target"], r["destination"], r["event_type"], r["stream_key"])
+        by_id.setdefault(str(r["message_id"]), []).append((*shape, envelope))
+    assert [e.get("correlation_id") for *_, e in by_id[general]] == ["c-1"] * 3
+    for *_, envelope in by_id[general]:
+        del envelope["correlation_id"]
+    assert by_id[plain] == by_id[general]
+    assert [row[0] for row in by_id[plain]] == ["events", "analytics", "billing"]
+
+
 async def test_notify_arrives_once_and_only_at_commit(pg_url: str) -> None:
     # PostgreSQL only: NOTIFY is PostgreSQL's; the other databases have no wake-up to check.
     listener = await asyncpg.connect(pg_url)  # an idle relay: it holds the wake locks
