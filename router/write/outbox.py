@@ -55,6 +55,9 @@ class Outbox(Writer):
         self._engines: dict[str, AsyncEngine] = {}
         self._made_with: dict[str, dict[str, Any]] = {}
         self._loops: dict[str, asyncio.AbstractEventLoop | None] = {}
+        # The databases whose common call may go the short way (_stage_one_on_asyncpg),
+        # each with whether it notifies.
+        self._short: dict[str, bool] = {}
 
     async def stage(
         self,
@@ -99,18 +102,26 @@ class Outbox(Writer):
         (#39). None when the call needs more than that (a first call's schema probe, an
         atomic target, a correlation id or trace in the context, a connection outside a
         transaction): the general way then does it, and raises what it raises."""
-        settings = self.config.databases[name]
+        notify = self._short.get(name)
+        if notify is None:
+            settings = self.config.databases[name]
+            if (
+                settings.kind != "postgresql"
+                or needs_schema_probe("postgresql", settings)
+                or self._stager.atomic_limits(name)
+            ):
+                return None
+            # The tables once found are not asked for again (needs_schema_probe), and the
+            # rest is the config's: the answer holds for the process.
+            notify = self._short[name] = settings.notifies
         if (
-            settings.kind != "postgresql"
-            or needs_schema_probe("postgresql", settings)
-            or self._stager.atomic_limits(name)
-            or current_correlation_id() is not None
+            current_correlation_id() is not None
             or current_traceparent() is not None
             or not connection.is_in_transaction()
         ):
             return None
         rows = self._stager.build_rows(name, (event,), stream_key=stream_key)
-        [statement] = self._stager.statements("postgresql", rows, notify=settings.notifies)
+        [statement] = self._stager.statements("postgresql", rows, notify=notify)
         assert isinstance(statement, Statement)
         assert isinstance(statement.params, dict)  # PostgreSQL's are named
         sql, arguments = numbered_arguments(statement.sql)
