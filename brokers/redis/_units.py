@@ -12,16 +12,18 @@ error only, its member named in the text alone.
 A unit whose ``EVALSHA`` Redis answers ``NOSCRIPT`` (a restarted server, ``SCRIPT FLUSH``) goes
 again by ``EVAL``, which caches the script. A unit whose script Redis refuses for good
 (``NOPERM`` to the command, no scripting, ``GET`` or ``TYPE`` refused inside it) goes by
-``MULTI``/``EXEC``, and so does every later unit of the broker: one warning
-(``redis.unit_script.unavailable``) says what to grant. ``NOPERM`` for a key does not say
-which: the unit goes by ``MULTI``/``EXEC`` for its verdict, and if that stores it, the key
-refused was its marker's, and the broker stops scripting too. A refused script stored nothing,
-so going again stores nothing twice.
+``MULTI``/``EXEC``, and so does every later unit of the broker for ``SCRIPT_RETRY_SECONDS``,
+when a unit tries the script again (an operator may have granted it since; a log says when it
+runs again): one warning (``redis.unit_script.unavailable``) says what to grant. ``NOPERM``
+for a key does not say which: the unit goes by ``MULTI``/``EXEC`` for its verdict, and if
+that stores it, the key refused was its marker's, and the broker stops scripting too. A
+refused script stored nothing, so going again stores nothing twice.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
@@ -48,6 +50,10 @@ __all__ = ["Fields", "UnitWriter", "groups"]
 
 log = logging.getLogger(__name__)
 
+SCRIPT_RETRY_SECONDS = 300.0
+"""How long after Redis refused the script a broker's units go by ``MULTI``/``EXEC`` before
+one tries the script again: a grant takes effect without a restart of the relay."""
+
 Fields = dict[FieldT, EncodableT]
 """An entry's fields, as XADD takes them."""
 Verdicts = list[list[PublishResult] | None]
@@ -71,7 +77,10 @@ class UnitWriter:
         self._fields = fields
         self._send = send
         self.scripted = True
-        """Whether units go by script (until Redis shows it cannot run one)."""
+        """Whether units go by script (until Redis shows it cannot run one; tried again
+        ``SCRIPT_RETRY_SECONDS`` after that)."""
+        self._retry_at: float | None = None
+        self._warned = False
 
     async def write(
         self,
@@ -81,10 +90,15 @@ class UnitWriter:
         verdicts: Verdicts,
     ) -> None:
         """Write the units of ``group`` (one pipeline's worth) and set their verdicts."""
-        if self.scripted:
-            await self._scripts(client, units, group, verdicts)
-        else:
+        retrying = self._retry_at is not None and time.monotonic() >= self._retry_at
+        if retrying:
+            self.scripted, self._retry_at = True, None
+        if not self.scripted:
             await self._transactions(client, units, group, verdicts)
+            return
+        await self._scripts(client, units, group, verdicts)
+        if retrying and self.scripted:
+            log.info("redis.unit_script.available", extra={"broker": self.broker})
 
     async def _scripts(
         self,
@@ -162,10 +176,16 @@ class UnitWriter:
             self._script_off(f"{describe(refused[stored[0]])}: the unit's marker")
 
     def _script_off(self, why: str) -> None:
-        """Write later units by MULTI/EXEC, and say once what that costs and how to avoid it."""
+        """Write later units by MULTI/EXEC, and say once what that costs and how to avoid it;
+        try the script again ``SCRIPT_RETRY_SECONDS`` later (an operator may grant it)."""
         if not self.scripted:
             return
         self.scripted = False
+        self._retry_at = time.monotonic() + SCRIPT_RETRY_SECONDS
+        if self._warned:  # still refused on a retry: said already
+            log.debug("redis.unit_script.still_unavailable", extra={"broker": self.broker})
+            return
+        self._warned = True
         log.warning(
             "redis.unit_script.unavailable",
             extra={

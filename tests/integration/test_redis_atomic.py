@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from brokers import AtomicBroker, OutgoingMessage, PublishResult, create_broker
-from brokers.redis import RedisSettings
+from brokers.redis import RedisSettings, _units
 from brokers.redis._script import MARKER_PREFIX, SCRIPT_GRANTS, SHA
 from envelopes import BrokerUnavailable
 from tests.contract.harnesses import REDIS_URL, Arrived, RedisHarness
@@ -263,6 +263,38 @@ async def test_a_user_without_scripting_writes_units_by_multi_exec_and_says_once
     assert warning.__dict__["grant"] == SCRIPT_GRANTS
     assert "'evalsha'" in warning.__dict__["reason"]
     assert "stored twice" in warning.__dict__["consequence"]
+
+
+async def test_scripting_granted_later_is_taken_up_without_a_restart(
+    private_redis: int, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused the script, a broker writes units by MULTI/EXEC and tries the script again
+    ``SCRIPT_RETRY_SECONDS`` later (here at once): still refused, it stays on MULTI/EXEC with
+    no second warning; granted since, its units go by script again, and a unit sent twice
+    is stored once (MULTI/EXEC would store it twice)."""
+    monkeypatch.setattr(_units, "SCRIPT_RETRY_SECONDS", 0.0)
+    settings = private_settings(private_redis, "no-scripts")
+    stream = f"{PARTNER_KEYS}granted-later"
+    caplog.set_level(logging.INFO, logger="brokers.redis._units")
+    admin = aioredis.Redis.from_url(f"redis://127.0.0.1:{private_redis}/0")
+    broker = create_broker("partner", settings)
+    assert isinstance(broker, AtomicBroker)
+    try:
+        await broker.publish_atomic([unit(settings, [stream], 1, stream="a")])
+        await broker.publish_atomic([unit(settings, [stream], 2, stream="a")])  # still refused
+        await admin.execute_command("ACL", "SETUSER", "no-scripts", *SCRIPTING)
+        third = unit(settings, [stream], 3, stream="a")
+        (stored,) = await broker.publish_atomic([third])
+        (again,) = await broker.publish_atomic([third])
+    finally:
+        await broker.close()
+        revoke = [f"-{command[1:]}" for command in SCRIPTING]
+        await admin.execute_command("ACL", "SETUSER", "no-scripts", *revoke)
+        await admin.aclose()
+    assert all(r.ok for r in stored + again)
+    assert await xrange(f"redis://127.0.0.1:{private_redis}/0", stream) == [1, 2, 3]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("redis.unit")]
+    assert said == ["redis.unit_script.unavailable", "redis.unit_script.available"]
 
 
 async def test_a_member_refused_when_queued_stores_none_of_its_unit_and_is_named(
