@@ -282,14 +282,14 @@ async def test_scripting_granted_later_is_taken_up_without_a_restart(
     try:
         await broker.publish_atomic([unit(settings, [stream], 1, stream="a")])
         await broker.publish_atomic([unit(settings, [stream], 2, stream="a")])  # still refused
-        await admin.execute_command("ACL", "SETUSER", "no-scripts", *SCRIPTING)
+        await admin.acl_setuser("no-scripts", enabled=True, commands=SCRIPTING)
         third = unit(settings, [stream], 3, stream="a")
         (stored,) = await broker.publish_atomic([third])
         (again,) = await broker.publish_atomic([third])
     finally:
         await broker.close()
         revoke = [f"-{command[1:]}" for command in SCRIPTING]
-        await admin.execute_command("ACL", "SETUSER", "no-scripts", *revoke)
+        await admin.acl_setuser("no-scripts", enabled=True, commands=revoke)
         await admin.aclose()
     assert all(r.ok for r in stored + again)
     assert await xrange(f"redis://127.0.0.1:{private_redis}/0", stream) == [1, 2, 3]
