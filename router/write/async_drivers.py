@@ -24,7 +24,7 @@ from router.write.postgres import numbered
 from router.write.statements import Copy, Statement, clause
 from router.write.units import Unit
 
-__all__ = ["AsyncDriver", "async_driver", "insert", "is_asyncpg", "numbered_arguments"]
+__all__ = ["AsyncDriver", "AsyncpgDriver", "async_driver", "insert", "is_asyncpg"]
 
 
 class AsyncDriver(Protocol):
@@ -88,7 +88,7 @@ _ASYNCPG_CLASSES: dict[type, bool] = {}
 
 
 @functools.lru_cache(maxsize=512)
-def numbered_arguments(
+def _numbered_arguments(
     sql: str,
 ) -> tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]:
     """``numbered(sql)``, with a function that takes a statement's parameters, in their
@@ -118,7 +118,7 @@ class AsyncpgDriver:
     async def execute(self, statement: Statement) -> int:
         """Run one statement, its parameters numbered; the rows it wrote."""
         assert isinstance(statement.params, dict)  # PostgreSQL's are named
-        sql, arguments = numbered_arguments(statement.sql)
+        sql, arguments = _numbered_arguments(statement.sql)
         status = await self.connection.execute(sql, *arguments(statement.params))
         # The command tag: "INSERT 0 3", "SELECT 1".
         return int(status.rpartition(" ")[2] or -1)

@@ -31,7 +31,7 @@ from router._db import create_engine
 from router._local import announce, listening
 from router.config import RouterConfig
 from router.write._tracing import current_traceparent
-from router.write.async_drivers import async_driver, insert, is_asyncpg, numbered_arguments
+from router.write.async_drivers import AsyncpgDriver, async_driver, insert, is_asyncpg
 from router.write.checks import (
     SCHEMA_PROBE,
     check_schema_probe,
@@ -97,11 +97,11 @@ class Outbox(Writer):
     ) -> list[str] | None:
         """``stage()``'s most common call, one event with a stream key or none and nothing
         else, on a raw asyncpg connection: the rows and statement the general way makes, run
-        without its layers (the driver object, the unit bookkeeping, the statement loop),
-        whose small calls in a loop of commits cost as much again as the rest of the call
-        (#39). None when the call needs more than that (a first call's schema probe, an
-        atomic target, a correlation id or trace in the context, a connection outside a
-        transaction): the general way then does it, and raises what it raises."""
+        by the same driver without the rest of its layers (the driver's lookup, the unit
+        bookkeeping, the statement loop), whose small calls in a loop of commits cost as much
+        again as the rest of the call (#39). None when the call needs more than that (a
+        first call's schema probe, an atomic target, a correlation id or trace in the
+        context): the general way then does it."""
         notify = self._short.get(name)
         if notify is None:
             settings = self.config.databases[name]
@@ -114,19 +114,14 @@ class Outbox(Writer):
             # The tables once found are not asked for again (needs_schema_probe), and the
             # rest is the config's: the answer holds for the process.
             notify = self._short[name] = settings.notifies
-        if (
-            current_correlation_id() is not None
-            or current_traceparent() is not None
-            or not connection.is_in_transaction()
-        ):
+        if current_correlation_id() is not None or current_traceparent() is not None:
             return None
         rows = self._stager.build_rows(name, (event,), stream_key=stream_key)
+        driver = AsyncpgDriver(connection)  # StagingError outside a transaction, as always
         [statement] = self._stager.statements("postgresql", rows, notify=notify)
         assert isinstance(statement, Statement)
-        assert isinstance(statement.params, dict)  # PostgreSQL's are named
-        sql, arguments = numbered_arguments(statement.sql)
         try:
-            await connection.execute(sql, *arguments(statement.params))
+            await driver.execute(statement)
         except Exception as exc:
             _reraise(exc, name, "postgresql")
         return [rows[0].message_id]

@@ -322,10 +322,10 @@ def _row_names(i: int) -> tuple[str, str]:
 _NAMED = re.compile(r"(?<![:\w]):([a-z]\w*)")
 
 
-@functools.lru_cache(maxsize=512)
 def numbered(sql: str) -> tuple[str, tuple[str, ...]]:
     """``sql``'s ``:name`` parameters as asyncpg's ``$1, $2...``, and the names in that order
-    (a name used twice keeps its one number). Once per statement text: the texts are few."""
+    (a name used twice keeps its one number). Its one caller keeps the answer per statement
+    text (``router.write.async_drivers``): the texts are few."""
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
