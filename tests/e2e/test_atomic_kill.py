@@ -1,4 +1,8 @@
-"""``router serve`` killed with SIGKILL after the broker stored an atomic unit and before the
+"""``router serve`` killed with SIGKILL in the middle of a JetStream batch (its members sent,
+its commit held back: ``DelayingProxy.stall_at``) stores nothing of the unit, and the next
+router stores it once, whole.
+
+``router serve`` killed with SIGKILL after the broker stored an atomic unit and before the
 router saw the answer (the answers are lost on the way: ``DelayingProxy.mute``).
 
 The next router sends the unit again, the broker recognises it, and the rows are marked
@@ -30,6 +34,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from brokers.nats import EmbeddedNats
+from brokers.nats._settings import BATCH_COMMIT
 from router import Outbox, load_config
 from tests.chaos.proxy import DelayingProxy
 from tests.contract.harnesses import REDIS_URL
@@ -127,6 +132,51 @@ async def killed_after_storing(
     serving.stop()
     assert {s for i, s in (await statuses(database)).items() if i in unit} == {"pending"}
     return unit, serving
+
+
+async def test_a_batch_cut_before_its_commit_by_a_kill_stores_nothing_and_then_once(
+    pg_url: str, tmp_path: Path
+) -> None:
+    nats_url = f"nats://127.0.0.1:{free_port()}"
+    server = EmbeddedNats(nats_url, tmp_path / "nats")
+    await server.start()
+    proxy = DelayingProxy("127.0.0.1", int(nats_url.rsplit(":", 1)[1]), 0.0)
+    await proxy.start()
+    serving: Serving | None = None
+    try:
+        write_config(tmp_path, pg_url, nats_broker(f"nats://127.0.0.1:{proxy.port}"))
+        serving = Serving(tmp_path, None, new_session=True)
+        warm = await stage(tmp_path, ["w"])
+        assert await published(pg_url, warm), serving.log.read_text()
+        # The next batch's members reach the server; its commit (the frame carrying
+        # Nats-Batch-Commit) and all after it are held, and serve dies waiting for its answer.
+        proxy.stall_at(BATCH_COMMIT.encode(), b"HPUB ")
+        unit = await stage(tmp_path, ["a", "b", "c"])
+        deadline = time.monotonic() + 10
+        while not proxy.stalled:  # kill before the relay gives up on the answer and resends
+            assert time.monotonic() < deadline, "the batch's commit never came"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the members before the commit reach the server
+        os.killpg(serving.process.pid, signal.SIGKILL)
+        serving.stop()
+        await proxy.stop()  # what was held goes with the dead connection
+        await asyncio.sleep(0.5)
+        cut = await stored(nats_url, 1)
+        assert {s for i, s in (await statuses(pg_url)).items() if i in unit} == {"pending"}
+        write_config(tmp_path, pg_url, nats_broker(nats_url))
+        serving = Serving(tmp_path, None, new_session=True)
+        assert await published(pg_url, unit), serving.log.read_text()
+        after = await stored(nats_url, 4)
+    finally:
+        if serving is not None:
+            serving.stop()
+        await proxy.stop()
+        await server.stop()
+
+    assert [m["Nats-Msg-Id"] for m in cut] == warm  # nothing of the cut batch was stored
+    assert [m["Nats-Msg-Id"] for m in after] == warm + unit  # then the unit, once, whole
+    assert len({m["Nats-Batch-Id"] for m in after[1:]}) == 1
+    assert [m["seq"] for m in after[1:]] == [2, 3, 4]
 
 
 async def test_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_restart(
