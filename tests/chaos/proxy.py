@@ -11,8 +11,9 @@ takes what it had not sent yet with it (the failover test's replication link).
 ``DelayingProxy.mute()`` drops what the server sends back from then on, while the client's
 requests still reach it: answers lost on the way (a PubAck never seen for a message stored).
 ``DelayingProxy.stall_at(marker, frame)`` lets the client's bytes through up to the frame that
-carries ``marker`` and holds everything from there: a sender cut off half-way through a
-multi-frame write (a JetStream batch whose members arrived and whose commit never did).
+carries ``marker`` (or up to the marker itself) and holds everything from there: a sender cut
+off half-way through a write (a JetStream batch whose members arrived and whose commit never
+did, a command or a transfer half sent).
 
 ``GrayProxy`` cuts one host off: its connections stay open and pass nothing (a gray
 partition), while other hosts' connections through the same proxy go on.
@@ -94,7 +95,7 @@ class DelayingProxy(_Proxy):
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._muted = False
-        self._stall: tuple[bytes, bytes] | None = None
+        self._stall: tuple[bytes, bytes | None] | None = None
         self._unstalled = asyncio.Event()
         self._unstalled.set()
 
@@ -111,10 +112,11 @@ class DelayingProxy(_Proxy):
         """Drop what the server sends from now on; the client's bytes still go through."""
         self._muted = True
 
-    def stall_at(self, marker: bytes, frame: bytes) -> None:
+    def stall_at(self, marker: bytes, frame: bytes | None = None) -> None:
         """On the first client write that holds ``marker``, forward its bytes up to the last
-        ``frame`` (a frame's opening, ``b"HPUB "`` say) before the marker, and from there
-        hold that connection's bytes until ``release()`` (``stop()`` drops them)."""
+        ``frame`` (a frame's opening, ``b"HPUB "`` say) before the marker, or up to the
+        marker itself, and from there hold that connection's bytes until ``release()``
+        (``stop()`` drops them)."""
         self._stall = (marker, frame)
 
     @property
@@ -154,7 +156,8 @@ class DelayingProxy(_Proxy):
                 at = -1 if to_client or self._stall is None else data.find(self._stall[0])
                 if at >= 0:
                     assert self._stall is not None
-                    cut = max(data.rfind(self._stall[1], 0, at), 0)
+                    frame = self._stall[1]
+                    cut = at if frame is None else max(data.rfind(frame, 0, at), 0)
                     self._stall = None
                     self._unstalled.clear()
                     queue.put_nowait((due, data[:cut], False))

@@ -1,6 +1,7 @@
-"""``router serve`` killed with SIGKILL in the middle of a JetStream batch (its members sent,
-its commit held back: ``DelayingProxy.stall_at``) stores nothing of the unit, and the next
-router stores it once, whole.
+"""``router serve`` killed with SIGKILL in the middle of a unit's write stores nothing of the
+unit, and the next router stores it once, whole (``DelayingProxy.stall_at`` holds what follows
+the cut): on JetStream the batch's members reached the server and its commit did not; on
+Redis the script's command, and on Service Bus the batch's transfer, were half sent.
 
 ``router serve`` killed with SIGKILL after the broker stored an atomic unit and before the
 router saw the answer (the answers are lost on the way: ``DelayingProxy.mute``).
@@ -23,6 +24,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from typing import Any
 import asyncpg
 import nats
 import orjson
+import pytest
 import redis.asyncio as aioredis
 import yaml
 
@@ -134,49 +137,157 @@ async def killed_after_storing(
     return unit, serving
 
 
-async def test_a_batch_cut_before_its_commit_by_a_kill_stores_nothing_and_then_once(
-    pg_url: str, tmp_path: Path
+class Side:
+    """A broker the router reaches through a proxy: where the proxy forwards to, the broker's
+    config for a port (the proxy's or the broker's own), and what its destination holds."""
+
+    cut: tuple[bytes, bytes | None]
+    """Where ``DelayingProxy.stall_at`` cuts the unit's write: after its first member."""
+
+    port: int
+    """Where the broker listens (what the proxy forwards to)."""
+
+    async def start(self) -> None:
+        """Start what the test needs."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    def broker(self, port: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def contents(self) -> list[tuple[str, str | None]]:
+        """The destination's messages in order: each one's id, and its batch (JetStream)."""
+        raise NotImplementedError
+
+
+CUT_KEY = "cut-here"  # the stream key of the unit's second member
+
+
+class NatsSide(Side):
+    # The members reach nats-server; the frame carrying Nats-Batch-Commit, and all after it,
+    # does not.
+    cut = (BATCH_COMMIT.encode(), b"HPUB ")
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.server = EmbeddedNats(self.url, folder / "nats")
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+    def broker(self, port: int) -> dict[str, Any]:
+        return nats_broker(f"nats://127.0.0.1:{port}")
+
+    async def contents(self) -> list[tuple[str, str | None]]:
+        found = await stored(self.url, 0)
+        return [(m["Nats-Msg-Id"], m.get("Nats-Batch-Id")) for m in found]
+
+
+class RedisSide(Side):
+    cut = (CUT_KEY.encode(), None)  # the script's command, half sent
+
+    port = 6379
+
+    def __init__(self, folder: Path) -> None:
+        self.destination = f"killed{uuid.uuid4().hex[:8]}"
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        await client.delete(self.destination + ".order_placed")
+        await client.aclose()
+
+    def broker(self, port: int) -> dict[str, Any]:
+        return {
+            "type": "redis",
+            "destination": self.destination + ".{event_type}",
+            "url": f"redis://127.0.0.1:{port}/0",
+        }
+
+    async def contents(self) -> list[tuple[str, str | None]]:
+        return [(i, None) for i in await entries(self.destination + ".order_placed")]
+
+
+class ServiceBusSide(Side):
+    cut = (CUT_KEY.encode(), None)  # the batch's transfer, half sent
+    entity = "killed-order_placed"
+
+    def __init__(self, folder: Path) -> None:
+        self.peer = ServiceBusPeer(port=free_port())
+        self.port = self.peer.port
+
+    async def start(self) -> None:
+        self.peer.start()
+
+    async def stop(self) -> None:
+        self.peer.stop()
+
+    def broker(self, port: int) -> dict[str, Any]:
+        return {
+            "type": "servicebus",
+            "destination": "killed-{event_type}",
+            "connection_string": CONNECTION_STRING.format(port=port),
+        }
+
+    async def contents(self) -> list[tuple[str, str | None]]:
+        return [(str(m.message_id), None) for m in self.peer.messages(self.entity)]
+
+
+SIDES: dict[str, Callable[[Path], Side]] = {
+    "nats": NatsSide,
+    "redis": RedisSide,
+    "servicebus": ServiceBusSide,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SIDES))
+async def test_a_unit_whose_write_a_kill_cut_in_the_middle_is_stored_once_and_whole(
+    kind: str, pg_url: str, tmp_path: Path
 ) -> None:
-    nats_url = f"nats://127.0.0.1:{free_port()}"
-    server = EmbeddedNats(nats_url, tmp_path / "nats")
-    await server.start()
-    proxy = DelayingProxy("127.0.0.1", int(nats_url.rsplit(":", 1)[1]), 0.0)
+    side = SIDES[kind](tmp_path)
+    await side.start()
+    proxy = DelayingProxy("127.0.0.1", side.port, 0.0)
     await proxy.start()
     serving: Serving | None = None
     try:
-        write_config(tmp_path, pg_url, nats_broker(f"nats://127.0.0.1:{proxy.port}"))
+        write_config(tmp_path, pg_url, side.broker(proxy.port))
         serving = Serving(tmp_path, None, new_session=True)
         warm = await stage(tmp_path, ["w"])
         assert await published(pg_url, warm), serving.log.read_text()
-        # The next batch's members reach the server; its commit (the frame carrying
-        # Nats-Batch-Commit) and all after it are held, and serve dies waiting for its answer.
-        proxy.stall_at(BATCH_COMMIT.encode(), b"HPUB ")
-        unit = await stage(tmp_path, ["a", "b", "c"])
+        proxy.stall_at(*side.cut)
+        unit = await stage(tmp_path, ["a", CUT_KEY, "c"])
         deadline = time.monotonic() + 10
         while not proxy.stalled:  # kill before the relay gives up on the answer and resends
-            assert time.monotonic() < deadline, "the batch's commit never came"
+            assert time.monotonic() < deadline, "the unit's write never came"
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # the members before the commit reach the server
+        await asyncio.sleep(0.1)  # what came before the cut reaches the broker
         os.killpg(serving.process.pid, signal.SIGKILL)
         serving.stop()
         await proxy.stop()  # what was held goes with the dead connection
         await asyncio.sleep(0.5)
-        cut = await stored(nats_url, 1)
+        cut = await side.contents()
         assert {s for i, s in (await statuses(pg_url)).items() if i in unit} == {"pending"}
-        write_config(tmp_path, pg_url, nats_broker(nats_url))
+        write_config(tmp_path, pg_url, side.broker(side.port))
         serving = Serving(tmp_path, None, new_session=True)
         assert await published(pg_url, unit), serving.log.read_text()
-        after = await stored(nats_url, 4)
+        after = await side.contents()
     finally:
         if serving is not None:
             serving.stop()
         await proxy.stop()
-        await server.stop()
+        await side.stop()
 
-    assert [m["Nats-Msg-Id"] for m in cut] == warm  # nothing of the cut batch was stored
-    assert [m["Nats-Msg-Id"] for m in after] == warm + unit  # then the unit, once, whole
-    assert len({m["Nats-Batch-Id"] for m in after[1:]}) == 1
-    assert [m["seq"] for m in after[1:]] == [2, 3, 4]
+    assert [i for i, _ in cut] == warm  # nothing of the cut unit was stored
+    assert [i for i, _ in after] == warm + unit  # then the unit, once, whole, together
+    assert len({batch for _, batch in after[1:]}) == 1
 
 
 async def test_a_unit_stored_before_serve_was_killed_is_stored_once_after_the_restart(
