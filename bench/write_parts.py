@@ -1,7 +1,7 @@
-"""write_parts: what each part of stage()'s statement costs PostgreSQL, without Python.
+"""write_parts: what each part of stage()'s statement costs the database, without Python.
 
-    python -m bench.write_parts [--writers 1,8,32] [--seconds 4] [--rounds 3]
-                                [--output write-parts]
+    python -m bench.write_parts [--database postgresql|mysql] [--writers 1,8,32] [--seconds 4]
+                                [--rounds 3] [--transactions 4000] [--output write-parts]
 
 ``pgbench`` (C, prepared statements, K clients) runs transactions of one ``orders`` row and one
 outbox row, as ``bench.write_concurrency``'s writers do, so the figures are the server's and
@@ -18,6 +18,20 @@ the disk's alone. The outbox row, one part added at a time:
 - ``gate``: the same behind the lock and the wake try (stage()'s one-event statement, with no
   relay idle, so no NOTIFY).
 
+On MariaDB (``--database mysql``; ``write-parts-mysql.json`` by default) ``mariadb-slap`` (C)
+runs ``--transactions`` such transactions over K clients, each one ``START TRANSACTION``, ``SET
+@n = UUID_SHORT()`` (the business row's id and the stream key's), the ``orders`` row, the
+outbox row, ``COMMIT``. The envelope goes as a hex literal, as stage() sends it. The parts:
+
+- ``hand``: the hand outbox of ``bench._writers`` (a ``CHECK (JSON_VALID(...))`` payload, an
+  index on the pending rows);
+- ``table``: ``router_outbox`` with the router's envelope, a plain ``INSERT ... VALUES`` (what
+  stage() writes for a row without a stream key);
+- ``small``: the same with the event's JSON alone as the envelope;
+- ``read``: the row inserted by ``INSERT ... SELECT`` from the key's slot row of
+  ``router_streams``, without locking it: what reading a second table in the statement costs;
+- ``lock``: the same ``FOR UPDATE``, stage()'s statement for a row on a stream key.
+
 Interleaved rounds, the order rotated; per K the median of each round's ratio to ``hand``
 and its range. ``bench.write_concurrency`` measures the whole call, Python included.
 """
@@ -29,8 +43,10 @@ import asyncio
 import re
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 
@@ -43,6 +59,7 @@ from router.write.staging import Stager
 from tests.private_postgres import postgres_bin
 
 PARTS = ("hand", "flat", "small", "table", "lock", "gate")
+MYSQL_PARTS = ("hand", "table", "small", "read", "lock")
 
 _ORDER = "INSERT INTO orders (id, customer, total) VALUES (:n, 'c', 1.99);"
 _ROUTER = (
@@ -75,6 +92,31 @@ FLAT = (
     "CREATE SEQUENCE flat_outbox_seq",
     "ALTER TABLE flat_outbox ALTER seq SET DEFAULT nextval('flat_outbox_seq')",
 )
+
+
+_MYSQL_ORDER = "INSERT INTO orders (id, customer, total) VALUES (@n, 'c', 1.99)"
+_MYSQL_KEY = "CONCAT('order-', @n)"
+_MYSQL_COLUMNS = "message_id, target, destination, event_type, stream_key, envelope"
+_MYSQL_ROW = f"UUID(), 'events', 'bench.order_placed', 'order_placed', {_MYSQL_KEY}, {{envelope}}"
+_MYSQL_SLOT = f"router_streams WHERE stream_key = CAST(CRC32({_MYSQL_KEY}) & 1023 AS CHAR)"
+
+
+def mysql_statements(payload: str, envelope: str) -> dict[str, str]:
+    """Each part's outbox statement on MariaDB, the JSON texts as hex literals."""
+
+    def literal(text: str) -> str:
+        return f"CONVERT(X'{text.encode().hex()}' USING utf8mb4)"
+
+    row, small = (_MYSQL_ROW.format(envelope=literal(t)) for t in (envelope, payload))
+    into = f"INSERT INTO router_outbox ({_MYSQL_COLUMNS})"
+    return {
+        "hand": "INSERT INTO hand_outbox (id, target, type, `key`, payload) VALUES "
+        f"(UUID(), 'events', 'order_placed', {_MYSQL_KEY}, {literal(payload)})",
+        "table": f"{into} VALUES ({row})",
+        "small": f"{into} VALUES ({small})",
+        "read": f"{into} SELECT {row} FROM {_MYSQL_SLOT}",
+        "lock": f"{into} SELECT {row} FROM {_MYSQL_SLOT} FOR UPDATE",
+    }
 
 
 def texts() -> tuple[str, str]:
@@ -155,43 +197,109 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         print(
                             f"  round {round_ + 1} K={writers} {part}: {rate:,.0f} tps", flush=True
                         )
+    return ratios(args.writers, PARTS, runs)
+
+
+def slap(database: str, transaction: str, writers: int, transactions: int) -> float:
+    """Transactions per second of one mariadb-slap run of ``transactions`` over ``writers``."""
+    server = urlsplit(_mysql.MYSQL_ADMIN)
+    login = [f"--user={server.username or 'root'}", f"--host={server.hostname or '127.0.0.1'}"]
+    login += [f"--port={server.port or 3306}"]
+    if server.password:
+        login.append(f"--password={server.password}")
+    statements = transaction.count(";") + 1
+    command = ["mariadb-slap", *login, f"--create-schema={database}", f"--query={transaction}"]
+    command += ["--delimiter=;", f"--concurrency={writers}", "--iterations=1"]
+    command.append(f"--number-of-queries={transactions * statements}")
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    elapsed = time.perf_counter() - started
+    found = re.search(r"Average number of seconds to run all queries: ([\d.]+)", done.stdout)
+    if found is None or done.returncode:
+        raise RuntimeError(f"mariadb-slap failed: {(done.stderr or done.stdout)[-800:]}")
+    # slap's own time leaves out its connecting; it rounds to ms, so a short run falls back.
+    return transactions / (float(found.group(1)) or elapsed)
+
+
+async def measure_mysql(args: argparse.Namespace) -> dict[str, Any]:
+    """``measure`` on MariaDB, by mariadb-slap."""
+    payload, envelope = texts()
+    transactions = {
+        part: f"START TRANSACTION;SET @n = UUID_SHORT();{_MYSQL_ORDER};{statement};COMMIT"
+        for part, statement in mysql_statements(payload, envelope).items()
+    }
+    runs: dict[tuple[int, str], list[float]] = {}
+    async with _mysql.fresh_database("mysql", "write_parts") as url:
+        create_tables("mysql", url)
+        database = urlsplit(url).path.lstrip("/")
+        for round_ in range(args.rounds):
+            for writers in args.writers:
+                shift = round_ % len(MYSQL_PARTS)
+                for part in MYSQL_PARTS[shift:] + MYSQL_PARTS[:shift]:
+                    rate = await asyncio.to_thread(
+                        slap, database, transactions[part], writers, args.transactions
+                    )
+                    runs.setdefault((writers, part), []).append(rate)
+                    print(f"  round {round_ + 1} K={writers} {part}: {rate:,.0f} tps", flush=True)
+    return ratios(args.writers, MYSQL_PARTS, runs)
+
+
+def ratios(
+    writers: list[int], parts: tuple[str, ...], runs: dict[tuple[int, str], list[float]]
+) -> dict[str, Any]:
+    """Per K: hand's transactions/s, and each part's ratio to it round by round."""
     figures: dict[str, Any] = {}
-    for writers in args.writers:
-        hand = runs[(writers, "hand")]
+    for k in writers:
+        hand = runs[(k, "hand")]
         point: dict[str, Any] = {"hand_tps": spread(hand)}
-        for part in PARTS[1:]:
-            point[part] = spread(
-                [r / h for r, h in zip(runs[(writers, part)], hand, strict=True)], 3
-            )
-        figures[str(writers)] = point
+        for part in parts[1:]:
+            point[part] = spread([r / h for r, h in zip(runs[(k, part)], hand, strict=True)], 3)
+        figures[str(k)] = point
     return figures
 
 
 def main() -> None:
     """Measure, print, save."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", choices=_mysql.DATABASES, default="postgresql")
     parser.add_argument("--writers", type=numbers, default=[1, 8, 32])
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--output", default="write-parts", help="bench/results/OUTPUT.json")
+    parser.add_argument(
+        "--transactions", type=int, default=4000, help="MariaDB: transactions a point"
+    )
+    parser.add_argument(
+        "--output", help="bench/results/OUTPUT.json (write-parts, or write-parts-mysql)"
+    )
     args = parser.parse_args()
-    figures = asyncio.run(measure(args))
+    mysql = args.database == "mysql"
+    figures = asyncio.run(measure_mysql(args) if mysql else measure(args))
+    parts = MYSQL_PARTS if mysql else PARTS
+    tool = (
+        f"mariadb-slap, {args.transactions:,} transactions a point"
+        if mysql
+        else (f"pgbench, {args.seconds:g} s a point")
+    )
 
     def cell(f: dict[str, Any]) -> str:
         return f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f})"
 
     print_table(
-        f"write_parts: pgbench, an orders row and an outbox row a transaction, "
-        f"{args.seconds:g} s a point; each part over hand, median (lowest-highest) of "
-        f"{args.rounds} rounds",
-        ["K", "hand tps", *PARTS[1:]],
+        f"write_parts: {tool}, an orders row and an outbox row a transaction; each part over "
+        f"hand, median (lowest-highest) of {args.rounds} rounds",
+        ["K", "hand tps", *parts[1:]],
         [
-            [k, f"{p['hand_tps']['median']:,.0f}", *(cell(p[part]) for part in PARTS[1:])]
+            [k, f"{p['hand_tps']['median']:,.0f}", *(cell(p[part]) for part in parts[1:])]
             for k, p in figures.items()
         ],
     )
-    parameters = {"writers": args.writers, "seconds": args.seconds, "rounds": args.rounds}
-    print(f"written to {write_results(args.output, parameters, figures)}")
+    parameters: dict[str, Any] = {"database": args.database, "writers": args.writers}
+    parameters |= {"rounds": args.rounds}
+    parameters |= {"transactions": args.transactions} if mysql else {"seconds": args.seconds}
+    if mysql:
+        parameters["mysql_server"] = asyncio.run(_mysql.server_settings())
+    output = args.output or ("write-parts-mysql" if mysql else "write-parts")
+    print(f"written to {write_results(output, parameters, figures)}")
 
 
 if __name__ == "__main__":
