@@ -17,6 +17,7 @@ from envelopes.exposure import EXPOSABLE_FIELDS, Exposure
 from envelopes.identify import message_id_of
 from envelopes.ids import uuid7, uuid7_text
 from envelopes.metadata import (
+    MAX_SKIPPED_NAMED,
     PARTNER_FIELDS,
     EnvelopeMetadata,
     HeaderName,
@@ -46,6 +47,7 @@ __all__ = [
     "EXPOSABLE_FIELDS",
     "EXTERNAL_FIELDS",
     "INTERNAL_ONLY_FIELDS",
+    "MAX_SKIPPED_NAMED",
     "PARTNER_FIELDS",
     "PROFILES",
     "BrokerError",

@@ -36,8 +36,10 @@ __all__ = ["EXPOSABLE_FIELDS", "Exposure"]
 #   (where a body member would be no attribute of the event). It names only events of the
 #   partner's own target, so it tells the partner nothing but that events it should have had
 #   are missing, and which; one place to read it keeps the partner's body as its contract
-#   says, whatever its profile.
-_NEVER_EXPOSED = frozenset({"sequence", "skipped", "checksum", "event_class", "headers"})
+#   says, whatever its profile. skipped_count likewise: the ``skipped-count`` header.
+_NEVER_EXPOSED = frozenset(
+    {"sequence", "skipped", "skipped_count", "checksum", "event_class", "headers"}
+)
 # The internal-only fields a partner's allow-list may add to the external body.
 EXPOSABLE_FIELDS: frozenset[str] = INTERNAL_ONLY_FIELDS - _NEVER_EXPOSED
 

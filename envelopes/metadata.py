@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from typing_extensions import TypedDict
 
 __all__ = [
+    "MAX_SKIPPED_NAMED",
     "METADATA_DEFAULTS",
     "PARTNER_FIELDS",
     "EnvelopeMetadata",
@@ -32,6 +33,13 @@ __all__ = [
     "Wire",
     "wire_of",
 ]
+
+
+MAX_SKIPPED_NAMED = 100
+"""The most message ids a gap marker names (3.7 KB of header). A stream after a flood of
+abandoned rows would otherwise name them all in one header: past about 3,500 ids RabbitMQ
+closes the connection (frame_too_large), Service Bus and Kafka refuse the message, and the
+row would fail for as long as the gap stays open."""
 
 
 class HeaderName:
@@ -49,7 +57,11 @@ class HeaderName:
     SKIPPED = "skipped-message-ids"
     """The message ids this message's stream skipped on its target since the last message
     delivered on it (rows abandoned: refused for good, or out of attempts), oldest first,
-    comma-separated; only on a message that follows such a gap."""
+    comma-separated; only on a message that follows such a gap. At most ``MAX_SKIPPED_NAMED``
+    (the oldest); ``skipped-count`` then says how many there were."""
+    SKIPPED_COUNT = "skipped-count"
+    """How many message ids the gap held, only when ``skipped-message-ids`` names fewer (the
+    oldest ``MAX_SKIPPED_NAMED``)."""
     TRANSACTION_ID = "transaction-id"
     """On a target with ``atomic``: the message id of the first event of this message's
     transaction for the target, the same on every member (a broker's own unit may hold

@@ -46,7 +46,13 @@ class InternalEnvelope(Metadata, Identity):
         None,
         description="Message ids of earlier events of this stream that this target abandoned "
         "(refused for good, or out of attempts) since the last message delivered on it, oldest "
-        "first: the gap before this message. Absent when there is none.",
+        "first: the gap before this message. Absent when there is none. At most 100 (the "
+        "oldest); skipped_count then says how many the gap held.",
+    )
+    skipped_count: int | None = Field(
+        None,
+        description="How many message ids the gap before this message held, when 'skipped' "
+        "names only the oldest 100 of them. Absent otherwise.",
     )
     checksum: str = Field(description="'sha256:<hex>' of the payload's JSON bytes.")
     event_class: str | None = Field(None, description="Python path of the event class.")

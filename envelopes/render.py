@@ -30,7 +30,13 @@ import orjson
 
 from envelopes.errors import EnvelopeError
 from envelopes.exposure import Exposure
-from envelopes.metadata import METADATA_DEFAULTS, EnvelopeMetadata, HeaderName, wire_of
+from envelopes.metadata import (
+    MAX_SKIPPED_NAMED,
+    METADATA_DEFAULTS,
+    EnvelopeMetadata,
+    HeaderName,
+    wire_of,
+)
 
 __all__ = [
     "PROFILES",
@@ -303,7 +309,9 @@ def render(
 
     ``skipped``: the message ids of the gap before this row in its stream (rows its target
     abandoned), oldest first: the ``skipped-message-ids`` header on every profile, and the
-    ``skipped`` field of the internal profile's body (unless omitted). Empty: neither.
+    ``skipped`` field of the internal profile's body (unless omitted). Empty: neither. Past
+    ``MAX_SKIPPED_NAMED`` ids both name the oldest that many, and ``skipped-count`` (header)
+    and ``skipped_count`` (internal body) say how many the gap held.
 
     With ``profile="cloudevents"`` and a ``cloudevents_prefix``, the event goes in binary
     mode: the body is the data alone and every other attribute becomes a header named with
@@ -319,11 +327,13 @@ def render(
     if not isinstance(envelope, dict) or "id" not in envelope or "type" not in envelope:
         raise EnvelopeError("stored envelope has no 'id' or 'type'")
     omitted = omit if isinstance(omit, frozenset) else frozenset(omit)
+    gap = _Gap.of(skipped)
     if profile == "internal" and not omitted and _is_compact(envelope):
-        body, content_type = _with_sequence(stored, sequence, skipped), JSON
+        body, content_type = _with_sequence(stored, sequence, gap), JSON
     elif profile == "internal":
         envelope["sequence"] = sequence
-        envelope["skipped"] = list(skipped) if skipped else None
+        envelope["skipped"] = list(gap.named) if gap.named else None
+        envelope["skipped_count"] = gap.cut
         # _kept inlined: this runs once per message on the processor's hot path.
         body_fields = {
             k: v
@@ -349,7 +359,7 @@ def render(
         # The bindings (Kafka, AMQP, NATS) map datacontenttype to the message's own content
         # type, which the content-type header and property carry: no prefixed copy of it.
         del event["datacontenttype"]
-        headers = _headers(envelope, content_type, omitted, skipped)
+        headers = _headers(envelope, content_type, omitted, gap)
         headers.update(
             {cloudevents_prefix + name: _attribute(value) for name, value in event.items()}
         )
@@ -359,7 +369,7 @@ def render(
         body, content_type = orjson.dumps(_cloudevent(envelope, omitted)), CLOUDEVENTS_JSON
     else:  # pragma: no cover - Literal guards this for typed callers
         raise EnvelopeError(f"unknown envelope profile {profile!r}")
-    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted, skipped))
+    wire = _wire(envelope, body, content_type, _headers(envelope, content_type, omitted, gap))
     if (
         profile != "cloudevents"
         and "priority" not in omitted
@@ -373,7 +383,7 @@ def _is_compact(envelope: dict[str, Any]) -> bool:
     """True when the stored envelope has no nulls or empty maps, and no sequence or gap of its
     own: as ``make_internal_envelope`` writes it (rows written by earlier versions kept
     nulls)."""
-    if "sequence" in envelope or "skipped" in envelope:
+    if "sequence" in envelope or "skipped" in envelope or "skipped_count" in envelope:
         return False
     for key, value in envelope.items():
         if (value is None or value == {}) and key != "payload":
@@ -381,20 +391,37 @@ def _is_compact(envelope: dict[str, Any]) -> bool:
     return True
 
 
-def _with_sequence(stored: bytes | str, sequence: int | None, skipped: Sequence[str]) -> bytes:
-    """The stored document as it is, with ``sequence`` and ``skipped`` (when there are any) as
-    its last members: the bytes are spliced rather than parsed and dumped again, which is
-    most of what rendering costs (and the payload goes out byte for byte as its checksum was
-    taken)."""
+@dataclass(frozen=True, slots=True)
+class _Gap:
+    """What a message says of the gap before it: the ids it names (the oldest
+    ``MAX_SKIPPED_NAMED``), and how many the gap held when that is more (else None)."""
+
+    named: Sequence[str]
+    cut: int | None
+
+    @classmethod
+    def of(cls, skipped: Sequence[str]) -> _Gap:
+        if len(skipped) <= MAX_SKIPPED_NAMED:
+            return cls(skipped, None)
+        return cls(skipped[:MAX_SKIPPED_NAMED], len(skipped))
+
+
+def _with_sequence(stored: bytes | str, sequence: int | None, gap: _Gap) -> bytes:
+    """The stored document as it is, with ``sequence`` and the gap (``skipped`` and
+    ``skipped_count``, when there are any) as its last members: the bytes are spliced rather
+    than parsed and dumped again, which is most of what rendering costs (and the payload goes
+    out byte for byte as its checksum was taken)."""
     raw = (stored.encode() if isinstance(stored, str) else stored).rstrip()
     # It parsed as an object with members, so it ends with "}". One format each way: the
     # document is copied once.
-    if not skipped:
+    if not gap.named:
         return raw if sequence is None else b'%s,"sequence":%d}' % (raw[:-1], sequence)
-    gap = orjson.dumps(list(skipped))
+    named = orjson.dumps(list(gap.named))
+    if gap.cut is not None:
+        named += b',"skipped_count":%d' % gap.cut
     if sequence is None:
-        return b'%s,"skipped":%s}' % (raw[:-1], gap)
-    return b'%s,"sequence":%d,"skipped":%s}' % (raw[:-1], sequence, gap)
+        return b'%s,"skipped":%s}' % (raw[:-1], named)
+    return b'%s,"sequence":%d,"skipped":%s}' % (raw[:-1], sequence, named)
 
 
 def _wire(
@@ -455,13 +482,14 @@ def _cloudevent(envelope: dict[str, Any], omitted: frozenset[str]) -> dict[str, 
 
 
 def _headers(
-    envelope: dict[str, Any], content_type: str, omitted: frozenset[str], skipped: Sequence[str]
+    envelope: dict[str, Any], content_type: str, omitted: frozenset[str], gap: _Gap
 ) -> dict[str, str]:
     headers: dict[str, str] = {}
     if "headers" not in omitted:
         headers.update(envelope.get("headers") or {})
         # The router's gap marker, never a staged header's: a message after no gap has none.
         headers.pop(HeaderName.SKIPPED, None)
+        headers.pop(HeaderName.SKIPPED_COUNT, None)
     get = envelope.get
     headers[HeaderName.MESSAGE_ID] = envelope["id"]
     headers[HeaderName.EVENT_TYPE] = envelope["type"]
@@ -471,6 +499,8 @@ def _headers(
         if value is not None and (field_name == "source" or field_name not in omitted):
             headers[name] = value
     headers[HeaderName.CONTENT_TYPE] = content_type
-    if skipped and "skipped" not in omitted:
-        headers[HeaderName.SKIPPED] = ",".join(skipped)
+    if gap.named and "skipped" not in omitted:
+        headers[HeaderName.SKIPPED] = ",".join(gap.named)
+        if gap.cut is not None:
+            headers[HeaderName.SKIPPED_COUNT] = str(gap.cut)
     return headers

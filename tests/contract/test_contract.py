@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from brokers import Broker, BrokerSettings, OutgoingMessage, create_broker
 from envelopes import (
+    MAX_SKIPPED_NAMED,
     BrokerUnavailable,
     PublishError,
     make_internal_envelope,
@@ -30,7 +31,7 @@ from envelopes import (
 )
 from router.ops.audit import history
 from router.ops.held import release
-from router.ops.schema import outbox
+from router.ops.schema import gaps, outbox
 from router.serve.runner import Runner
 from tests.conftest import Database, make_config
 from tests.contract.harnesses import Arrived, Harness
@@ -294,6 +295,53 @@ async def test_the_message_after_an_abandoned_row_of_its_stream_names_it(
     assert _named(got[ids[0]]) == _named(got[ids[3]]) == (None, None)
     assert [row["status"] for row in rows] == ["published", "abandoned", "published", "published"]
     assert await database.fetch("SELECT seq FROM router_gaps") == []  # 3 closed 2's gap
+
+
+async def test_the_message_after_a_long_gap_names_its_oldest_ids_and_counts_them(
+    harness: Harness, database: Database
+) -> None:
+    """A stream whose target abandoned 5,000 rows before its next one: named whole, the ids
+    would make a 185 KB header, which RabbitMQ answers by closing the connection and the
+    other brokers refuse or choke on, and the row would fail for as long as the gap stays.
+    The next message arrives naming the oldest MAX_SKIPPED_NAMED (header and ``skipped``) and
+    counting all (``skipped-count``, ``skipped_count``), and the gap closes. The gap's rows
+    are written as the relay's marks write them: 5,000 refusals would take minutes a broker."""
+    destination = harness.destination("order_placed")  # the settings' {event_type}
+    await harness.prepare(destination)
+    brokers = {"events": harness.config(internal=True)}
+    config = make_config({"main": database.url}, brokers, database.base_dir)
+    abandoned = [str(uuid7()) for _ in range(5_000)]
+    now = datetime.now(UTC).replace(tzinfo=None)
+    marks = [
+        {"target": "events", "stream_key": "k", "seq": n - 5_000, "message_id": m}
+        | {"abandoned_at": now}
+        for n, m in enumerate(abandoned)
+    ]
+    await database.execute(
+        *(sa.insert(gaps).values(marks[i : i + 100]) for i in range(0, 5_000, 100))
+    )
+    writer = database.outbox(brokers)
+    try:
+        async with writer.transaction() as tx:
+            [staged] = await tx.stage(OrderPlaced(order_id="1", total=Decimal(1)), stream_key="k")
+    finally:
+        await writer.close()
+
+    runner = Runner(config, broker_factory=harness.broker, start_embedded=False, serve_http=False)
+    await runner.start()
+    try:
+        [arrived] = await harness.arrived_once(destination, 1)
+        rows = await settled(database, 1)
+    finally:
+        await runner.shutdown()
+
+    assert str(message_id_of(arrived.body, arrived.headers, native_id=arrived.native_id)) == staged
+    named = abandoned[:MAX_SKIPPED_NAMED]
+    assert _named(arrived) == (named, named)
+    assert arrived.headers.get("skipped-count") == "5000"
+    assert json.loads(arrived.body)["skipped_count"] == 5_000
+    assert [row["status"] for row in rows] == ["published"]
+    assert await database.fetch("SELECT seq FROM router_gaps") == []  # the whole gap closed
 
 
 @pytest.mark.parametrize("ordering", ["hold", "park"])

@@ -19,6 +19,7 @@ import pytest
 from envelopes import (
     EXTERNAL_FIELDS,
     INTERNAL_ONLY_FIELDS,
+    MAX_SKIPPED_NAMED,
     CloudEvent,
     EnvelopeError,
     Exposure,
@@ -164,7 +165,8 @@ def test_unknown_metadata_is_a_type_error_however_often_it_is_given() -> None:
 
 def test_internal_profile_keeps_every_field_plus_the_sequence_and_the_gap() -> None:
     document = body(stored(**EVERYTHING), "internal", sequence=42, skipped=GAP)
-    assert set(document) == set(InternalEnvelope.model_fields)
+    # skipped_count only after a gap longer than a message names (the test below).
+    assert set(document) == set(InternalEnvelope.model_fields) - {"skipped_count"}
     envelope = InternalEnvelope.model_validate(document)
     assert envelope.sequence == 42
     assert envelope.skipped == list(GAP)
@@ -353,6 +355,58 @@ def test_the_gap_before_a_message_is_spliced_after_the_sequence_and_named_in_a_h
         "sequence": 42,
         "skipped": list(GAP),
     }
+
+
+@pytest.mark.parametrize(
+    ("profile", "prefix", "omit"),
+    [
+        ("internal", None, ()),  # the stored document spliced
+        ("internal", None, ("tenant",)),  # parsed and dumped
+        ("external", None, ()),
+        ("cloudevents", None, ()),
+        ("cloudevents", "ce_", ()),
+    ],
+)
+def test_a_long_gap_names_its_oldest_ids_and_counts_them_all(
+    profile: Profile, prefix: str | None, omit: tuple[str, ...]
+) -> None:
+    """A flood of abandoned rows would name thousands of ids in one header, which RabbitMQ
+    answers by closing the connection (frame_too_large past about 3,500): a message names
+    the oldest MAX_SKIPPED_NAMED and says how many there were."""
+    gap = [f"01890a5d-ac96-774b-bcce-{n:012d}" for n in range(5_000)]
+    wire = render(
+        stored(**EVERYTHING),
+        profile,
+        sequence=7,
+        skipped=gap,
+        omit=omit,
+        cloudevents_prefix=prefix,
+        exposure=SHARED,
+    )
+    assert wire.headers["skipped-message-ids"] == ",".join(gap[:MAX_SKIPPED_NAMED])
+    assert wire.headers["skipped-count"] == "5000"
+    assert len(wire.headers["skipped-message-ids"]) < 4_000
+    body = orjson.loads(wire.body)
+    if profile == "internal":
+        assert body["skipped"] == gap[:MAX_SKIPPED_NAMED]
+        assert body["skipped_count"] == 5_000
+    else:
+        assert b"skipped" not in wire.body
+
+
+@pytest.mark.parametrize("length", [1, MAX_SKIPPED_NAMED])
+def test_a_gap_named_whole_has_no_count(length: int) -> None:
+    gap = [f"01890a5d-ac96-774b-bcce-{n:012d}" for n in range(length)]
+    wire = render(stored(**EVERYTHING), "internal", sequence=7, skipped=gap)
+    assert wire.headers["skipped-message-ids"].split(",") == gap
+    assert "skipped-count" not in wire.headers
+    assert "skipped_count" not in orjson.loads(wire.body)
+
+
+def test_a_staged_header_named_as_the_count_is_dropped() -> None:
+    raw = stored(headers={"skipped-count": "forged", "channel": "web"}, stream="o-1")
+    assert "skipped-count" not in render(raw, "internal", sequence=1).headers
+    assert "skipped-count" not in render(raw, "internal", sequence=1, skipped=GAP).headers
 
 
 @pytest.mark.parametrize("profile", ["internal", "external", "cloudevents"])

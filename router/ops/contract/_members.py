@@ -97,7 +97,10 @@ _HEADER_DESCRIPTIONS = {
     HeaderName.SKIPPED: "Only after a gap in the stream: the message ids of the events of this "
     "stream key that this broker's target abandoned (refused for good, or out of attempts) "
     "since the last message delivered on it, oldest first, comma-separated. They will not "
-    "come unless an operator requeues them.",
+    "come unless an operator requeues them. At most 100, the oldest; skipped-count then says "
+    "how many there were.",
+    HeaderName.SKIPPED_COUNT: "Only after a gap of more than 100 events: how many message ids "
+    "the gap held (skipped-message-ids names the oldest 100).",
     # Added by the adapters (BrokerSettings.native_headers).
     "Nats-Msg-Id": "The event's message id again: the key of JetStream's duplicate window.",
     # On every message of a target with atomic: true (BrokerSettings.unit_headers).

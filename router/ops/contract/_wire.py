@@ -21,6 +21,7 @@ from typing import cast
 
 from brokers import BrokerSettings
 from envelopes import (
+    MAX_SKIPPED_NAMED,
     ConfigError,
     DowncastError,
     Metadata,
@@ -49,8 +50,9 @@ from router.write.staging import Row, Stager
 __all__ = ["Member", "PartnerMessage", "partner_messages"]
 
 _SAMPLE_STREAM = "stream-1"
-# The wide sample's gap: one row of its stream abandoned before it (``skipped``).
-SAMPLE_SKIPPED = ("01890a5d-ac96-774b-bcce-b302099a8056",)
+# The wide sample's gap: rows of its stream abandoned before it (``skipped``), more than a
+# message names, so that the sample carries the count's header too.
+SAMPLE_SKIPPED = ("01890a5d-ac96-774b-bcce-b302099a8056",) * (MAX_SKIPPED_NAMED + 1)
 
 
 @dataclass(frozen=True)
