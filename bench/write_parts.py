@@ -1,7 +1,8 @@
 """write_parts: what each part of stage()'s statement costs the database, without Python.
 
     python -m bench.write_parts [--database postgresql|mysql] [--writers 1,8,32] [--seconds 4]
-                                [--rounds 3] [--transactions 4000] [--output write-parts]
+                                [--rounds 3] [--transactions 4000] [--rollback]
+                                [--output write-parts]
 
 ``pgbench`` (C, prepared statements, K clients) runs transactions of one ``orders`` row and one
 outbox row, as ``bench.write_concurrency``'s writers do, so the figures are the server's and
@@ -31,6 +32,11 @@ outbox row, ``COMMIT``. The envelope goes as a hex literal, as stage() sends it.
 - ``read``: the row inserted by ``INSERT ... SELECT`` from the key's slot row of
   ``router_streams``, without locking it: what reading a second table in the statement costs;
 - ``lock``: the same ``FOR UPDATE``, stage()'s statement for a row on a stream key.
+
+``--rollback`` ends each transaction with ``ROLLBACK`` instead: no commit waits for the disk,
+so what is left is the statements' own work on the server, which the flush's noise on this
+machine (a fifth between rounds) hides in the committed figures (``write-parts-rollback.json``,
+``write-parts-mysql-rollback.json``).
 
 Interleaved rounds, the order rotated; per K the median of each round's ratio to ``hand``
 and its range. ``bench.write_concurrency`` measures the whole call, Python included.
@@ -164,6 +170,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("pgbench not found (PostgreSQL's server programs)")
     pgbench = bin_folder / "pgbench"
     payload, envelope = texts()
+    end = "ROLLBACK" if args.rollback else "COMMIT"
     defines = [
         "-D",
         f"payload={payload}",
@@ -178,7 +185,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         for part, statement in SCRIPTS.items():
             path = Path(folder) / f"{part}.sql"
             path.write_text(
-                f"\\set n random(1, 9000000000000)\nBEGIN;\n{_ORDER}\n{statement}\nCOMMIT;\n"
+                f"\\set n random(1, 9000000000000)\nBEGIN;\n{_ORDER}\n{statement}\n{end};\n"
             )
             scripts[part] = path
         async with _mysql.fresh_database("postgresql", "write_parts") as url:
@@ -224,8 +231,9 @@ def slap(database: str, transaction: str, writers: int, transactions: int) -> fl
 async def measure_mysql(args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` on MariaDB, by mariadb-slap."""
     payload, envelope = texts()
+    end = "ROLLBACK" if args.rollback else "COMMIT"
     transactions = {
-        part: f"START TRANSACTION;SET @n = UUID_SHORT();{_MYSQL_ORDER};{statement};COMMIT"
+        part: f"START TRANSACTION;SET @n = UUID_SHORT();{_MYSQL_ORDER};{statement};{end}"
         for part, statement in mysql_statements(payload, envelope).items()
     }
     runs: dict[tuple[int, str], list[float]] = {}
@@ -269,7 +277,10 @@ def main() -> None:
         "--transactions", type=int, default=4000, help="MariaDB: transactions a point"
     )
     parser.add_argument(
-        "--output", help="bench/results/OUTPUT.json (write-parts, or write-parts-mysql)"
+        "--rollback", action="store_true", help="end each transaction with ROLLBACK (no flush)"
+    )
+    parser.add_argument(
+        "--output", help="bench/results/OUTPUT.json (write-parts[-mysql][-rollback] by default)"
     )
     args = parser.parse_args()
     mysql = args.database == "mysql"
@@ -278,8 +289,10 @@ def main() -> None:
     tool = (
         f"mariadb-slap, {args.transactions:,} transactions a point"
         if mysql
-        else (f"pgbench, {args.seconds:g} s a point")
+        else f"pgbench, {args.seconds:g} s a point"
     )
+    if args.rollback:
+        tool += ", rolled back"
 
     def cell(f: dict[str, Any]) -> str:
         return f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f})"
@@ -294,11 +307,11 @@ def main() -> None:
         ],
     )
     parameters: dict[str, Any] = {"database": args.database, "writers": args.writers}
-    parameters |= {"rounds": args.rounds}
+    parameters |= {"rounds": args.rounds, "rollback": args.rollback}
     parameters |= {"transactions": args.transactions} if mysql else {"seconds": args.seconds}
     if mysql:
         parameters["mysql_server"] = asyncio.run(_mysql.server_settings())
-    output = args.output or ("write-parts-mysql" if mysql else "write-parts")
+    output = args.output or "write-parts" + "-mysql" * mysql + "-rollback" * args.rollback
     print(f"written to {write_results(output, parameters, figures)}")
 
 
