@@ -67,6 +67,9 @@ STORED_UNMARKED = 4
 
 # KEYS: the marker, then each member's stream. ARGV: the marker's life in milliseconds,
 # MAXLEN ~ ('' for none), then per member the count of its field names and values, and them.
+# Each XADD takes its fields straight from ARGV (unpack with bounds): copying them into a table
+# first cost the server about a fifth of the script's time (33 against 40 us for a unit of
+# three, INFO commandstats).
 SCRIPT = """\
 local stored = redis.call('GET', KEYS[1])
 if stored then
@@ -82,15 +85,12 @@ local ids = {}
 local at = 3
 for k = 2, #KEYS do
   local count = tonumber(ARGV[at])
-  local xadd = {'XADD', KEYS[k]}
+  local id
   if ARGV[2] ~= '' then
-    xadd[3], xadd[4], xadd[5] = 'MAXLEN', '~', ARGV[2]
+    id = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, at + 1, at + count))
+  else
+    id = redis.pcall('XADD', KEYS[k], '*', unpack(ARGV, at + 1, at + count))
   end
-  xadd[#xadd + 1] = '*'
-  for f = at + 1, at + count do
-    xadd[#xadd + 1] = ARGV[f]
-  end
-  local id = redis.pcall(unpack(xadd))
   if type(id) == 'table' and id['err'] then
     local answer = {3, k - 1, id['err']}
     for _, done in ipairs(ids) do

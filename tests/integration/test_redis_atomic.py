@@ -125,6 +125,21 @@ async def test_units_larger_than_a_pipeline_go_whole_and_in_order(
     assert streams == [orders, orders, audit, orders, audit, orders, orders]
 
 
+async def test_units_trim_their_streams_to_maxlen_as_plain_writes_do(
+    redis_harness: RedisHarness,
+) -> None:
+    # MAXLEN ~ trims whole nodes of the stream (100 entries each by default): 300 entries with
+    # maxlen 10 keep the newest, at least 10 and far fewer than 300.
+    settings = redis_harness.settings(maxlen=10)
+    orders = redis_harness.destination("orders")
+    units = [unit(settings, [orders], n, stream=f"k{n}") for n in range(1, 301)]
+    results = await publish_atomic(settings, units)
+    assert all(r.ok for u in results for r in u)
+    kept = await xrange(REDIS_URL, orders)
+    assert 10 <= len(kept) <= 200
+    assert kept == list(range(301 - len(kept), 301))  # the newest, in order
+
+
 async def test_a_unit_whose_key_has_the_wrong_type_stores_none_and_names_member_one(
     redis_harness: RedisHarness,
 ) -> None:
