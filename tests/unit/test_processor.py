@@ -4,8 +4,10 @@ table says afterwards."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -517,3 +519,42 @@ async def test_an_idle_processor_takes_over_a_dead_workers_rows_when_their_lease
         processor.stop()
         await task
     assert numbers(outbox_file.broker) == [1, 2]
+
+
+async def test_a_paused_target_sleeps_through_wake_ups_and_delivers_once_resumed(
+    outbox_file: OutboxFile,
+) -> None:
+    """With the log wake-up every commit wakes the relay: a paused target's processor claimed
+    on each one, and each claim was turned down. It now asks whether it is paused when a claim
+    finds nothing, and sleeps through wake-ups until it looks again (every 0.5 s)."""
+    with sqlite3.connect(outbox_file.path) as db:
+        db.execute("INSERT INTO router_targets (target, paused) VALUES ('events', 1)")
+    await outbox_file.stage(1, 2)
+    claims = 0
+    claim = outbox_file.store.claim
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal claims
+        claims += 1
+        return await claim(*args, **kwargs)
+
+    outbox_file.store.claim = counted  # type: ignore[method-assign]
+    processor = outbox_file.processor()
+    running = asyncio.create_task(processor.run())
+    try:
+        for _ in range(300):  # 1.5 s of wake-ups, one every 5 ms, as commits would bring
+            processor.wake()
+            await asyncio.sleep(0.005)
+        assert outbox_file.broker.messages == []
+        assert claims <= 6, claims  # one look every 0.5 s, not one per wake-up
+        with sqlite3.connect(outbox_file.path) as db:
+            db.execute("UPDATE router_targets SET paused = 0 WHERE target = 'events'")
+        processor.wake()  # what a resume sends, slept through until the next look
+        for _ in range(100):
+            if len(outbox_file.broker.messages) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert numbers(outbox_file.broker) == [1, 2]
+    finally:
+        processor.stop()
+        await running

@@ -287,6 +287,9 @@ class OutboxStore(Protocol):
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due (``None``: no open rows)."""
 
+    async def paused(self, target: str) -> bool:
+        """Whether ``target`` is paused (``router pause``): no worker claims its rows."""
+
     async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
         """Note a target's circuit state where ``router status`` can see it."""
 

@@ -272,6 +272,13 @@ class MysqlStore:
         times = [moment for moment in due if moment is not None]
         return max(0.0, (min(times) - now).total_seconds()) if times else None
 
+    async def paused(self, target: str) -> bool:
+        """Whether the target is paused."""
+        async with self._cursor() as cursor:
+            await cursor.execute(sql.PAUSED, [target])
+            row = await cursor.fetchone()
+        return bool(row and row[0])
+
     async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
         """Upsert the target's circuit state into router_targets."""
         async with self._cursor() as cursor:

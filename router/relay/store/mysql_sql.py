@@ -68,6 +68,7 @@ __all__ = [
     "PARK",
     "PARKED_BEHIND",
     "PARK_FOLLOWERS",
+    "PAUSED",
     "RECORD_CIRCUIT",
     "RECORD_GAPS",
     "RELEASE",
@@ -367,6 +368,8 @@ UPDATE {OUTBOX} FORCE INDEX ({IX_OUTBOX_CLAIM})
 SET locked_until = UTC_TIMESTAMP(6) + INTERVAL %s MICROSECOND
 WHERE target = %s AND status = 'processing' AND lease_token = %s
 """
+
+PAUSED = f"SELECT paused FROM {TARGETS} WHERE target = %s"
 
 # The earliest retry and lease end, each one index lookup in ix_router_outbox_due (a MIN
 # over an IN list would read every open row); the store takes the smaller. Not pending rows:

@@ -117,6 +117,9 @@ SELECT extract(epoch FROM (SELECT min(available_at) FROM {OUTBOX_QUEUE}
 """
 
 
+PAUSED = f"SELECT paused FROM {TARGETS} WHERE target = $1"
+
+
 # How many rows of each of an atomic target's units (their xids) the target has open or set
 # aside: a unit is whole in a claim only when it holds them all. One dive into
 # ix_router_outbox_unit (0018) per unit, with its predicate word for word; the claim gave each
@@ -355,6 +358,11 @@ class PostgresStore:
         async with self._connection() as conn:
             value = await conn.fetchval(NEXT_DUE, target)
         return None if value is None else max(0.0, float(value))
+
+    async def paused(self, target: str) -> bool:
+        """Whether the target is paused."""
+        async with self._connection() as conn:
+            return bool(await conn.fetchval(PAUSED, target))
 
     async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
         """Upsert the target's circuit state into router_targets."""

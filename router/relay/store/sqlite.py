@@ -235,6 +235,8 @@ SET status = CASE WHEN attempts > 1 THEN 'failed' ELSE 'pending' END,
 WHERE locked_by = ? AND status = 'processing'
 """
 
+PAUSED = f"SELECT paused FROM {TARGETS} WHERE target = ?"
+
 # Not pending rows: the claim before took every one it could (see the PostgreSQL store).
 NEXT_DUE = f"""
 SELECT min(CASE WHEN status = 'processing' THEN locked_until ELSE available_at END)
@@ -395,6 +397,17 @@ class SqliteStore:
             return None
         due = datetime.strptime(row[0], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
         return max(0.0, (due - datetime.now(UTC)).total_seconds())
+
+    async def paused(self, target: str) -> bool:
+        """Whether the target is paused."""
+        async with self._lock:
+            db = await self._open()
+            try:
+                cursor = await db.execute(PAUSED, (target,))
+                row = await cursor.fetchone()
+            except aiosqlite.Error as exc:
+                raise _database_error(self.name, exc) from exc
+        return bool(row and row[0])
 
     async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
         """Upsert the target's circuit state into router_targets."""
