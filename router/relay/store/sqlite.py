@@ -386,13 +386,7 @@ class SqliteStore:
 
     async def next_due(self, target: str) -> float | None:
         """Seconds until the earliest open row of ``target`` is due."""
-        async with self._lock:
-            db = await self._open()
-            try:
-                cursor = await db.execute(NEXT_DUE, (target,))
-                row = await cursor.fetchone()
-            except aiosqlite.Error as exc:
-                raise _database_error(self.name, exc) from exc
+        row = await self._one(NEXT_DUE, (target,))
         if row is None or row[0] is None:
             return None
         due = datetime.strptime(row[0], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
@@ -400,14 +394,18 @@ class SqliteStore:
 
     async def paused(self, target: str) -> bool:
         """Whether the target is paused."""
+        row = await self._one(PAUSED, (target,))
+        return bool(row and row[0])
+
+    async def _one(self, sql: str, parameters: tuple[Any, ...]) -> Any:
+        """The first row of a read (None: no row)."""
         async with self._lock:
             db = await self._open()
             try:
-                cursor = await db.execute(PAUSED, (target,))
-                row = await cursor.fetchone()
+                cursor = await db.execute(sql, parameters)
+                return await cursor.fetchone()
             except aiosqlite.Error as exc:
                 raise _database_error(self.name, exc) from exc
-        return bool(row and row[0])
 
     async def record_circuit(self, target: str, state: str, worker: str, error: str | None) -> None:
         """Upsert the target's circuit state into router_targets."""
