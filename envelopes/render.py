@@ -401,9 +401,14 @@ class _Gap:
 
     @classmethod
     def of(cls, skipped: Sequence[str]) -> _Gap:
+        if not skipped:  # nearly every message: no object made on the relay's hot path
+            return _NO_GAP
         if len(skipped) <= MAX_SKIPPED_NAMED:
             return cls(skipped, None)
         return cls(skipped[:MAX_SKIPPED_NAMED], len(skipped))
+
+
+_NO_GAP = _Gap((), None)
 
 
 def _with_sequence(stored: bytes | str, sequence: int | None, gap: _Gap) -> bytes:
