@@ -196,23 +196,25 @@ class RedisTarget(Target):
     @contextlib.asynccontextmanager
     async def arrivals(self, arrived: Arrival) -> AsyncIterator[None]:
         client = aioredis.Redis.from_url(self.url)
+        done = asyncio.Event()
 
         async def read() -> None:
             last: Any = "0-0"
-            while True:
+            while not done.is_set():  # a blocking read is 0.1 s at most
                 found: Any = await client.xread({self.key: last}, block=100)
                 for _, entries in found or []:
                     for entry_id, fields in entries:
                         last = entry_id
                         arrived(fields[b"message-id"].decode())
 
+        # Stopped by a flag, not cancelled: once a cancellation in the middle of a blocking
+        # XREAD left the task reading on (redis-py went on), and the run hung.
         reader = asyncio.create_task(read())
         try:
             yield
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            done.set()
+            await reader
             await client.aclose()
 
 
