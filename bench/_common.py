@@ -137,20 +137,27 @@ async def wait_for_count(
     and nearly free: polling every few milliseconds costs CPU on the cores the relay and
     the servers share, and costs the CPU-bound relay most.
     """
-    client = await nats.connect(NATS_URL)
+    return await stored_span(NATS_URL, stream.name, expected, timeout)
+
+
+async def stored_span(
+    url: str, stream: str, expected: int, timeout: float = 600
+) -> tuple[float, float]:
+    """``wait_for_count`` for the stream named ``stream`` on the JetStream at ``url``."""
+    client = await nats.connect(url)
     js = client.jetstream()
     deadline = time.perf_counter() + timeout
     try:
         while time.perf_counter() < deadline:
-            state = (await js.stream_info(stream.name)).state
+            state = (await js.stream_info(stream)).state
             if state.messages >= expected:
-                first = await js.get_msg(stream.name, seq=state.first_seq)
-                last = await js.get_msg(stream.name, seq=state.last_seq)
+                first = await js.get_msg(stream, seq=state.first_seq)
+                last = await js.get_msg(stream, seq=state.last_seq)
                 return _stored_at(first), _stored_at(last)
             await asyncio.sleep(0.05)
     finally:
         await client.close()
-    raise TimeoutError(f"stream {stream.name} did not reach {expected} messages")
+    raise TimeoutError(f"stream {stream} did not reach {expected} messages")
 
 
 def _stored_at(message: Any) -> float:

@@ -56,6 +56,7 @@ from bench._common import (
     median,
     order,
     print_table,
+    stored_span,
     write_results,
 )
 from bench.latency import percentile, produce
@@ -131,22 +132,7 @@ class NatsTarget(Target):
         }
 
     async def stored(self, expected: int, timeout: float = 600) -> tuple[float, float]:
-        client = await nats.connect(self.url)
-        js = client.jetstream()
-        deadline = time.perf_counter() + timeout
-        try:
-            while time.perf_counter() < deadline:
-                state = (await js.stream_info(self.stream)).state
-                if state.messages >= expected:
-                    first = await js.get_msg(self.stream, seq=state.first_seq)
-                    last = await js.get_msg(self.stream, seq=state.last_seq)
-                    assert first.time is not None
-                    assert last.time is not None
-                    return first.time.timestamp(), last.time.timestamp()
-                await asyncio.sleep(0.05)
-        finally:
-            await client.close()
-        raise TimeoutError(f"stream {self.stream} did not reach {expected} messages")
+        return await stored_span(self.url, self.stream, expected, timeout)
 
     @contextlib.asynccontextmanager
     async def arrivals(self, arrived: Arrival) -> AsyncIterator[None]:
