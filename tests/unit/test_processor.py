@@ -350,6 +350,9 @@ async def test_run_sleeps_until_woken_and_returns_on_stop(outbox_file: OutboxFil
         await outbox_file.stage(1)
         processor.wake()
         await outbox_file.broker.wait_for(1, timeout=2)
+        # A wake-up that came while it claimed 1 has it look once more: let that look end
+        # before 2 is staged (under load it could otherwise find 2).
+        await asyncio.sleep(0.2)
 
         await outbox_file.stage(2)
         await asyncio.sleep(0.3)
