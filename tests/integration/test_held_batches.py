@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from decimal import Decimal
 
 import asyncpg
@@ -257,3 +258,35 @@ async def test_a_run_that_fails_loses_every_batch_of_it(url: str) -> None:
         await store.close()
     # The first batch's mark went with the transaction: all four are delivered again.
     assert await rows(url) == [("A", "pending", 0)] * 4
+
+
+async def test_a_run_whose_session_ended_says_so_though_it_had_nothing_to_write(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A frozen host's worker wakes to find its wave unanswered (its clock ran on): every row
+    # of the run goes back untried, so no mark has an outcome to write and fail on, and the
+    # giving back swallows what it meets. The server ended the run's session meanwhile: the
+    # worker says so, once, naming the target.
+    await staged(url, {"A": 3, "B": 3})
+    store = PostgresStore("main", url)
+    try:
+        first = await store.claim("events", 2, "w-1", 30)
+        second = await store.claim("events", 2, "w-1", 30, after=first)
+        killer = await asyncpg.connect(url)
+        try:
+            await killer.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name LIKE 'w-1%' OR (datname = current_database()"
+                " AND state = 'idle in transaction' AND pid <> pg_backend_pid())"
+            )
+        finally:
+            await killer.close()
+        with caplog.at_level(logging.WARNING, logger="router.relay.store.postgres"):
+            await store.mark("events", first.token, Marks(untried=[r.seq for r in first.rows]))
+            await store.release("events", second.token, [r.seq for r in second.rows])
+        lost = [r for r in caplog.records if r.getMessage() == "batch.session_lost"]
+        assert len(lost) == 1, [r.getMessage() for r in caplog.records]
+        assert (lost[0].database, lost[0].target) == ("main", "events")  # type: ignore[attr-defined]
+    finally:
+        await store.close()
+    assert await rows(url) == [("A", "pending", 0)] * 3 + [("B", "pending", 0)] * 3

@@ -202,7 +202,7 @@ class PostgresStore:
             conn = await pool.acquire()
         except DB_ERRORS as exc:
             raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
-        run = _Run(pool, conn, hold=hold)
+        run = _Run(pool, conn, hold=hold, labels={"database": self.name, "target": target})
         try:
             await conn.execute("BEGIN")
             records = await conn.fetch(CLAIM, target, limit, worker, hold, self._async_commit, 0)
@@ -244,7 +244,10 @@ class PostgresStore:
                 if units and rows:
                     await self._units(run.conn, target, rows, worker, hold)
         except BaseException as exc:
-            run.broken = True  # the transaction cannot be trusted: its batches are lost
+            # The transaction cannot be trusted: its batches are lost.
+            if isinstance(exc, Exception):
+                run.lost(describe_error(exc))
+            run.broken = True
             _raise_as_database_error(self.name, exc)
         if not records or records[0][0] is None:  # nothing due, or busy (the ring's gate)
             return Claim(token, [], busy=bool(records))
@@ -315,6 +318,8 @@ class PostgresStore:
                 if not run.batches:
                     await run.commit()
         except BaseException as exc:
+            if isinstance(exc, Exception):
+                run.lost(describe_error(exc))
             run.broken = True
             await self._leave(run, token)
             if not isinstance(exc, Exception):
@@ -349,7 +354,7 @@ class PostgresStore:
                 # says once more that it is there.
                 await run.conn.execute(EXTEND, str(math.ceil(run.hold * 1000)))
         except DB_ERRORS as exc:
-            run.broken = True
+            run.lost(describe_error(exc))
             raise DatabaseError(f"{self.name}: {describe_error(exc)}") from exc
         return run.batches.get(token, 0)
 
@@ -622,7 +627,9 @@ class _Run:
     (by token: their row counts), and a lock, so that a claim and a mark never share the
     connection at once."""
 
-    def __init__(self, pool: asyncpg.Pool, conn: Any, *, hold: float) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, conn: Any, *, hold: float, labels: dict[str, str]
+    ) -> None:
         self.pool = pool
         self.conn = conn
         self.hold = hold  # the server ends the session after this long idle (seconds)
@@ -630,6 +637,20 @@ class _Run:
         self.lock = asyncio.Lock()
         self.broken = False  # a statement failed: roll back, whatever was written
         self._beating: asyncio.Task[None] | None = None
+        self._labels = labels
+
+    def lost(self, error: str) -> None:
+        """The session was found gone (the server ended it: this process was frozen or cut
+        off for longer than ``hold``), or a statement of it failed: its batches are another
+        worker's to send. Logged once per run, wherever it is found (heartbeat, claim, mark,
+        extend, release): a frozen worker may wake, give its batches back untried, and have
+        nothing else say that they had been taken from it."""
+        if not self.broken:
+            log.warning(
+                "batch.session_lost",
+                extra={**self._labels, "batches": len(self.batches), "error": error},
+            )
+        self.broken = True
 
     def beat(self) -> None:
         """Start the heartbeat (once): a statement every _BEAT seconds while the
@@ -647,8 +668,8 @@ class _Run:
             try:
                 async with self.lock:
                     await self.conn.execute(EXTEND, limit)
-            except Exception:  # the session is gone, or going: its batches are lost
-                self.broken = True
+            except Exception as exc:  # the session is gone, or going: its batches are lost
+                self.lost(describe_error(exc))
 
     async def commit(self) -> None:
         """Commit, and back to the pool."""
