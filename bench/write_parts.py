@@ -2,6 +2,7 @@
 
     python -m bench.write_parts [--database postgresql|mysql] [--writers 1,8,32] [--seconds 4]
                                 [--rounds 3] [--transactions 4000] [--rollback]
+                                [--parts flat,nounit,...]
                                 [--output write-parts]
 
 ``pgbench`` (C, prepared statements, K clients) runs transactions of one ``orders`` row and one
@@ -12,6 +13,10 @@ the disk's alone. The outbox row, one part added at a time:
   the pending rows), the event's JSON as its payload;
 - ``flat``: the router's columns and its stored envelope of the same event, into a table
   like one slot of the queue (the same columns, defaults and indexes) but not partitioned;
+- ``nounit``: the same without the slot's index of transaction units (``ix_router_outbox_unit``,
+  which only ``atomic`` targets read);
+- ``queue``: the router's row into ``router_outbox_queue``, the partition every new row goes
+  to: one level of routing less than ``router_outbox``;
 - ``small``: ``router_outbox`` itself (two partition levels), the event's JSON alone as the
   envelope: the table without the envelope's size;
 - ``table``: ``router_outbox`` with the router's envelope (what stage() writes);
@@ -28,6 +33,8 @@ outbox row, ``COMMIT``. The envelope goes as a hex literal, as stage() sends it.
   index on the pending rows);
 - ``table``: ``router_outbox`` with the router's envelope, a plain ``INSERT ... VALUES`` (what
   stage() writes for a row without a stream key);
+- ``nounit``: the same into a copy of ``router_outbox`` without its index of transaction units
+  (``ix_router_outbox_unit``, which only ``atomic`` targets read);
 - ``small``: the same with the event's JSON alone as the envelope;
 - ``read``: the row inserted by ``INSERT ... SELECT`` from the key's slot row of
   ``router_streams``, without locking it: what reading a second table in the statement costs;
@@ -64,8 +71,8 @@ from router.config import RouterConfig
 from router.write.staging import Stager
 from tests.private_postgres import postgres_bin
 
-PARTS = ("hand", "flat", "small", "table", "lock", "gate")
-MYSQL_PARTS = ("hand", "table", "small", "read", "lock")
+PARTS = ("hand", "flat", "nounit", "queue", "small", "table", "lock", "gate")
+MYSQL_PARTS = ("hand", "table", "nounit", "small", "read", "lock")
 
 _ORDER = "INSERT INTO orders (id, customer, total) VALUES (:n, 'c', 1.99);"
 _ROUTER = (
@@ -87,6 +94,12 @@ SCRIPTS = {
     "hand": "INSERT INTO hand_outbox (id, target, type, key, payload) VALUES "
     "(gen_random_uuid(), 'events', 'order_placed', 'order-' || :n, CAST(:payload AS jsonb));",
     "flat": _ROUTER.format(table="flat_outbox", envelope="CAST(:envelope AS json)"),
+    "nounit": _ROUTER.format(table="nounit_outbox", envelope="CAST(:envelope AS json)"),
+    # The identity of router_outbox's seq is the parent's: a row put into a partition
+    # draws its seq itself.
+    "queue": "INSERT INTO router_outbox_queue (seq, message_id, target, destination, event_type,"
+    " stream_key, envelope) VALUES (nextval('router_outbox_seq_seq'), gen_random_uuid(),"
+    " 'events', :dest, 'order_placed', 'order-' || :n, CAST(:envelope AS json));",
     "small": _ROUTER.format(table="router_outbox", envelope="CAST(:payload AS json)"),
     "table": _ROUTER.format(table="router_outbox", envelope="CAST(:envelope AS json)"),
     "lock": _GATED.format(calls=_LOCK),
@@ -97,8 +110,21 @@ FLAT = (
     "CREATE TABLE flat_outbox (LIKE router_outbox_q0 INCLUDING ALL)",
     "CREATE SEQUENCE flat_outbox_seq",
     "ALTER TABLE flat_outbox ALTER seq SET DEFAULT nextval('flat_outbox_seq')",
+    "CREATE TABLE nounit_outbox (LIKE router_outbox_q0 INCLUDING ALL)",
+    "ALTER TABLE nounit_outbox ALTER seq SET DEFAULT nextval('flat_outbox_seq')",
+    # LIKE names the copied indexes itself: the units' one is the one on (target, xid).
+    "DO $$ BEGIN EXECUTE (SELECT 'DROP INDEX ' || indexrelid::regclass::text FROM pg_index"
+    " WHERE indrelid = 'nounit_outbox'::regclass"
+    " AND pg_get_indexdef(indexrelid) LIKE '%(target, xid)%'); END $$",
 )
 
+
+# router_outbox without its index of transaction units (0019), which every row pays for on
+# MariaDB (no partial indexes) and only ``atomic`` targets read.
+MYSQL_NOUNIT = (
+    "CREATE TABLE nounit_outbox LIKE router_outbox",
+    "ALTER TABLE nounit_outbox DROP KEY ix_router_outbox_unit",
+)
 
 _MYSQL_ORDER = "INSERT INTO orders (id, customer, total) VALUES (@n, 'c', 1.99)"
 _MYSQL_KEY = "CONCAT('order-', @n)"
@@ -119,6 +145,7 @@ def mysql_statements(payload: str, envelope: str) -> dict[str, str]:
         "hand": "INSERT INTO hand_outbox (id, target, type, `key`, payload) VALUES "
         f"(UUID(), 'events', 'order_placed', {_MYSQL_KEY}, {literal(payload)})",
         "table": f"{into} VALUES ({row})",
+        "nounit": f"INSERT INTO nounit_outbox ({_MYSQL_COLUMNS}) VALUES ({row})",
         "small": f"{into} VALUES ({small})",
         "read": f"{into} SELECT {row} FROM {_MYSQL_SLOT}",
         "lock": f"{into} SELECT {row} FROM {_MYSQL_SLOT} FOR UPDATE",
@@ -195,7 +222,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     conn.execute(statement)
             for round_ in range(args.rounds):
                 for writers in args.writers:
-                    order_ = PARTS[round_ % len(PARTS) :] + PARTS[: round_ % len(PARTS)]
+                    shift = round_ % len(args.parts)
+                    order_ = args.parts[shift:] + args.parts[:shift]
                     for part in order_:
                         rate = await asyncio.to_thread(
                             run, pgbench, url, scripts[part], writers, args.seconds, defines
@@ -204,7 +232,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         print(
                             f"  round {round_ + 1} K={writers} {part}: {rate:,.0f} tps", flush=True
                         )
-    return ratios(args.writers, PARTS, runs)
+    return ratios(args.writers, args.parts, runs)
 
 
 def slap(database: str, transaction: str, writers: int, transactions: int) -> float:
@@ -239,17 +267,24 @@ async def measure_mysql(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[tuple[int, str], list[float]] = {}
     async with _mysql.fresh_database("mysql", "write_parts") as url:
         create_tables("mysql", url)
+        conn = await _mysql.connect(url)
+        try:
+            async with conn.cursor() as cursor:
+                for statement in MYSQL_NOUNIT:
+                    await cursor.execute(statement)
+        finally:
+            await conn.ensure_closed()
         database = urlsplit(url).path.lstrip("/")
         for round_ in range(args.rounds):
             for writers in args.writers:
-                shift = round_ % len(MYSQL_PARTS)
-                for part in MYSQL_PARTS[shift:] + MYSQL_PARTS[:shift]:
+                shift = round_ % len(args.parts)
+                for part in args.parts[shift:] + args.parts[:shift]:
                     rate = await asyncio.to_thread(
                         slap, database, transactions[part], writers, args.transactions
                     )
                     runs.setdefault((writers, part), []).append(rate)
                     print(f"  round {round_ + 1} K={writers} {part}: {rate:,.0f} tps", flush=True)
-    return ratios(args.writers, MYSQL_PARTS, runs)
+    return ratios(args.writers, args.parts, runs)
 
 
 def ratios(
@@ -280,12 +315,20 @@ def main() -> None:
         "--rollback", action="store_true", help="end each transaction with ROLLBACK (no flush)"
     )
     parser.add_argument(
+        "--parts", type=lambda text: text.split(","), help="only these parts (hand always)"
+    )
+    parser.add_argument(
         "--output", help="bench/results/OUTPUT.json (write-parts[-mysql][-rollback] by default)"
     )
     args = parser.parse_args()
     mysql = args.database == "mysql"
+    known = MYSQL_PARTS if mysql else PARTS
+    unknown = set(args.parts or ()) - set(known)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; the parts: {', '.join(known)}")
+    args.parts = tuple(p for p in known if p == "hand" or not args.parts or p in args.parts)
     figures = asyncio.run(measure_mysql(args) if mysql else measure(args))
-    parts = MYSQL_PARTS if mysql else PARTS
+    parts = args.parts
     tool = (
         f"mariadb-slap, {args.transactions:,} transactions a point"
         if mysql
@@ -307,7 +350,7 @@ def main() -> None:
         ],
     )
     parameters: dict[str, Any] = {"database": args.database, "writers": args.writers}
-    parameters |= {"rounds": args.rounds, "rollback": args.rollback}
+    parameters |= {"rounds": args.rounds, "rollback": args.rollback, "parts": list(parts)}
     parameters |= {"transactions": args.transactions} if mysql else {"seconds": args.seconds}
     if mysql:
         parameters["mysql_server"] = asyncio.run(_mysql.server_settings())
