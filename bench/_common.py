@@ -166,11 +166,11 @@ def _stored_at(message: Any) -> float:
 
 
 def router_config(
-    database_url: str, stream: Stream, *, create: bool = False, **outbox: Any
+    database_url: str | dict[str, Any], stream: Stream, *, create: bool = False, **outbox: Any
 ) -> dict[str, Any]:
-    """A config with one database and one internal NATS broker on the running server, whose
-    stream the router only looks up (with ``create``: checks at start, as users run it),
-    and no HTTP; ``outbox`` settings as given."""
+    """A config with one database (its URL, or its settings) and one internal NATS broker on
+    the running server, whose stream the router only looks up (with ``create``: checks at
+    start, as users run it), and no HTTP; ``outbox`` settings as given."""
     return {
         "service": "bench",
         "databases": {"main": database_url},

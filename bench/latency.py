@@ -1,11 +1,17 @@
 """latency: commit-to-broker-ack latency, measured at a consumer.
 
     python bench/latency.py [--rate 100 2000] [--seconds 20 10]
+                            [--wakeup auto [log notify ...]] [--rounds 1] [--output latency]
 
 ``router serve`` runs as a subprocess. Producers commit one event per transaction at a steady
 rate and note the time right after each COMMIT returns; a NATS subscriber on the stream's
 subjects notes when each message arrives (by its ``Nats-Msg-Id``). The difference is what an
 application waits between committing an event and a consumer seeing it.
+
+``--wakeup`` sets the database's ``wakeup:`` (the writers' and the router's); with several,
+each round measures each in turn (the order rotated per round), so a comparison of the
+wake-ups on one server is interleaved. ``log`` needs a server with ``wal_level = logical``
+(``BENCH_PG_ADMIN``).
 """
 
 from __future__ import annotations
@@ -51,12 +57,14 @@ def percentile(values: list[float], q: float) -> float:
     return values[index]
 
 
-async def measure(rate: float, seconds: float) -> dict[str, Any]:
-    """Commit ``rate`` events/s for ``seconds``; return latency figures in milliseconds."""
+async def measure(rate: float, seconds: float, wakeup: str = "auto") -> dict[str, Any]:
+    """Commit ``rate`` events/s for ``seconds`` with the database's ``wakeup``; return latency
+    figures in milliseconds."""
     async with fresh_database("latency") as url, fresh_stream("latency") as stream:
+        database = {"url": url, "wakeup": wakeup}
         outbox = Outbox(
             make_config(
-                {"main": url},
+                {"main": database},
                 {
                     "events": {
                         "type": "nats",
@@ -75,7 +83,7 @@ async def measure(rate: float, seconds: float) -> dict[str, Any]:
             arrived.setdefault(msg.headers["Nats-Msg-Id"], time.time())
 
         await client.subscribe(stream.subject + ".>", cb=on_message)
-        with RouterProcess(router_config(url, stream)) as router:
+        with RouterProcess(router_config(database, stream)) as router:
             await asyncio.sleep(2.0)  # let the router start and connect
             total = int(rate * seconds)
             started = time.perf_counter()
@@ -92,6 +100,7 @@ async def measure(rate: float, seconds: float) -> dict[str, Any]:
         latencies = sorted((arrived[i] - t) * 1000 for i, t in committed.items() if i in arrived)
         return {
             "rate": rate,
+            "wakeup": wakeup,
             "seconds": seconds,
             "producers": producers_for(rate),
             "achieved_rate": round(achieved, 1),
@@ -139,14 +148,43 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, nargs="+", default=[100.0, 2000.0])
     parser.add_argument("--seconds", type=float, nargs="+", default=[20.0, 10.0])
+    parser.add_argument(
+        "--wakeup", nargs="+", default=["auto"], choices=["auto", "log", "notify", "poll"]
+    )
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--output", default="latency", help="bench/results/OUTPUT.json")
     args = parser.parse_args()
     seconds = args.seconds + [args.seconds[-1]] * (len(args.rate) - len(args.seconds))
-    figures = [await measure(rate, secs) for rate, secs in zip(args.rate, seconds, strict=False)]
+    figures = []
+    for round_ in range(args.rounds):
+        shift = round_ % len(args.wakeup)
+        for wakeup in args.wakeup[shift:] + args.wakeup[:shift]:
+            for rate, secs in zip(args.rate, seconds, strict=False):
+                figure = await measure(rate, secs, wakeup)
+                figures.append({"round": round_ + 1, **figure})
+                print(
+                    f"  round {round_ + 1} {wakeup} {rate:,.0f} ev/s: p50 {figure['p50_ms']} ms,"
+                    f" p99 {figure['p99_ms']} ms",
+                    flush=True,
+                )
     print_table(
         "latency: commit to arrival at a NATS consumer, router serve (1 process)",
-        ["rate (ev/s)", "achieved", "events", "lost", "p50 ms", "p95 ms", "p99 ms", "max ms"],
+        [
+            "round",
+            "wakeup",
+            "rate (ev/s)",
+            "achieved",
+            "events",
+            "lost",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "max ms",
+        ],
         [
             (
+                f["round"],
+                f["wakeup"],
                 f"{f['rate']:,.0f}",
                 f"{f['achieved_rate']:,.0f}",
                 f["events"],
@@ -159,8 +197,9 @@ async def main() -> None:
             for f in figures
         ],
     )
-    path = write_results("latency", {"rates": args.rate, "seconds": seconds}, figures)
-    print(f"written to {path.relative_to(path.parents[2])}")
+    parameters = {"rates": args.rate, "seconds": seconds, "wakeups": args.wakeup}
+    path = write_results(args.output, parameters | {"rounds": args.rounds}, figures)
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":
