@@ -9,6 +9,8 @@ import contextlib
 import json
 import signal
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +22,10 @@ __all__ = ["add_parser", "status"]
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 PROBED = "as a relay starting now would pick it (a running one's: serve's /api/outbox)"
+# What a relay starting now would pick changes only when a DBA changes the server (wal_level
+# takes a restart): a watch asks again this often, not at every redraw, which would open a
+# connection to every database each time.
+WAKEUP_EVERY = 60.0
 
 
 def add_parser(commands: Any) -> None:
@@ -47,8 +53,9 @@ async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     terminal = sys.stdout.isatty()
+    wakeups = Probed(lambda: _probe(config, args), WAKEUP_EVERY)
     while not stop.is_set():
-        shown = await _render(config, args, redactor)
+        shown = await _render(config, args, redactor, wakeups)
         # A terminal is redrawn in place; a pipe or a file gets one frame after another,
         # each under the time it was read.
         if terminal:
@@ -60,13 +67,47 @@ async def status(config: RouterConfig, args: argparse.Namespace, redactor: Redac
     return EXIT_OK
 
 
-async def _render(config: RouterConfig, args: argparse.Namespace, redactor: Redactor) -> str:
-    from router.ops.status import status
+class Probed:
+    """The wake-up reports of ``probe``, asked again once ``every`` seconds have passed since
+    the last answer (``clock``: seconds, monotonic)."""
+
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[list[Any]]],
+        every: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._probe = probe
+        self._every = every
+        self._clock = clock
+        self._reports: list[Any] | None = None
+        self._at = 0.0
+
+    async def reports(self) -> list[Any]:
+        """The last answer, or a new one when it is older than ``every``."""
+        if self._reports is None or self._clock() - self._at >= self._every:
+            self._reports = await self._probe()
+            self._at = self._clock()
+        return self._reports
+
+
+async def _probe(config: RouterConfig, args: argparse.Namespace) -> list[Any]:
     from router.ops.wakeup import probe_all
 
-    rows = await status(config, args.database)
     # Another process: it cannot see a running relay's wake-up, only what a probe finds.
-    wakeups = await probe_all(config, args.database)
+    return await probe_all(config, args.database)
+
+
+async def _render(
+    config: RouterConfig,
+    args: argparse.Namespace,
+    redactor: Redactor,
+    probed: Probed | None = None,
+) -> str:
+    from router.ops.status import status
+
+    rows = await status(config, args.database)
+    wakeups = await (probed.reports() if probed is not None else _probe(config, args))
     if args.json:
         document = {
             "targets": [r.as_dict() for r in rows],
