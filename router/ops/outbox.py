@@ -22,7 +22,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envelopes import ConfigError
-from router._schema import OUTBOX_DONE
+from router._schema import OUTBOX, OUTBOX_DONE
 from router._wakeup import CHANNEL
 from router.config import RouterConfig
 from router.ops import connections
@@ -198,11 +198,15 @@ async def requeue(
     wheres = [sa.and_(*conditions, part) for part in exact_errors(errors)]
     counts: dict[str, int] = {}
     for name in connections.database_names(config, database):
+        atomic = [t for t in config.brokers_of(name) if config.brokers[t].atomic]
         async with connections.connect(config, name) as conn:
+            picks = [
+                w for where in wheres for w in await whole_units(conn, where, atomic, statuses)
+            ]
             if dry_run:
-                counts[name] = sum([await _count(conn, where) for where in wheres])
+                counts[name] = sum([await _count(conn, where) for where in picks])
                 continue
-            counts[name], touched = await requeue_rows(conn, wheres)
+            counts[name], touched = await requeue_rows(conn, picks)
             if actor is not None:
                 await record(
                     conn,
@@ -256,6 +260,43 @@ def exact_errors(errors: Sequence[str | None] | None) -> list[sa.ColumnElement[b
     if None in errors:
         parts.append(column.is_(None))
     return parts
+
+
+# The rows of an atomic target's unit, read apart from ``outbox`` (which does not declare
+# ``xid``: PostgreSQL's is xid8, and every ``select(outbox)`` would read it).
+_MEMBERS = sa.table(
+    OUTBOX, sa.column("seq"), sa.column("target"), sa.column("status"), sa.column("xid")
+).alias("member")
+_XID: sa.ColumnElement[Any] = sa.literal_column(f"{OUTBOX}.xid")
+
+
+async def whole_units(
+    conn: AsyncConnection,
+    where: sa.ColumnElement[bool],
+    atomic: Sequence[str],
+    statuses: Sequence[str],
+) -> list[sa.ColumnElement[bool]]:
+    """``where`` and, when it picks part of a unit of an atomic target (its application
+    transaction's rows), conditions picking the unit's other members in ``statuses``.
+
+    A unit goes whole or not at all, and takes one verdict: requeuing some of its members
+    (by event type, say) brings the others back with them, where the relay would otherwise
+    send the part alone, as a unit of its own. One read; nothing more when ``where`` already
+    holds whole units, as a failure group or an error filter does."""
+    if not atomic:
+        return [where]
+    o, m = outbox, _MEMBERS
+    picked = sa.select(o.c.target, _XID).where(where, o.c.target.in_(atomic), _XID.is_not(None))
+    others = sa.select(m.c.seq).where(
+        sa.tuple_(m.c.target, m.c.xid).in_(picked),
+        m.c.status.in_(tuple(statuses)),
+        m.c.seq.not_in(sa.select(o.c.seq).where(where)),
+    )
+    seqs = sorted(r[0] for r in await conn.execute(others))
+    return [where] + [
+        sa.and_(o.c.seq.in_(seqs[i : i + EXACT_CHUNK]), o.c.status.in_(tuple(statuses)))
+        for i in range(0, len(seqs), EXACT_CHUNK)
+    ]
 
 
 async def _count(conn: AsyncConnection, where: sa.ColumnElement[bool]) -> int:

@@ -1,7 +1,8 @@
 """How the relay makes and keeps units on an ``atomic`` target, on PostgreSQL, SQLite and
 MariaDB, with the in-memory broker (its ``publish_atomic`` stores a unit whole or not at all and records it):
 a claim that cuts a transaction completes it, a unit waits behind another transaction's failed
-row of its stream, and a held unit goes only once every member is released."""
+row of its stream, a held unit goes only once every member is released, and requeuing part of
+an abandoned unit brings the whole unit back."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from brokers import Broker, BrokerSettings, MemoryBroker, OutgoingMessage, Publi
 from router import Outbox, Runner
 from router.config import RouterConfig
 from router.ops.held import release
+from router.ops.outbox import requeue
 from tests.conftest import Database, make_config
-from tests.integration.events import OrderPlaced
+from tests.integration.events import OrderPlaced, StockReserved
 
 Handler = Callable[[OutgoingMessage], PublishResult | None]
 
@@ -154,6 +156,53 @@ async def test_a_held_unit_goes_only_once_every_member_is_released(
         assert processor.stats.batches - batches <= 2
         await release(config, "events", "b", reason="test", actor="test")
         await broker.wait_for(2)
+    finally:
+        await runner.shutdown()
+    assert units(broker) == [first]
+
+
+async def test_requeuing_part_of_an_abandoned_unit_brings_the_whole_unit_back(
+    database: Database,
+) -> None:
+    """t1 (an ``order_placed`` and a ``stock_reserved``) and t2 (an ``order_placed``) are
+    refused for good and abandoned (``ordering: skip``). ``router requeue --event-type
+    stock_reserved`` picks one row of t1: it brings back t1's other member too, and nothing of
+    t2; t1 then goes as one unit, once, whole."""
+    config = config_of(database)
+    outbox = Outbox(config)
+    try:
+        async with outbox.transaction() as tx:
+            first = await tx.stage(
+                OrderPlaced(order_id="t1-0", total=Decimal(1)),
+                StockReserved(order_id="t1-1", quantity=1),
+                stream_keys=["a", "b"],
+            )
+    finally:
+        await outbox.close()
+    [second] = await stage(config, ["c"], "t2")
+    runner, broker = serve(config, lambda _: PublishResult.failed("refused", retryable=False))
+    await runner.start()
+    try:
+
+        async def abandoned() -> bool:
+            return {s for s, _ in (await statuses(database)).values()} == {"abandoned"}
+
+        await until(abandoned)
+    finally:
+        await runner.shutdown()
+
+    dry = await requeue(config, event_types=["stock_reserved"], dry_run=True)
+    done = await requeue(config, event_types=["stock_reserved"])
+
+    assert dry == done == {"main": 2}
+    found = await statuses(database)
+    assert [found[i] for i in first] == [("pending", 0)] * 2
+    assert found[second][0] == "abandoned"
+    runner, broker = serve(config)
+    await runner.start()
+    try:
+        await broker.wait_for(2)
+        await asyncio.sleep(0.5)  # time for a stray part, were one to go
     finally:
         await runner.shutdown()
     assert units(broker) == [first]
