@@ -24,6 +24,7 @@ from nats.js.api import StorageType, StreamConfig
 from brokers.nats import EmbeddedNats
 from brokers.redis._script import MARKER_PREFIX
 from envelopes import message_id_of
+from router.ops.outbox import trace
 from router.ops.schema import outbox
 from router.serve.runner import Runner
 from tests.conftest import Database, make_config
@@ -184,6 +185,9 @@ async def test_one_transactions_events_are_stored_together_and_apart_from_anothe
         members = [orjson.loads(receipts[i]) for i in ids]
         assert [m["seq"] for m in members] == sequences
         assert {m["batch"] for m in members} == batch
+        # `router trace` shows each member's own position.
+        config = make_config({"main": database.url}, brokers, database.base_dir)
+        assert [(await trace(config, i))[0].receipt for i in ids] == members
 
 
 async def test_a_transaction_with_a_member_refused_for_good_stores_none_of_it(
