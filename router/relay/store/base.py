@@ -100,6 +100,7 @@ class Echo:
         self._after = after
         self._pending: set[str] | None = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0  # the event loop's time of the last call
 
     def __call__(self, targets: set[str] | None) -> None:
         """Wake ``targets`` now, and again with the echo (on the event loop's thread)."""
@@ -108,11 +109,18 @@ class Echo:
             self._pending = None
         else:
             self._pending |= targets
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._after, self._echo)
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        # One timer for a stream of calls, moved on when it fires early: a timer cancelled
+        # and made again per call cost the log follower about 4 of its 40 us a commit.
+        if self._timer is None:
+            self._timer = loop.call_later(self._after, self._echo)
 
     def _echo(self) -> None:
+        loop = asyncio.get_running_loop()
+        if (left := self._last + self._after - loop.time()) > 0:  # called again since
+            self._timer = loop.call_later(left, self._echo)
+            return
         targets, self._pending, self._timer = self._pending, set(), None
         self._wake(targets)
 

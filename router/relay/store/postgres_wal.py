@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -255,26 +257,29 @@ class Follower:
     async def run(self) -> NoReturn:
         """Wake on every commit that inserted rows; raises ``LogLost`` when the connection
         ends."""
-        import psycopg2
-
         loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
+        ended: asyncio.Future[Exception] = loop.create_future()
         fd = self._conn.fileno()
-        loop.add_reader(fd, readable.set)
+
+        # Read in the socket's own callback, not in a task woken by it: the server sends a
+        # message for nearly every commit of the database (a keepalive for a transaction
+        # without outbox rows), and a task's wake-up and a wait_for() per message cost
+        # about as much as the decoding.
+        def read() -> None:
+            _step(ended, self._drain)
+
+        def tell() -> None:  # the status message, every feedback_every, idle or not
+            _step(ended, functools.partial(self._tell, force=True))
+            timers[0] = loop.call_later(self._feedback_every, tell)
+
+        timers = [loop.call_later(self._feedback_every, tell)]
+        loop.add_reader(fd, read)
         try:
-            while True:
-                readable.clear()
-                self._drain()
-                if time.monotonic() - self._told_at >= self._feedback_every:
-                    self._tell(force=True)
-                # The selector is level-triggered: data that came after the drain is still
-                # unread in the socket, and sets ``readable`` again at once.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(readable.wait(), self._feedback_every)
-        except (psycopg2.Error, OSError) as exc:
-            raise LogLost(describe_error(exc)) from exc
+            read()  # what came before the reader was added
+            raise await ended
         finally:
             loop.remove_reader(fd)
+            timers[0].cancel()
 
     def _drain(self) -> None:
         """Read every message already here; wake for each commit."""
@@ -306,6 +311,23 @@ class Follower:
         if conn is not None:
             with contextlib.suppress(Exception):  # a broken connection: nothing to keep
                 conn.close()
+
+
+def _step(ended: asyncio.Future[Exception], step: Callable[[], None]) -> None:
+    """Run ``step`` unless ``ended``; a failure ends the follower's ``run()``, which raises
+    it (a lost connection as ``LogLost``)."""
+    import psycopg2
+
+    if ended.done():
+        return
+    try:
+        step()
+    except (psycopg2.Error, OSError) as exc:
+        lost = LogLost(describe_error(exc))
+        lost.__cause__ = exc
+        ended.set_result(lost)
+    except Exception as exc:
+        ended.set_result(exc)
 
 
 async def _settle(conn: Any) -> None:
