@@ -1,14 +1,15 @@
 """whole_system: writers and a relay on one machine, the router against a hand-written outbox.
 
     python -m bench.whole_system [--writers 4,16] [--seconds 10] [--rounds 3]
-                                 [--output whole-system]
+                                 [--wakeup auto|log|notify|poll] [--output whole-system]
 
 Each point: a fresh PostgreSQL database and a fresh file-backed JetStream stream; a relay
 started and given two seconds; then K psycopg threads commit flat out for ``--seconds``, each
 transaction one ``orders`` row and one event (``bench._writers``), while the relay drains:
 
 - ``router``: ``SyncOutbox.stage()`` into ``router_outbox``, ``router serve`` draining it
-  (its wake-up active: LISTEN and the wake locks, the shared server runs ``wal_level=replica``);
+  (its wake-up active: ``--wakeup``, the database's ``wakeup:``, ``auto`` by default, which on
+  the shared server, ``wal_level=replica``, is LISTEN and the wake locks);
 - ``hand``: the hand outbox of ``bench._writers`` (one prepared INSERT), drained by the
   strongest relay we could write for it by hand (``bench._hand_relay``: uvloop, asyncpg,
   nats-py, batches of 500 locked in order, every ack in flight, polling every 10 ms when
@@ -71,14 +72,14 @@ class HandRelay:
             self.process.kill()
 
 
-async def point(system: str, writers: int, seconds: float) -> dict[str, float]:
+async def point(system: str, writers: int, seconds: float, wakeup: str) -> dict[str, float]:
     """One system at K writers: commits/s, delivered/s, tail seconds."""
     async with (
         _mysql.fresh_database("postgresql", "whole") as url,
         fresh_stream("whole", StorageType.FILE) as stream,
     ):
         create_tables("postgresql", url)
-        settings = config({"postgresql": url}, stream)
+        settings = config({"postgresql": {"url": url, "wakeup": wakeup}}, stream)
         client = make_client("psycopg", url, RouterConfig.model_validate(settings))
         relay: Any = RouterProcess(settings) if system == "router" else HandRelay(url, stream)
         with relay:
@@ -105,7 +106,7 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[s
         for writers in args.writers:
             order = SYSTEMS[round_ % 2 :] + SYSTEMS[: round_ % 2]
             for system in order:
-                figures = await point(system, writers, args.seconds)
+                figures = await point(system, writers, args.seconds, args.wakeup)
                 runs.setdefault((system, writers), []).append(figures)
                 print(
                     f"  round {round_ + 1}/{args.rounds} K={writers} {system}: "
@@ -182,12 +183,14 @@ def main() -> None:
     parser.add_argument("--writers", type=numbers, default=[4, 16])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wakeup", default="auto", choices=["auto", "log", "notify", "poll"])
     parser.add_argument("--output", default="whole-system", help="bench/results/OUTPUT.json")
     args = parser.parse_args()
     runs = asyncio.run(measure(args))
     figures = summarise(runs, args)
     report(figures, args)
     parameters = {"writers": args.writers, "seconds": args.seconds, "rounds": args.rounds}
+    parameters["wakeup"] = args.wakeup
     path = write_results(args.output, parameters, figures)
     print(f"written to {path}")
 

@@ -65,8 +65,9 @@ def numbers(text: str, kind: type[Any] = int) -> list[Any]:
     return [kind(part) for part in text.split(",") if part]
 
 
-def config(urls: dict[str, str], stream: Stream) -> dict[str, Any]:
-    """One config for the writers and ``router serve``: the databases by kind, one target."""
+def config(urls: dict[str, Any], stream: Stream) -> dict[str, Any]:
+    """One config for the writers and ``router serve``: the databases by kind (a URL, or a
+    database's settings), one target."""
     return {
         "service": "bench",
         "databases": urls,
