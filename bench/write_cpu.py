@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +44,7 @@ import uvloop
 
 from bench import _mysql
 from bench._common import fresh_stream, print_table, write_results
+from bench._drain_runs import CLK_TCK, cpu_ticks
 from bench._writers import (
     CLIENTS,
     KIND,
@@ -60,64 +60,43 @@ from router.config import RouterConfig
 MODES = ("hand", "stage")
 SIDES = ("writer", "database", "relay")
 WARM = 50  # uncounted transactions first: the connection's and the library's first calls
-_TICK = os.sysconf("SC_CLK_TCK")
+# Process names (prefixes) whose CPU is read from /proc (``bench._drain_runs.cpu_ticks``, which
+# takes in the time of exited children: PostgreSQL's backends and workers that end during a
+# run sit in the postmaster's).
 _SERVERS = {"postgresql": ("postgres",), "mysql": ("mariadbd", "mysqld")}
+_RELAY = ("router",)  # router serve
+RELAY_START = 2.0
+"""Seconds ``router serve`` is given to start before the first round."""
 
 
-def _seconds(pid: str) -> float:
-    """User and system CPU seconds of one process and of its children that ended (0 once it
-    ended itself): PostgreSQL's postmaster collects its backends' and workers' time as they
-    exit, so a session or an autovacuum worker that ends during a run is still counted."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / _TICK  # utime, stime, cutime, cstime
-
-
-def server_seconds(kind: str) -> float:
-    """User and system CPU seconds of the database's server processes on this machine."""
-    names = _SERVERS[kind]
-    total = 0.0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/comm") as comm:
-                if comm.read().strip() not in names:
-                    continue
-        except OSError:  # the process ended meanwhile
-            continue
-        total += _seconds(entry.name)
-    return total
-
-
-RELAY: list[int] = []
-"""The pid of ``router serve`` while one runs (``--relay``)."""
+def seconds(names: tuple[str, ...]) -> float:
+    """CPU seconds of every process whose name starts with one of ``names``."""
+    return sum(cpu_ticks(name) for name in names) / CLK_TCK
 
 
 @contextlib.contextmanager
-def counted(kind: str, spent: dict[str, float]) -> Iterator[None]:
-    """Fill ``spent`` with the writer's, the database's and the relay's CPU seconds of the
-    block."""
-    relay = sum(_seconds(str(pid)) for pid in RELAY)
-    server, writer = server_seconds(kind), time.process_time()
+def counted(kind: str, relay: bool, spent: dict[str, float]) -> Iterator[None]:
+    """Fill ``spent`` with the writer's, the database's and (``relay``) router serve's CPU
+    seconds of the block."""
+    sides = {"database": _SERVERS[kind], **({"relay": _RELAY} if relay else {})}
+    before = {side: seconds(names) for side, names in sides.items()}
+    writer = time.process_time()
     yield
     spent["writer"] = time.process_time() - writer
-    spent["database"] = server_seconds(kind) - server
-    if RELAY:
-        spent["relay"] = sum(_seconds(str(pid)) for pid in RELAY) - relay
+    for side, names in sides.items():
+        spent[side] = seconds(names) - before[side]
 
 
-def sync_run(client: SyncClient, mode: str, count: int, first: int) -> dict[str, float]:
+def sync_run(
+    client: SyncClient, mode: str, count: int, first: int, relay: bool
+) -> dict[str, float]:
     transaction = client.transaction(mode)
     (conn,), close = client.connect(1)
     spent: dict[str, float] = {}
     try:
         for n in range(first, first + WARM):
             transaction(conn, n)
-        with counted(client.kind, spent):
+        with counted(client.kind, relay, spent):
             for n in range(first + WARM, first + WARM + count):
                 transaction(conn, n)
     finally:
@@ -126,7 +105,7 @@ def sync_run(client: SyncClient, mode: str, count: int, first: int) -> dict[str,
 
 
 async def _asyncpg_run(
-    client: AsyncpgClient, mode: str, count: int, first: int
+    client: AsyncpgClient, mode: str, count: int, first: int, relay: bool
 ) -> dict[str, float]:
     transaction = client.transaction(mode)
     conn = await asyncpg.connect(client.url)
@@ -134,7 +113,7 @@ async def _asyncpg_run(
     try:
         for n in range(first, first + WARM):
             await transaction(conn, n)
-        with counted(client.kind, spent):
+        with counted(client.kind, relay, spent):
             for n in range(first + WARM, first + WARM + count):
                 await transaction(conn, n)
     finally:
@@ -142,25 +121,26 @@ async def _asyncpg_run(
     return spent
 
 
-def one_run(client: Client, mode: str, count: int, first: int) -> dict[str, float]:
-    """Seconds of CPU, the writer's and the database's, of ``count`` transactions."""
+def one_run(client: Client, mode: str, count: int, first: int, relay: bool) -> dict[str, float]:
+    """Seconds of CPU, the writer's, the database's and the relay's, of ``count``
+    transactions."""
     if isinstance(client, AsyncpgClient):
-        return uvloop.run(_asyncpg_run(client, mode, count, first))
+        return uvloop.run(_asyncpg_run(client, mode, count, first, relay))
     assert isinstance(client, SyncClient)
-    return sync_run(client, mode, count, first)
+    return sync_run(client, mode, count, first, relay)
 
 
 Runs = dict[tuple[str, str, str], list[float]]
 """Microseconds a transaction of each round, by (client, mode, side)."""
 
 
-def measure(clients: list[Client], count: int, rounds: int) -> Runs:
+def measure(clients: list[Client], count: int, rounds: int, relay: bool) -> Runs:
     runs: Runs = {}
     first = 1
     for round_ in range(rounds):
         for client in clients:
             for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                spent = one_run(client, mode, count, first)
+                spent = one_run(client, mode, count, first, relay)
                 first += WARM + count
                 for side, seconds in spent.items():
                     runs.setdefault((client.name, mode, side), []).append(seconds / count * 1e6)
@@ -236,8 +216,9 @@ def main() -> None:
         parsed = RouterConfig.model_validate(settings)
         clients = [make_client(name, urls[KIND[name]], parsed) for name in args.clients]
         if args.relay:
-            RELAY.append(stack.enter_context(paused_relay(settings)).process.pid)
-        runs = measure(clients, args.transactions, args.rounds)
+            stack.enter_context(paused_relay(settings))
+            time.sleep(RELAY_START)  # its start-up (connections, streams) in no round
+        runs = measure(clients, args.transactions, args.rounds, args.relay)
     figures = summarise(clients, runs)
     report(figures, args)
     parameters = {
