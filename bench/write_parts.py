@@ -22,7 +22,9 @@ the disk's alone. The outbox row, one part added at a time:
 - ``table``: ``router_outbox`` with the router's envelope (what stage() writes);
 - ``lock``: the same behind the stream-key lock (``pg_advisory_xact_lock`` on the key's slot);
 - ``gate``: the same behind the lock and the wake try (stage()'s one-event statement, with no
-  relay idle, so no NOTIFY).
+  relay idle, so no NOTIFY);
+- ``spread``: ``gate`` with the wake try on one of 16 locks (by backend pid) instead of the
+  target's one lock that every writer shares: whether that one lock is a hot spot.
 
 On MariaDB (``--database mysql``; ``write-parts-mysql.json`` by default) ``mariadb-slap`` (C)
 runs ``--transactions`` such transactions over K clients, each one ``START TRANSACTION``, ``SET
@@ -38,7 +40,9 @@ outbox row, ``COMMIT``. The envelope goes as a hex literal, as stage() sends it.
 - ``small``: the same with the event's JSON alone as the envelope;
 - ``read``: the row inserted by ``INSERT ... SELECT`` from the key's slot row of
   ``router_streams``, without locking it: what reading a second table in the statement costs;
-- ``lock``: the same ``FOR UPDATE``, stage()'s statement for a row on a stream key.
+- ``lock``: the same ``FOR UPDATE``, stage()'s statement for a row on a stream key;
+- ``apart``: the slot's row locked by a ``SELECT ... FOR UPDATE`` of its own, then the plain
+  ``INSERT ... VALUES``: whether the cost is the lock or the INSERT's form.
 
 ``--rollback`` ends each transaction with ``ROLLBACK`` instead: no commit waits for the disk,
 so what is left is the statements' own work on the server, which the flush's noise on this
@@ -71,8 +75,8 @@ from router.config import RouterConfig
 from router.write.staging import Stager
 from tests.private_postgres import postgres_bin
 
-PARTS = ("hand", "flat", "nounit", "queue", "small", "table", "lock", "gate")
-MYSQL_PARTS = ("hand", "table", "nounit", "small", "read", "lock")
+PARTS = ("hand", "flat", "nounit", "queue", "small", "table", "lock", "gate", "spread")
+MYSQL_PARTS = ("hand", "table", "nounit", "small", "read", "lock", "apart")
 
 _ORDER = "INSERT INTO orders (id, customer, total) VALUES (:n, 'c', 1.99);"
 _ROUTER = (
@@ -89,6 +93,7 @@ _WAKE = (
     "CASE WHEN pg_try_advisory_xact_lock_shared(1869903205, hashtext('events')) THEN NULL "
     "ELSE pg_notify('router_outbox', 'events') END"
 )
+_SPREAD_WAKE = _WAKE.replace("hashtext('events')", "hashtext('events:' || (pg_backend_pid() & 15))")
 # Variables are bind parameters under -M prepared, so the JSON texts go in with -D.
 SCRIPTS = {
     "hand": "INSERT INTO hand_outbox (id, target, type, key, payload) VALUES "
@@ -104,6 +109,7 @@ SCRIPTS = {
     "table": _ROUTER.format(table="router_outbox", envelope="CAST(:envelope AS json)"),
     "lock": _GATED.format(calls=_LOCK),
     "gate": _GATED.format(calls=f"{_LOCK}, {_WAKE}"),
+    "spread": _GATED.format(calls=f"{_LOCK}, {_SPREAD_WAKE}"),
 }
 # One queue slot's shape, unpartitioned, its seq from a sequence of its own.
 FLAT = (
@@ -149,6 +155,7 @@ def mysql_statements(payload: str, envelope: str) -> dict[str, str]:
         "small": f"{into} VALUES ({small})",
         "read": f"{into} SELECT {row} FROM {_MYSQL_SLOT}",
         "lock": f"{into} SELECT {row} FROM {_MYSQL_SLOT} FOR UPDATE",
+        "apart": f"SELECT 1 FROM {_MYSQL_SLOT} FOR UPDATE;{into} VALUES ({row})",
     }
 
 
