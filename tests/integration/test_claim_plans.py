@@ -300,3 +300,15 @@ async def test_a_claim_pays_nothing_for_held_or_parked_streams_while_its_target_
         "SELECT status FROM router_outbox WHERE stream_key = 's-2994' ORDER BY seq"
     )
     assert [r["status"] for r in behind] == ["parked"] * len(behind)
+
+
+async def test_a_mark_plans_its_statements_once_not_on_every_call(
+    backlog: asyncpg.Connection,
+) -> None:
+    # A generic plan names the function's arrays as parameters ($1); a plan made for one
+    # call's values spells them out. Planning the UPDATE of the partitioned queue again on
+    # every call was most of a small batch's mark (0022).
+    found = await mark_plans(backlog, batch=2)
+    assert len(found) == CLAIMS
+    for plan in found:
+        assert re.search(r"Index Cond: \(seq = ANY \(\$\d+\)\)", plan), plan

@@ -25,6 +25,9 @@ looked up again by seq, which on the partitioned queue no index serves by seq al
 
 Since 0021 a pending row is due whatever its ``available_at``: only a failed row waits for
 its time, and it holds its stream back while it waits.
+
+Since 0022 the mark plans its statements once a session (``plan_cache_mode``), not on every
+call.
 """
 
 from __future__ import annotations
@@ -335,6 +338,13 @@ MARK_FUNCTION = (
     # The gap markers (0016): p_target, and the stream key and message id of each gap that a
     # published row of the batch named (its ``skipped``), to be deleted with the marks.
     # The held and parked stream heads (0017), as seq and error, as the abandoned ones come.
+    # One plan per statement for the session (0022): PL/pgSQL planned each UPDATE afresh on
+    # every call, because a custom plan, priced under the SETs above, always looked cheaper
+    # than the generic one. Planning an UPDATE of the partitioned queue is most of a small
+    # batch's mark: 250-280 us a call for one row, 100-125 us with the generic plan, which
+    # prunes the queue's slots as it starts and finds the rows by seq as the custom plans do
+    # (tests/integration/test_claim_plans.py). For 500 rows, where planning is a small part,
+    # the same (``bench.mark_cost``).
     f"""
 CREATE OR REPLACE FUNCTION {FN_MARK}(p_published bigint[], p_receipts text[],
                                        p_failed bigint[], p_delays double precision[],
@@ -348,6 +358,7 @@ RETURNS void
 LANGUAGE plpgsql
 SET enable_nestloop = off
 SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     -- The time of the outcome; now() is the transaction's start, batches earlier.
