@@ -29,14 +29,11 @@ import asyncpg
 
 from bench._common import fresh_database, print_table, write_results
 from bench.write_concurrency import numbers, spread
+from router._schema import FN_MARK
 from router.relay.store.postgres import CLAIM, MARK
 
 MODES = ("generic", "replanned")
-_MARK = (
-    "router_mark(bigint[], text[], bigint[], double precision[], text[], bigint[], text[],"
-    " text, text[], text[], bigint[], text[], bigint[], text[])"
-)
-_REPLANNED = f"ALTER FUNCTION {_MARK} RESET plan_cache_mode"
+_REPLANNED = f"ALTER FUNCTION {FN_MARK} RESET plan_cache_mode"  # its one signature
 _BACKLOG = """
 INSERT INTO router_outbox (message_id, target, destination, event_type, stream_key, envelope)
 SELECT gen_random_uuid(), 'events', 'bench.order_placed', 'order_placed', 'order-' || i,

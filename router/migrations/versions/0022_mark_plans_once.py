@@ -4,9 +4,9 @@ PL/pgSQL plans a function's statement for the values of its first five calls, th
 generic plan only if it does not cost more than those. The mark runs under
 ``enable_nestloop = off`` and ``enable_seqscan = off`` (0009, 0010), which price the generic
 plans of its UPDATEs of the partitioned queue above the custom ones, so every call planned
-each UPDATE it ran again: for a batch of one row, 250-280 us of the server's time a call,
+each UPDATE it ran again: for a batch of one row, about 240 us of the server's time a call,
 of which planning was most. With ``plan_cache_mode = force_generic_plan`` for the function,
-100-125 us: the generic plan prunes the queue's slots when it starts and finds the rows by
+about 100 us: the generic plan prunes the queue's slots when it starts and finds the rows by
 seq, as the custom plans do. A batch of 500 rows costs the same either way (3 ms).
 ``bench.mark_cost`` measures both; a relay following a trickle marks a batch of one or two
 rows per event.

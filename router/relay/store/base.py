@@ -47,7 +47,7 @@ them, whatever their due time."""
 
 # The migration this code's SQL needs. Read from the version table at start instead of asking
 # alembic, which would cost a fifth of a second of imports before the first claim;
-# tests/unit/test_schema_revision.py keeps it equal to the newest shipped migration.
+# tests/e2e/test_serve_schema.py keeps it equal to the newest shipped migration.
 SCHEMA_REVISION = "0022"
 
 

@@ -341,7 +341,7 @@ MARK_FUNCTION = (
     # One plan per statement for the session (0022): PL/pgSQL planned each UPDATE afresh on
     # every call, because a custom plan, priced under the SETs above, always looked cheaper
     # than the generic one. Planning an UPDATE of the partitioned queue is most of a small
-    # batch's mark: 250-280 us a call for one row, 100-125 us with the generic plan, which
+    # batch's mark: about 240 us a call for one row, 100 us with the generic plan, which
     # prunes the queue's slots as it starts and finds the rows by seq as the custom plans do
     # (tests/integration/test_claim_plans.py). For 500 rows, where planning is a small part,
     # the same (``bench.mark_cost``).
