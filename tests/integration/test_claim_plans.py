@@ -312,3 +312,39 @@ async def test_a_mark_plans_its_statements_once_not_on_every_call(
     assert len(found) == CLAIMS
     for plan in found:
         assert re.search(r"Index Cond: \(seq = ANY \(\$\d+\)\)", plan), plan
+
+
+async def test_a_mark_closes_a_long_gap_by_hashing_its_ids_once(
+    pg_databases: PgDatabases,
+) -> None:
+    # A published row that named a gap of 5,000 abandoned rows: under the generic plan (0022)
+    # a test against the cast array recast all 5,000 ids for each gap row, and the mark took
+    # 10 s. The ids are cast once, hashed, and joined to the rows the stream key finds.
+    conn = await asyncpg.connect(await pg_databases.new())
+    try:
+        await conn.execute(
+            "INSERT INTO router_gaps (target, stream_key, seq, message_id)"
+            " SELECT 'events', 'k', n - 5000, gen_random_uuid() FROM generate_series(0, 4999) n"
+        )
+        ids = [r[0] for r in await conn.fetch("SELECT message_id::text FROM router_gaps")]
+        notices: list[str] = []
+        conn.add_log_listener(lambda _, message: notices.append(message.message))
+        await conn.execute(
+            "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;"
+            " SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice;"
+            " SET client_min_messages = notice"
+        )
+        await conn.execute(
+            "SELECT router_mark('{}', '{}', '{}', '{}', '{}', '{}', '{}', 'events', $1, $2,"
+            " '{}', '{}', '{}', '{}')",
+            ["k"],
+            ids,
+        )
+        await conn.execute("SET auto_explain.log_min_duration = -1")
+        left = await conn.fetchval("SELECT count(*) FROM router_gaps")
+    finally:
+        await conn.close()
+    [plan] = [n for n in notices if "DELETE FROM router_gaps" in n]
+    assert "Hash Join" in plan and "Hash Cond: (g.message_id = r.message_id)" in plan, plan
+    assert "uuid[]" not in plan[plan.index("Delete on") :], plan  # no cast left for each row
+    assert left == 0

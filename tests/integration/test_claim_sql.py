@@ -8,7 +8,7 @@ import asyncpg
 
 from router._wakeup import WAKE_LOCK_NAMESPACE
 from router.config import DatabaseSettings
-from router.ops.migrate import upgrade
+from router.ops.migrate import migrate_to, upgrade
 from router.relay.store.base import OPEN_STATUSES
 from router.relay.store.postgres_ring import RING_LOCK
 from router.relay.store.postgres_sql import CLAIM_FUNCTION, CLAIM_LOCK_NAMESPACE, MARK_FUNCTION
@@ -50,6 +50,21 @@ async def test_the_migrations_install_the_claim_and_mark_of_postgres_sql(
         "text[],text[],bigint[],text[],bigint[],text[])",
     ]
     assert await definitions(migrated) == expected
+
+
+async def test_a_downgrade_to_0021_puts_back_the_mark_it_had(pg_databases: PgDatabases) -> None:
+    # 0022 rewrote the mark (one plan a session, the gaps closed by a hash of their ids); going
+    # back to 0021 puts back 0017's text, settings included.
+    url = await pg_databases.new(migrated=False)
+    settings = DatabaseSettings.model_validate({"url": url})
+    await migrate_to("db", settings, Path.cwd(), "0021")
+    at_0021 = await definitions(url)
+    await upgrade("db", settings, Path.cwd())
+    upgraded = await definitions(url)
+    assert "plan_cache_mode" not in at_0021[1][1]
+    assert "plan_cache_mode TO 'force_generic_plan'" in upgraded[1][1]
+    await migrate_to("db", settings, Path.cwd(), "0021")
+    assert await definitions(url) == at_0021
 
 
 def test_the_claim_reads_queued_rows_and_checks_streams_against_rows_in_flight() -> None:

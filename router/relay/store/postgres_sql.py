@@ -453,12 +453,15 @@ BEGIN
     # A published row named these gaps, so its consumer knows of them: they are closed (0016).
     # After the abandoned rows' gaps, which a later row of the same batch may have named
     # already. The stream keys only lead router_gaps' primary key to the rows: a message id
-    # is one row's of the target, so it names one gap.
+    # is one row's of the target, so it names one gap. The ids are cast once and hashed
+    # (0022): under the generic plan a test against ``p_reported_ids::uuid[]`` cast the whole
+    # array again for every gap row, so closing a gap of 5,000 rows took 10 s, not 8 ms.
     f"""\
     IF cardinality(p_reported_ids) > 0 THEN
         DELETE FROM {GAPS} g
+        USING unnest(p_reported_ids::uuid[]) AS r(message_id)
         WHERE g.target = p_target AND g.stream_key = ANY(p_reported_keys)
-          AND g.message_id = ANY(p_reported_ids::uuid[]);
+          AND g.message_id = r.message_id;
     END IF;
 END
 $$
