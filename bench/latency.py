@@ -1,7 +1,8 @@
 """latency: commit-to-broker-ack latency, measured at a consumer.
 
     python bench/latency.py [--rate 100 2000] [--seconds 20 10]
-                            [--wakeup auto [log notify ...]] [--rounds 1] [--output latency]
+                            [--wakeup auto [log notify ...]] [--linger 0 [0.002 ...]]
+                            [--rounds 1] [--output latency]
 
 ``router serve`` runs as a subprocess. Producers commit one event per transaction at a steady
 rate and note the time right after each COMMIT returns; a NATS subscriber on the stream's
@@ -11,7 +12,8 @@ application waits between committing an event and a consumer seeing it.
 ``--wakeup`` sets the database's ``wakeup:`` (the writers' and the router's); with several,
 each round measures each in turn (the order rotated per round), so a comparison of the
 wake-ups on one server is interleaved. ``log`` needs a server with ``wal_level = logical``
-(``BENCH_PG_ADMIN``).
+(``BENCH_PG_ADMIN``). ``--linger`` sets ``outbox.linger`` the same way: each round measures
+every wake-up with every linger, the order rotated per round.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def percentile(values: list[float], q: float) -> float:
     return values[index]
 
 
-async def measure(rate: float, seconds: float, wakeup: str = "auto") -> dict[str, Any]:
-    """Commit ``rate`` events/s for ``seconds`` with the database's ``wakeup``; return latency
-    figures in milliseconds."""
+async def measure(
+    rate: float, seconds: float, wakeup: str = "auto", linger: float = 0.0
+) -> dict[str, Any]:
+    """Commit ``rate`` events/s for ``seconds`` with the database's ``wakeup`` and the router's
+    ``outbox.linger``; return latency figures in milliseconds."""
     async with fresh_database("latency") as url, fresh_stream("latency") as stream:
         database = {"url": url, "wakeup": wakeup}
         outbox = Outbox(
@@ -83,7 +87,7 @@ async def measure(rate: float, seconds: float, wakeup: str = "auto") -> dict[str
             arrived.setdefault(msg.headers["Nats-Msg-Id"], time.time())
 
         await client.subscribe(stream.subject + ".>", cb=on_message)
-        with RouterProcess(router_config(database, stream)) as router:
+        with RouterProcess(router_config(database, stream, linger=linger)) as router:
             await asyncio.sleep(2.0)  # let the router start and connect
             total = int(rate * seconds)
             started = time.perf_counter()
@@ -101,6 +105,7 @@ async def measure(rate: float, seconds: float, wakeup: str = "auto") -> dict[str
         return {
             "rate": rate,
             "wakeup": wakeup,
+            "linger_s": linger,
             "seconds": seconds,
             "producers": producers_for(rate),
             "achieved_rate": round(achieved, 1),
@@ -151,20 +156,22 @@ async def main() -> None:
     parser.add_argument(
         "--wakeup", nargs="+", default=["auto"], choices=["auto", "log", "notify", "poll"]
     )
+    parser.add_argument("--linger", type=float, nargs="+", default=[0.0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--output", default="latency", help="bench/results/OUTPUT.json")
     args = parser.parse_args()
     seconds = args.seconds + [args.seconds[-1]] * (len(args.rate) - len(args.seconds))
+    variants = [(w, linger) for w in args.wakeup for linger in args.linger]
     figures = []
     for round_ in range(args.rounds):
-        shift = round_ % len(args.wakeup)
-        for wakeup in args.wakeup[shift:] + args.wakeup[:shift]:
+        shift = round_ % len(variants)
+        for wakeup, linger in variants[shift:] + variants[:shift]:
             for rate, secs in zip(args.rate, seconds, strict=False):
-                figure = await measure(rate, secs, wakeup)
+                figure = await measure(rate, secs, wakeup, linger)
                 figures.append({"round": round_ + 1, **figure})
                 print(
-                    f"  round {round_ + 1} {wakeup} {rate:,.0f} ev/s: p50 {figure['p50_ms']} ms,"
-                    f" p99 {figure['p99_ms']} ms",
+                    f"  round {round_ + 1} {wakeup} linger {linger * 1000:g} ms"
+                    f" {rate:,.0f} ev/s: p50 {figure['p50_ms']} ms, p99 {figure['p99_ms']} ms",
                     flush=True,
                 )
     print_table(
@@ -172,6 +179,7 @@ async def main() -> None:
         [
             "round",
             "wakeup",
+            "linger ms",
             "rate (ev/s)",
             "achieved",
             "events",
@@ -185,6 +193,7 @@ async def main() -> None:
             (
                 f["round"],
                 f["wakeup"],
+                f"{f['linger_s'] * 1000:g}",
                 f"{f['rate']:,.0f}",
                 f"{f['achieved_rate']:,.0f}",
                 f["events"],
@@ -198,6 +207,7 @@ async def main() -> None:
         ],
     )
     parameters = {"rates": args.rate, "seconds": seconds, "wakeups": args.wakeup}
+    parameters["lingers"] = args.linger
     path = write_results(args.output, parameters | {"rounds": args.rounds}, figures)
     print(f"written to {path}")
 

@@ -1,7 +1,8 @@
 """whole_system: writers and a relay on one machine, the router against a hand-written outbox.
 
     python -m bench.whole_system [--writers 4,16] [--seconds 10] [--rounds 3]
-                                 [--wakeup auto|log|notify|poll] [--output whole-system]
+                                 [--wakeup auto|log|notify|poll] [--linger 0,0.002]
+                                 [--output whole-system]
 
 Each point: a fresh PostgreSQL database and a fresh file-backed JetStream stream; a relay
 started and given two seconds; then K psycopg threads commit flat out for ``--seconds``, each
@@ -13,7 +14,9 @@ transaction one ``orders`` row and one event (``bench._writers``), while the rel
 - ``hand``: the hand outbox of ``bench._writers`` (one prepared INSERT), drained by the
   strongest relay we could write for it by hand (``bench._hand_relay``: uvloop, asyncpg,
   nats-py, batches of 500 locked in order, every ack in flight, polling every 10 ms when
-  empty).
+  empty);
+- ``router linger N ms``, with ``--linger``: the router with ``outbox.linger`` at N ms, one
+  system for each value (0 is ``router``).
 
 The figures, per system and K: the writers' commits/s while the relay runs; the rate the
 stream received the events (committed events over the time from the first stored message to
@@ -49,9 +52,17 @@ from bench._writers import create_tables, make_client
 from bench.write_concurrency import config, numbers, spread
 from router.config import RouterConfig
 
-SYSTEMS = ("router", "hand")
-_TABLE = {"router": "router_outbox", "hand": "hand_outbox"}
-_MODE = {"router": "stage", "hand": "hand"}
+HAND = "hand"
+
+
+def system_name(linger: float) -> str:
+    """The router's name in the figures with ``outbox.linger`` at ``linger`` seconds."""
+    return "router" if linger == 0 else f"router linger {linger * 1000:g} ms"
+
+
+def systems(lingers: list[float]) -> list[tuple[str, float]]:
+    """Every system measured, with its linger (the hand relay's: 0, unused)."""
+    return [(system_name(linger), linger) for linger in lingers] + [(HAND, 0.0)]
 
 
 class HandRelay:
@@ -72,23 +83,29 @@ class HandRelay:
             self.process.kill()
 
 
-async def point(system: str, writers: int, seconds: float, wakeup: str) -> dict[str, float]:
+async def point(
+    system: str, writers: int, seconds: float, wakeup: str, linger: float = 0.0
+) -> dict[str, float]:
     """One system at K writers: commits/s, delivered/s, tail seconds."""
+    hand = system == HAND
     async with (
         _mysql.fresh_database("postgresql", "whole") as url,
         fresh_stream("whole", StorageType.FILE) as stream,
     ):
         create_tables("postgresql", url)
         settings = config({"postgresql": {"url": url, "wakeup": wakeup}}, stream)
+        settings["outbox"] = {"linger": linger}
         client = make_client("psycopg", url, RouterConfig.model_validate(settings))
-        relay: Any = RouterProcess(settings) if system == "router" else HandRelay(url, stream)
+        relay: Any = HandRelay(url, stream) if hand else RouterProcess(settings)
         with relay:
             await asyncio.sleep(2.0)
-            rate = await asyncio.to_thread(client.point, _MODE[system], writers, seconds)
+            mode = "hand" if hand else "stage"
+            rate = await asyncio.to_thread(client.point, mode, writers, seconds)
             stopped = time.time()
             conn = await asyncpg.connect(url)
             try:
-                total = int(await conn.fetchval(f"SELECT count(*) FROM {_TABLE[system]}"))
+                table = "hand_outbox" if hand else "router_outbox"
+                total = int(await conn.fetchval(f"SELECT count(*) FROM {table}"))
             finally:
                 await conn.close()
             first, last = await wait_for_count(stream, total, timeout=300)
@@ -100,13 +117,14 @@ async def point(system: str, writers: int, seconds: float, wakeup: str) -> dict[
 
 
 async def measure(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str, float]]]:
-    """Every round: per K, both systems in turn (rotated by the round)."""
+    """Every round: per K, every system in turn (rotated by the round)."""
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    measured = systems(args.linger)
     for round_ in range(args.rounds):
         for writers in args.writers:
-            order = SYSTEMS[round_ % 2 :] + SYSTEMS[: round_ % 2]
-            for system in order:
-                figures = await point(system, writers, args.seconds, args.wakeup)
+            shift = round_ % len(measured)
+            for system, linger in measured[shift:] + measured[:shift]:
+                figures = await point(system, writers, args.seconds, args.wakeup, linger)
                 runs.setdefault((system, writers), []).append(figures)
                 print(
                     f"  round {round_ + 1}/{args.rounds} K={writers} {system}: "
@@ -121,22 +139,24 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[s
 def summarise(
     runs: dict[tuple[str, int], list[dict[str, float]]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Per K: each system's figures (median, range, runs) and router/hand per round."""
+    """Per K: each system's figures (median, range, runs) and each router's over the hand
+    relay's, per round."""
     figures: dict[str, Any] = {}
     for writers in args.writers:
         point_: dict[str, Any] = {}
-        for system in SYSTEMS:
+        for system, _ in systems(args.linger):
             rounds = runs[(system, writers)]
             point_[system] = {
                 name: spread([r[name] for r in rounds], 2 if name == "tail_s" else 0)
                 for name in ("commits_per_s", "delivered_per_s", "tail_s")
             }
-        for name in ("commits_per_s", "delivered_per_s"):
-            ratios = [
-                r[name] / h[name]
-                for r, h in zip(runs[("router", writers)], runs[("hand", writers)], strict=True)
-            ]
-            point_[f"router/hand {name}"] = spread(ratios, 3)
+        hand = runs[(HAND, writers)]
+        for router in (system_name(linger) for linger in args.linger):
+            for name in ("commits_per_s", "delivered_per_s"):
+                ratios = [
+                    r[name] / h[name] for r, h in zip(runs[(router, writers)], hand, strict=True)
+                ]
+                point_[f"{router}/hand {name}"] = spread(ratios, 3)
         figures[str(writers)] = point_
     return figures
 
@@ -149,7 +169,7 @@ def report(figures: dict[str, Any], args: argparse.Namespace) -> None:
 
     rows = []
     for k, point_ in figures.items():
-        for system in SYSTEMS:
+        for system, _ in systems(args.linger):
             f = point_[system]
             rows.append(
                 [
@@ -160,15 +180,16 @@ def report(figures: dict[str, Any], args: argparse.Namespace) -> None:
                     cell(f["tail_s"], ".2f"),
                 ]
             )
-        rows.append(
-            [
-                k,
-                "router/hand",
-                cell(point_["router/hand commits_per_s"], ".2f"),
-                cell(point_["router/hand delivered_per_s"], ".2f"),
-                "",
-            ]
-        )
+        for router in (system_name(linger) for linger in args.linger):
+            rows.append(
+                [
+                    k,
+                    f"{router}/hand",
+                    cell(point_[f"{router}/hand commits_per_s"], ".2f"),
+                    cell(point_[f"{router}/hand delivered_per_s"], ".2f"),
+                    "",
+                ]
+            )
     print_table(
         f"whole_system: K psycopg writers for {args.seconds:g} s with a relay draining into a "
         f"file-backed JetStream stream, median (lowest-highest) of {args.rounds} rounds",
@@ -184,13 +205,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--wakeup", default="auto", choices=["auto", "log", "notify", "poll"])
+    parser.add_argument(
+        "--linger",
+        type=lambda text: numbers(text, float),
+        default=[0.0],
+        help="outbox.linger values, in seconds: 0,0.002",
+    )
     parser.add_argument("--output", default="whole-system", help="bench/results/OUTPUT.json")
     args = parser.parse_args()
     runs = asyncio.run(measure(args))
     figures = summarise(runs, args)
     report(figures, args)
     parameters = {"writers": args.writers, "seconds": args.seconds, "rounds": args.rounds}
-    parameters["wakeup"] = args.wakeup
+    parameters |= {"wakeup": args.wakeup, "lingers": args.linger}
     path = write_results(args.output, parameters, figures)
     print(f"written to {path}")
 

@@ -137,6 +137,15 @@ class OutboxSettings(BaseModel):
         description="Seconds between fallback polls when no wake-up arrives (NOTIFY covers "
         "PostgreSQL).",
     )
+    linger: float = Field(
+        0.0,
+        ge=0,
+        le=0.1,
+        description="Seconds a processor waits after a short batch that sent rows before it "
+        "claims again, instead of going idle: while rows keep coming, fewer and larger "
+        "batches, and on PostgreSQL no NOTIFY from the stagers meanwhile, for up to this much "
+        "more latency (0: claim again only when woken).",
+    )
     max_payload_bytes: int = Field(
         262_144,
         ge=1024,

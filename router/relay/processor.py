@@ -120,6 +120,8 @@ class Processor:
         self._recorded_probes = 0  # an open circuit is recorded again after every probe
         self._wake = asyncio.Event()
         self._drained = False  # the last pump claimed all there was (see _going_idle)
+        self._sent = False  # the last pump claimed rows to send (see idle_timeout)
+        self._lingering = False  # the last pump asked to claim again after outbox.linger
         self._stopping = False
         self._check_due = True  # look for rows waiting to retry (at start and after failures)
         self._next_due: float | None = None
@@ -168,7 +170,7 @@ class Processor:
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._drained = False
+                self._drained = self._sent = self._lingering = False
                 try:
                     if self.circuit.is_open:  # only the broker is asked
                         timeout = await self.link.probe()
@@ -196,6 +198,11 @@ class Processor:
                     timeout = await self._going_idle(timeout)
                     if timeout <= 0:
                         continue
+                elif self._lingering:
+                    # Rows keep coming (idle_timeout): the whole linger, which a wake-up for
+                    # each commit (the log, the binlog, SQLite's watcher) would cut short.
+                    await asyncio.sleep(timeout)
+                    continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 if self._wake.is_set():
@@ -310,6 +317,7 @@ class Processor:
         # idle claim those rows again at once, hundreds of times a second on PostgreSQL.
         if any(row.whole for row in claim.rows):
             self.store.busy(self.target)
+            self._sent = True
         return claim, sent + self.outbox.lease_seconds
 
     async def deliver_and_mark(self, claim: Claim, end: float) -> None:
@@ -381,6 +389,12 @@ class Processor:
         """
         if handled >= limit:  # a full claim: there may be more
             return None
+        if handled and self._sent and self.outbox.linger:
+            # A short batch that sent rows: more are likely on their way. Claim again after
+            # the linger rather than go idle, so that they come in one batch, not one each,
+            # and (PostgreSQL) the stagers meanwhile notify no one (docs/production.md).
+            self._lingering = True
+            return self.outbox.linger
         self._drained = True  # nothing left to claim now: wait for new rows
         loop = asyncio.get_running_loop()
         if handled == 0 and loop.time() - self._pause_checked_at >= _PAUSE_RECHECK:

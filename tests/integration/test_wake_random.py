@@ -4,7 +4,8 @@ arrives within a second of its commit, though the relay would poll only once an 
 
 PostgreSQL by idle-only NOTIFY (the shared server), by its log (a private server with
 ``wal_level = logical``) and by the poll (the shared server); MariaDB by its binlog (a private server with it on) and by the poll
-(the shared server); SQLite by its WAL file."""
+(the shared server); SQLite by its WAL file. The idle-only NOTIFY and MariaDB's poll also with
+``outbox.linger``, under which a relay claims again after a short batch rather than go idle."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ async def test_postgresql_idle_only_notify(pg_url: str, tmp_path: Path) -> None:
     await all_within_a_second(Relay(pg_url, tmp_path), "notify", seed=1)
 
 
+async def test_postgresql_idle_only_notify_with_a_linger(pg_url: str, tmp_path: Path) -> None:
+    # Lingering, the relay holds no wake lock, so the stagers notify no one: the claim after
+    # the linger must find their rows, and the relay must go idle (and be notified) after.
+    await all_within_a_second(Relay(pg_url, tmp_path, linger=0.002), "notify", seed=6)
+
+
 async def test_postgresql_log(log_url: str, tmp_path: Path) -> None:
     await all_within_a_second(Relay(log_url, tmp_path, wakeup="log"), "log", seed=2)
 
@@ -57,6 +64,11 @@ async def test_mariadb_binlog(binlog_url: str, tmp_path: Path) -> None:
 
 async def test_mariadb_poll(mysql_url: str, tmp_path: Path) -> None:
     await all_within_a_second(Relay(mysql_url, tmp_path, wakeup="poll"), "poll", seed=4)
+
+
+async def test_mariadb_poll_with_a_linger(mysql_url: str, tmp_path: Path) -> None:
+    relay = Relay(mysql_url, tmp_path, wakeup="poll", linger=0.002)
+    await all_within_a_second(relay, "poll", seed=7)
 
 
 async def test_sqlite_wal_file(tmp_path: Path) -> None:

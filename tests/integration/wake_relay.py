@@ -40,7 +40,8 @@ class SlowBroker(MemoryBroker):
 
 class Relay:
     """The runner on ``url`` (``config.json`` in ``base_dir``, which the writers read too);
-    ``broker``: settings of its one broker, ``events``, beyond the defaults."""
+    ``broker``: settings of its one broker, ``events``, beyond the defaults; ``linger``: its
+    ``outbox.linger``."""
 
     def __init__(
         self,
@@ -51,9 +52,10 @@ class Relay:
         batch_size: int = 500,
         publish_delay: float = 0.0,
         broker: dict[str, Any] | None = None,
+        linger: float = 0.0,
     ) -> None:
         database = {"url": url, "wakeup": wakeup}
-        outbox = {"poll_interval": 3600, "batch_size": batch_size}
+        outbox = {"poll_interval": 3600, "batch_size": batch_size, "linger": linger}
         brokers = {"events": {**ONE_TARGET["events"], **(broker or {})}}
         self.config = make_config({"main": database}, brokers, base_dir=base_dir, outbox=outbox)
         self.publish_delay = publish_delay

@@ -204,6 +204,11 @@ def test_every_missing_variable_is_reported_at_once_with_list_positions() -> Non
             "outbox.retry: max_delay must be at least base_delay",
         ),
         ("batch_size: 100", "batch_size: 0", "outbox.batch_size: Input should be greater"),
+        (
+            "batch_size: 100",
+            "batch_size: 100\n  linger: 0.5",
+            "outbox.linger: Input should be less than or equal to 0.1",
+        ),
         ("service: shop", "service: shop\nhttp: {bind: nowhere}", "http.bind: must be host:port"),
         ("service: shop", "service: shop\nhttp: {bind: 'h:99999'}", "http.bind: must be host:port"),
         (

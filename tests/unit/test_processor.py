@@ -4,8 +4,9 @@ table says afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from brokers import OutgoingMessage, PublishResult
 from envelopes import DatabaseError
+from router.relay.processor import Processor
 from router.relay.store import Marks
 from tests.unit.conftest import (
     EVENTS_BROKER,
@@ -32,6 +34,18 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> Non
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running(processor: Processor) -> AsyncIterator[None]:
+    """``processor.run()`` as a task; on leaving, ``stop()``, which must end it within 2 s."""
+    task = asyncio.create_task(processor.run())
+    try:
+        yield
+        processor.stop()
+        await asyncio.wait_for(task, 2)
+    finally:
+        task.cancel()
 
 
 async def test_drain_publishes_every_row_in_seq_order_and_marks_it_published(
@@ -345,8 +359,7 @@ async def test_a_failed_row_holds_back_its_stream_but_not_others(
 async def test_run_sleeps_until_woken_and_returns_on_stop(outbox_file: OutboxFile) -> None:
     """The poll interval is 60 s and nothing watches the file: only wake() brings news."""
     processor = outbox_file.processor()
-    task = asyncio.create_task(processor.run())
-    try:
+    async with running(processor):
         await outbox_file.stage(1)
         processor.wake()
         await outbox_file.broker.wait_for(1, timeout=2)
@@ -359,12 +372,30 @@ async def test_run_sleeps_until_woken_and_returns_on_stop(outbox_file: OutboxFil
         assert numbers(outbox_file.broker) == [1]  # not woken: still asleep
         processor.wake()
         await outbox_file.broker.wait_for(2, timeout=2)
-
-        processor.stop()
-        await asyncio.wait_for(task, 2)
-    finally:
-        task.cancel()
     assert outbox_file.statuses() == ["published", "published"]
+
+
+async def test_with_a_linger_rows_staged_after_a_short_batch_go_without_a_wake_up(
+    open_outbox: OpenOutbox,
+) -> None:
+    """outbox.linger: a short batch that sent rows is followed by another claim after the
+    linger, not by the idle wait; an empty claim then sends the processor to sleep."""
+    outbox_file = await open_outbox(linger=0.1)
+    processor = outbox_file.processor()
+    async with running(processor):
+        await outbox_file.stage(1)
+        processor.wake()
+        await outbox_file.broker.wait_for(1, timeout=2)
+        await outbox_file.stage(2)  # no wake-up: the claim after the linger finds it
+        await outbox_file.broker.wait_for(2, timeout=2)
+        await asyncio.sleep(0.5)  # the next claim after the linger finds nothing: asleep
+
+        await outbox_file.stage(3)
+        await asyncio.sleep(0.3)
+        assert numbers(outbox_file.broker) == [1, 2]  # not woken: still asleep
+        processor.wake()
+        await outbox_file.broker.wait_for(3, timeout=2)
+    assert outbox_file.statuses() == ["published"] * 3
 
 
 async def test_a_processor_cancelled_mid_publish_gives_its_rows_back(
