@@ -12,7 +12,8 @@ past PL/pgSQL's first five plans of each statement. Two marks, in interleaved ro
 - ``generic``: the mark as migration 0022 installs it, each statement planned once for the
   session (``plan_cache_mode = force_generic_plan``);
 - ``replanned``: the same function without that setting, as before 0022, where PL/pgSQL
-  planned each UPDATE again on every call.
+  planned each UPDATE again on every call (0022's other change, to the closing of gaps, is
+  in both: no batch here names a gap).
 
 A relay following a trickle marks a batch of one or two rows per event, so the small batch
 is what its database pays per event.

@@ -25,11 +25,9 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0010"
 down_revision = "0009"
@@ -155,17 +153,6 @@ WHERE status = 'processing'
 """
 
 
-def _previous() -> ModuleType:
-    """0009, for its functions on downgrade (the history this revision replaces)."""
-    path = Path(__file__).with_name("0009_receipts_and_audit.py")
-    spec = importlib.util.spec_from_file_location("router_migration_0009", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
@@ -179,7 +166,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    previous = _previous()
+    previous = earlier("0009_receipts_and_audit.py")
     op.execute(f"DROP FUNCTION {CLAIM_SIGNATURE}")
     op.execute(f"DROP FUNCTION {MARK_SIGNATURE}")
     op.execute(previous.MARK_FUNCTION)

@@ -37,11 +37,9 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0011"
 down_revision = "0010"
@@ -290,17 +288,6 @@ FREE_NAMES = [
 ]
 
 
-def _previous() -> ModuleType:
-    """0010, for its functions on downgrade (the history this revision replaces)."""
-    path = Path(__file__).with_name("0010_one_write_per_row.py")
-    spec = importlib.util.spec_from_file_location("router_migration_0010", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _rebuild(statements: list[str]) -> None:
     """Replace router_outbox with the table ``statements`` make, rows and sequence kept."""
     op.execute("LOCK TABLE router_outbox IN ACCESS EXCLUSIVE MODE")
@@ -333,7 +320,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    previous = _previous()
+    previous = earlier("0010_one_write_per_row.py")
     op.execute("DROP TABLE router_ring")
     _rebuild(FLAT)
     op.execute(previous.CLAIM_FUNCTION)

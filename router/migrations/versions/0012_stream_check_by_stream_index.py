@@ -22,11 +22,9 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0012"
 down_revision = "0011"
@@ -100,17 +98,6 @@ $$
 """
 
 
-def _previous() -> ModuleType:
-    """0011, for its claim on downgrade (the history this revision replaces)."""
-    path = Path(__file__).with_name("0011_partitioned_outbox.py")
-    spec = importlib.util.spec_from_file_location("router_migration_0011", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
@@ -120,4 +107,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    op.execute(_previous().CLAIM_FUNCTION)
+    op.execute(earlier("0011_partitioned_outbox.py").CLAIM_FUNCTION)

@@ -16,11 +16,9 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0013"
 down_revision = "0012"
@@ -101,17 +99,6 @@ $$
 """
 
 
-def _previous() -> ModuleType:
-    """0012, for its claim on downgrade (the history this revision replaces)."""
-    path = Path(__file__).with_name("0012_stream_check_by_stream_index.py")
-    spec = importlib.util.spec_from_file_location("router_migration_0012", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
@@ -121,4 +108,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    op.execute(_previous().CLAIM_FUNCTION)
+    op.execute(earlier("0012_stream_check_by_stream_index.py").CLAIM_FUNCTION)

@@ -29,13 +29,11 @@ Create Date: 2026-11-29
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
+
+from router.migrations.history import earlier
 
 revision = "0016"
 down_revision = "0015"
@@ -213,17 +211,6 @@ CREATE TABLE router_gaps (
 """
 
 
-def _load(filename: str) -> ModuleType:
-    """An earlier revision, for what it installed (the history this one replaces)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"router_migration_{filename[:4]}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
     if dialect == "mysql":
@@ -259,6 +246,6 @@ def downgrade() -> None:
     if dialect == "postgresql":
         op.execute(f"DROP FUNCTION {CLAIM_SIGNATURE}")
         op.execute(f"DROP FUNCTION {MARK_SIGNATURE}")
-        op.execute(_load("0013_stream_check_only_when_held_back.py").CLAIM_FUNCTION)
-        op.execute(_load("0011_partitioned_outbox.py").MARK_FUNCTION)
+        op.execute(earlier("0013_stream_check_only_when_held_back.py").CLAIM_FUNCTION)
+        op.execute(earlier("0011_partitioned_outbox.py").MARK_FUNCTION)
     op.drop_table("router_gaps")

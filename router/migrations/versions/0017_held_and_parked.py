@@ -40,12 +40,10 @@ Create Date: 2026-11-30
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0017"
 down_revision = "0016"
@@ -301,17 +299,6 @@ def _check(statuses: str) -> str:
     return f"status IN ({statuses})"
 
 
-def _load(filename: str) -> ModuleType:
-    """An earlier revision, for what it installed (the history this one replaces)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"router_migration_{filename[:4]}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
     if dialect == "postgresql":
@@ -334,7 +321,7 @@ def downgrade() -> None:
         " WHERE status IN ('held', 'parked')"
     )
     if dialect == "postgresql":
-        previous = _load("0016_gap_markers.py")
+        previous = earlier("0016_gap_markers.py")
         _postgres(PREVIOUS_STATUSES, PREVIOUS_HOLDING_BACK)
         op.execute(f"DROP FUNCTION {MARK_SIGNATURE}")
         op.execute(previous.CLAIM_FUNCTION)

@@ -19,11 +19,9 @@ Create Date: 2026-11-28
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0020"
 down_revision = "0019"
@@ -145,17 +143,6 @@ $$
 """
 
 
-def _load(filename: str) -> ModuleType:
-    """An earlier revision, for what it installed (the history this one replaces)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"router_migration_{filename[:4]}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
@@ -167,4 +154,4 @@ def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     op.execute(f"DROP FUNCTION {PREVIOUS_SIGNATURE}")
-    op.execute(_load("0017_held_and_parked.py").CLAIM_FUNCTION)
+    op.execute(earlier("0017_held_and_parked.py").CLAIM_FUNCTION)

@@ -18,11 +18,9 @@ Create Date: 2026-11-29
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0021"
 down_revision = "0020"
@@ -38,19 +36,8 @@ AFTER = """          AND o.status IN ('pending', 'failed')
 """
 
 
-def _load(filename: str) -> ModuleType:
-    """An earlier revision, for what it installed (the history this one replaces)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"router_migration_{filename[:4]}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _previous() -> str:
-    text: str = _load("0020_claim_returns_xid.py").CLAIM_FUNCTION
+    text: str = earlier("0020_claim_returns_xid.py").CLAIM_FUNCTION
     return text
 
 

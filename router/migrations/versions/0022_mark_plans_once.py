@@ -26,11 +26,9 @@ Create Date: 2026-11-29
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 from alembic import op
+
+from router.migrations.history import earlier
 
 revision = "0022"
 down_revision = "0021"
@@ -61,19 +59,8 @@ AS $$""",
 )
 
 
-def _load(filename: str) -> ModuleType:
-    """An earlier revision, for what it installed (the history this one replaces)."""
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"router_migration_{filename[:4]}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _previous() -> str:
-    text: str = _load("0017_held_and_parked.py").MARK_FUNCTION
+    text: str = earlier("0017_held_and_parked.py").MARK_FUNCTION
     return text
 
 
