@@ -19,9 +19,8 @@ HEAD = head_revision()
 
 def test_router_serve_delivers_the_example_events(tmp_path: Path) -> None:
     copy_default_config(tmp_path)
-    port = free_port()
-    env = {"NATS_URL": f"nats://127.0.0.1:{port}", "PARTNER_NATS_URL": f"nats://127.0.0.1:{port}"}
-    env["DATABASE_URL"] = "sqlite:///./var/shop.db"
+    env = _default_env()
+    port = int(env["NATS_URL"].rsplit(":", 1)[1])
 
     created = router("init-db", cwd=tmp_path, env=env)
     assert created.returncode == 0, created.stderr
@@ -72,7 +71,7 @@ def test_a_taken_port_is_reported_plainly(tmp_path: Path) -> None:
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         port = blocker.getsockname()[1]
-        env = {"NATS_URL": f"nats://127.0.0.1:{port}"}
+        env = {"NATS_URL": f"nats://127.0.0.1:{port}", "ROUTER_HTTP_BIND": _free_bind()}
         assert router("init-db", cwd=tmp_path, env=env).returncode == 0
         serving = Serving(tmp_path, env)
         code = serving.process.wait(30)
@@ -81,13 +80,20 @@ def test_a_taken_port_is_reported_plainly(tmp_path: Path) -> None:
 
 
 def _default_env() -> dict[str, str]:
+    """The shipped config's variables with ports of the test's own: the tests run two at a
+    time, and the README's command (tests/e2e/test_install.py) serves on the shipped
+    config's own HTTP port meanwhile."""
     port = free_port()
     return {
         "NATS_URL": f"nats://127.0.0.1:{port}",
         "PARTNER_NATS_URL": f"nats://127.0.0.1:{port}",
         "DATABASE_URL": "sqlite:///./var/shop.db",
-        "ROUTER_HTTP_BIND": f"127.0.0.1:{free_port()}",
+        "ROUTER_HTTP_BIND": _free_bind(),
     }
+
+
+def _free_bind() -> str:
+    return f"127.0.0.1:{free_port()}"
 
 
 def test_a_second_router_on_the_same_store_refuses_and_leaves_the_first_alone(
